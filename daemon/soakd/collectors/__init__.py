@@ -1,0 +1,1 @@
+"""Collectors: each turns one source of telemetry into Samples on a schedule."""

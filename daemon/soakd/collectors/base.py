@@ -1,0 +1,23 @@
+"""The collector interface: one source of telemetry, one module, one small protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from soakd.metric import Sample
+
+
+class Collector(Protocol):
+    """A source of Samples, polled by the runner on its tier's interval.
+
+    `collect` is synchronous and must be cheap (microseconds to a few milliseconds): it runs on the
+    event loop. It raises CollectorError (or lets a narrow library error through) when one collection
+    fails; the runner contains that. A signal the hardware does not support is simply absent.
+    """
+
+    name: str
+
+    def collect(self, now_ns: int) -> Sequence[Sample]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,117 @@
+"""Per-interval aggregation of the engine's per-step stats into `engine` and `spec_decode` samples."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from soakd.engine.stats import StepStats
+from soakd.metric import Sample
+
+
+class EngineCollector:
+    """Receives StepStats from the stat logger (`push`) and sums them per collection interval.
+
+    CUDA-graph fields are written only when the engine can run graphs at all: on a build without
+    them every step reports mode NONE, and a 0% hit rate would be a lie, not a measurement.
+    """
+
+    name = "engine"
+
+    def __init__(self, config_id: str = "", cudagraphs: bool = False) -> None:
+        self._steps: deque[StepStats] = deque()
+        self.config_id = config_id
+        self.cudagraphs = cudagraphs
+        self.steps_total = 0
+        self.spec_drafts_total = 0
+        self.spec_accepted_total = 0
+
+    def push(self, step: StepStats) -> None:
+        """Called once per engine step; deque.append is atomic, so any thread may call it."""
+        self._steps.append(step)
+
+    def collect(self, now_ns: int) -> Sequence[Sample]:
+        steps: list[StepStats] = []
+        while self._steps:
+            steps.append(self._steps.popleft())
+        tags = {"config": self.config_id} if self.config_id else {}
+        out = [Sample("engine", self._engine_fields(steps), now_ns, tags=dict(tags))]
+        spec = self._spec_fields(steps)
+        if spec:
+            out.append(Sample("spec_decode", spec, now_ns, tags=dict(tags)))
+        return out
+
+    def _engine_fields(self, steps: list[StepStats]) -> dict[str, float | int]:
+        self.steps_total += len(steps)
+        n = len(steps)
+        f: dict[str, float | int] = {"steps": n}
+        sched = [s for s in steps if s.has_iteration or s.running or s.waiting]
+        if sched:
+            f["running_max"] = max(s.running for s in sched)
+            f["running_mean"] = sum(s.running for s in sched) / len(sched)
+            f["waiting_max"] = max(s.waiting for s in sched)
+            f["kv_cache_usage_max"] = max(s.kv_cache_usage for s in sched)
+            f["kv_cache_usage_mean"] = sum(s.kv_cache_usage for s in sched) / len(sched)
+        queries = sum(s.prefix_queries for s in steps)
+        hits = sum(s.prefix_hits for s in steps)
+        f["prefix_queries"] = queries
+        f["prefix_hits"] = hits
+        if queries:
+            f["prefix_hit_rate"] = hits / queries
+        gen = sum(s.generation_tokens for s in steps)
+        f["prompt_tokens"] = sum(s.prompt_tokens for s in steps)
+        f["prompt_tokens_cached"] = sum(s.prompt_tokens_cached for s in steps)
+        f["generation_tokens"] = gen
+        f["preempted"] = sum(s.preempted for s in steps)
+        f["finished"] = sum(s.finished for s in steps)
+        if n:
+            f["tokens_per_step_mean"] = (gen + f["prompt_tokens"]) / n
+        if self.cudagraphs:
+            cg = [s for s in steps if s.cg_mode is not None]
+            f["cg_steps"] = len(cg)
+            graph = [s for s in cg if s.cg_mode != "NONE"]
+            f["cg_graph_steps"] = len(graph)
+            padded = sum(s.cg_padded_tokens for s in graph)
+            f["cg_unpadded_tokens"] = sum(s.cg_unpadded_tokens for s in cg)
+            f["cg_padded_tokens"] = padded
+            f["cg_paddings"] = sum(s.cg_paddings for s in graph)
+            if cg:
+                f["cg_hit_rate"] = len(graph) / len(cg)
+            if padded:
+                f["cg_padding_waste"] = f["cg_paddings"] / padded
+        return f
+
+    def _spec_fields(self, steps: list[StepStats]) -> dict[str, float | int]:
+        spec = [s for s in steps if s.has_spec]
+        if not spec:
+            return {}
+        drafts = sum(s.spec_drafts for s in spec)
+        draft_tokens = sum(s.spec_draft_tokens for s in spec)
+        accepted = sum(s.spec_accepted for s in spec)
+        self.spec_drafts_total += drafts
+        self.spec_accepted_total += accepted
+        f: dict[str, float | int] = {
+            "steps": len(spec),
+            "drafts": drafts,
+            "draft_tokens": draft_tokens,
+            "accepted": accepted,
+        }
+        if draft_tokens:
+            f["acceptance_rate"] = accepted / draft_tokens
+        if drafts:
+            # Tokens produced per draft step: the accepted ones plus the one the target model adds.
+            f["mean_acceptance_length"] = 1.0 + accepted / drafts
+        k = max(len(s.spec_accepted_per_pos) for s in spec)
+        for i in range(k):
+            acc = sum(s.spec_accepted_per_pos[i] for s in spec if i < len(s.spec_accepted_per_pos))
+            drafted = sum(
+                s.spec_draft_tokens_per_pos[i] for s in spec if i < len(s.spec_draft_tokens_per_pos)
+            )
+            f[f"accepted_pos{i}"] = acc
+            f[f"draft_tokens_pos{i}"] = drafted
+            if drafted:
+                f[f"acceptance_rate_pos{i}"] = acc / drafted
+        return f
+
+    def close(self) -> None:
+        self._steps.clear()

@@ -1,0 +1,87 @@
+"""Runs collectors, times each one, and contains their failures so one broken source never stops a soak."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from soakd.collectors.base import Collector
+from soakd.metric import Sample
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class CollectorHealth:
+    """Running account of one collector."""
+
+    runs: int = 0
+    failures: int = 0
+    last_error: str = ""
+    last_duration_s: float = 0.0
+    max_duration_s: float = 0.0
+
+
+class CollectorRunner:
+    """Polls a set of collectors; emits their samples plus a `collector` sample about each run."""
+
+    def __init__(
+        self,
+        collectors: Sequence[Collector],
+        emit: Callable[[Sequence[Sample]], None],
+        wall_ns: Callable[[], int] = time.time_ns,
+        perf: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._collectors = list(collectors)
+        self._emit = emit
+        self._wall_ns = wall_ns
+        self._perf = perf
+        self.health: dict[str, CollectorHealth] = {c.name: CollectorHealth() for c in collectors}
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self._collectors]
+
+    def run_once(self) -> None:
+        now_ns = self._wall_ns()
+        out: list[Sample] = []
+        for collector in self._collectors:
+            health = self.health[collector.name]
+            t0 = self._perf()
+            ok = True
+            try:
+                out.extend(collector.collect(now_ns))
+            # The runner is the containment boundary (as node_exporter's execute()): whatever one
+            # collector raises is logged with its name and counted, and the others still run.
+            except Exception as err:  # noqa: BLE001
+                ok = False
+                health.failures += 1
+                health.last_error = f"{type(err).__name__}: {err}"[:200]
+                # Log the first failure and then every 100th, so a persistent fault cannot flood the journal.
+                if health.failures == 1 or health.failures % 100 == 0:
+                    log.warning(
+                        "collector_failed",
+                        collector=collector.name,
+                        error=health.last_error,
+                        failures=health.failures,
+                    )
+            duration = self._perf() - t0
+            health.runs += 1
+            health.last_duration_s = duration
+            health.max_duration_s = max(health.max_duration_s, duration)
+            out.append(
+                Sample(
+                    "collector",
+                    {"duration_s": duration, "ok": int(ok), "failures": health.failures},
+                    now_ns,
+                    tags={"collector": collector.name},
+                )
+            )
+        self._emit(out)
+
+    def close(self) -> None:
+        for collector in self._collectors:
+            collector.close()

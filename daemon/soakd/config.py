@@ -1,0 +1,301 @@
+"""Load config.toml into frozen, typed sections; every error names the file, line and key.
+
+Each component owns one section. Validation happens once, at start, so a bad value fails before the
+run begins, never in the loop. Relative paths are resolved against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
+
+from soakd.errors import ConfigError
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string such as "90s", "10m", "8h", "1h30m", "250ms"."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 90s, 10m or 8h")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError("expected a duration such as 90s, 10m or 8h")
+    text = value.strip().replace(" ", "")
+    pos = 0
+    total = 0.0
+    for match in _DURATION_PART.finditer(text):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNIT_S[match.group(2)]
+        pos = match.end()
+    if pos != len(text) or not text:
+        raise ValueError(f"{value!r} is not a duration (examples: 90s, 10m, 8h, 1h30m)")
+    return total
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class RunConfig(_Section):
+    """[run]: what this soak is called, how long it lasts, where its files go."""
+
+    name: str = "soak"
+    duration: Duration = Field(default=120.0, gt=0)
+    output_dir: str = "runs"
+    host: str = ""
+    seed: int = 0
+
+
+class SyntheticTraceConfig(_Section):
+    """[trace.synthetic]: a generated trace for users with no recorded traffic."""
+
+    rate_rps: float = Field(default=2.0, gt=0)
+    duration: Duration = Field(default=60.0, gt=0)
+    input_tokens_mean: int = Field(default=256, ge=1)
+    input_tokens_max: int = Field(default=768, ge=1)
+    output_tokens_mean: int = Field(default=64, ge=1)
+    output_tokens_max: int = Field(default=192, ge=1)
+    prefix_share: float = Field(default=0.5, ge=0, le=1)
+    prefix_blocks: int = Field(default=1, ge=0)
+    block_size: int = Field(default=512, ge=1)
+
+
+class TraceConfig(_Section):
+    """[trace]: the recorded traffic to replay."""
+
+    path: str = ""
+    format: Literal["auto", "native", "mooncake", "synthetic"] = "auto"
+    synthetic: SyntheticTraceConfig = SyntheticTraceConfig()
+
+
+class SpeculativeConfig(_Section):
+    """[engine.speculative]: speculative decoding (ngram works on the CPU build; mtp/eagle need a GPU)."""
+
+    enabled: bool = True
+    method: str = "ngram"
+    num_speculative_tokens: int = Field(default=3, ge=1, le=16)
+    prompt_lookup_min: int = Field(default=2, ge=1)
+    prompt_lookup_max: int = Field(default=4, ge=1)
+    model: str = ""
+
+
+class EngineConfig(_Section):
+    """[engine]: the vLLM engine under test."""
+
+    kind: Literal["vllm-local"] = "vllm-local"
+    model: str = "models/tiny"
+    dtype: str = "bfloat16"
+    max_model_len: int = Field(default=2048, ge=16)
+    max_num_seqs: int = Field(default=16, ge=1)
+    gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
+    cpu_kvcache_space_gib: int = Field(default=1, ge=1)
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    temperature: float = Field(default=0.0, ge=0)
+    cudagraph_metrics: bool = True
+    seed: int = 0
+    start_timeout: Duration = Field(default=900.0, gt=0)
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReplayConfig(_Section):
+    """[replay]: how the trace is paced and admitted."""
+
+    speed: float = Field(default=1.0, gt=0)
+    loop: bool = True
+    max_concurrency: int = Field(default=16, ge=1)
+    max_pending: int = Field(default=4096, ge=1)
+    drain_timeout: Duration = Field(default=60.0, ge=0)
+
+
+CollectorName = Literal["host", "engine", "gpu"]
+_ALL_COLLECTORS: tuple[CollectorName, ...] = ("host", "engine", "gpu")
+
+
+class TelemetryConfig(_Section):
+    """[telemetry]: which collectors run and how often."""
+
+    interval: Duration = Field(default=1.0, gt=0)
+    collectors: list[CollectorName] = Field(default_factory=lambda: list(_ALL_COLLECTORS))
+
+
+class SpoolConfig(_Section):
+    """[sinks.spool]: the durable local spool every sample goes through first."""
+
+    segment_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
+    fsync_interval: Duration = Field(default=1.0, gt=0)
+
+
+class InfluxConfig(_Section):
+    """[sinks.influx]: where the forwarder ships the spool."""
+
+    enabled: bool = False
+    url: str = "http://127.0.0.1:8086"
+    api: Literal["v1", "v2"] = "v1"
+    database: str = "soakd"
+    retention_policy: str = ""
+    org: str = "-"
+    bucket: str = ""
+    username: str = ""
+    password_env: str = "SOAKD_INFLUX_PASSWORD"
+    token_env: str = "SOAKD_INFLUX_TOKEN"
+    batch_lines: int = Field(default=5000, ge=1)
+    timeout: Duration = Field(default=10.0, gt=0)
+    interval: Duration = Field(default=1.0, gt=0)
+    final_drain_timeout: Duration = Field(default=60.0, ge=0)
+
+
+class SinksConfig(_Section):
+    """[sinks]"""
+
+    spool: SpoolConfig = SpoolConfig()
+    influx: InfluxConfig = InfluxConfig()
+
+
+class ControlConfig(_Section):
+    """[control]: the throttle-reacting control loop. Not part of this release: only `enabled = false`."""
+
+    enabled: Literal[False] = False
+
+
+class CriteriaConfig(_Section):
+    """[criteria]: the acceptance thresholds of the verdict. A threshold left out is not checked."""
+
+    max_error_rate: float | None = Field(default=0.01, ge=0, le=1)
+    ttft_p99_ms: float | None = Field(default=5000.0, gt=0)
+    tpot_p99_ms: float | None = Field(default=500.0, gt=0)
+    min_completed_ratio: float | None = Field(default=0.95, ge=0, le=1)
+
+
+class Config(_Section):
+    """The whole configuration. `base_dir` anchors relative paths (the config file's folder)."""
+
+    run: RunConfig = RunConfig()
+    trace: TraceConfig = TraceConfig()
+    engine: EngineConfig = EngineConfig()
+    replay: ReplayConfig = ReplayConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    sinks: SinksConfig = SinksConfig()
+    control: ControlConfig = ControlConfig()
+    criteria: CriteriaConfig = CriteriaConfig()
+
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+    _source: str = PrivateAttr(default="<defaults>")
+
+    @property
+    def base_dir(self) -> Path:
+        return self._base_dir
+
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def resolve(self, path: str) -> Path:
+        """An absolute path for a path given in the config (relative ones are relative to base_dir)."""
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else self._base_dir / p
+
+
+def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read and validate a config file (None: the built-in defaults), then apply dotted overrides.
+
+    `overrides` maps dotted keys ("run.duration") to values from the command line.
+    """
+    data: dict[str, Any] = {}
+    text = ""
+    source = "<defaults>"
+    base_dir = Path.cwd()
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"cannot read: {err.strerror}", file=p) from None
+        except UnicodeDecodeError:
+            raise ConfigError("not UTF-8 text", file=p) from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            line = _decode_error_line(str(err))
+            reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))
+            raise ConfigError(f"TOML syntax: {reason}", file=p, line=line) from None
+        base_dir = p.resolve().parent
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted.split("."), value)
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = [str(x) for x in first["loc"]]
+        key = ".".join(loc) if loc else "(top level)"
+        line = _find_line(text, loc) if text else None
+        reason = _reason(first)
+        raise ConfigError(reason, file=source, line=line, key=key) from None
+    cfg._base_dir = base_dir
+    cfg._source = source
+    return cfg
+
+
+def _reason(error: Any) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "literal_error" and error["loc"][-1:] == ("enabled",):
+        return "the control loop is not part of this release; leave enabled = false"
+    msg = str(error["msg"])
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    return msg[:1].lower() + msg[1:]
+
+
+def _set_dotted(data: dict[str, Any], keys: Sequence[str], value: Any) -> None:
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+
+
+def _decode_error_line(message: str) -> int | None:
+    match = re.search(r"at line (\d+)", message)
+    return int(match.group(1)) if match else None
+
+
+_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+_KEY = re.compile(r"""^\s*("[^"]*"|'[^']*'|[A-Za-z0-9_.-]+)\s*=""")
+
+
+def _find_line(text: str, loc: Sequence[str]) -> int | None:
+    """The 1-based line that sets the key at `loc` (or opens its table), for error messages."""
+    table: list[str] = []
+    best: int | None = None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        header = _HEADER.match(raw)
+        if header:
+            table = [part.strip().strip("\"'") for part in header.group(1).split(".")]
+            if table == list(loc[: len(table)]) and best is None:
+                best = number
+            continue
+        key = _KEY.match(raw)
+        if not key:
+            continue
+        full = table + [part.strip("\"'") for part in key.group(1).split(".")]
+        if full == list(loc[: len(full)]):
+            # The exact key, or an inline table/array holding it.
+            return number
+    return best

@@ -1,0 +1,1 @@
+"""Engine adapters: the only code that talks to the inference engine."""

@@ -1,0 +1,118 @@
+"""soakd's own typed per-step engine stats, converted from vLLM's (unstable) stats classes.
+
+vLLM documents SchedulerStats and IterationStats as not stable interfaces, so every read of them is
+here, defensive about fields that differ between releases (0.26 on the GPU machine, 0.32 on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one engine step (one `record()` call) did. Counts are for this step alone."""
+
+    time_ns: int
+    """Wall time the step's stats reached soakd, ns since the epoch."""
+    engine_idx: int = 0
+    """Data-parallel engine index."""
+    running: int = 0
+    """Requests running after the step."""
+    waiting: int = 0
+    """Requests waiting after the step."""
+    kv_cache_usage: float = 0.0
+    """Fraction of KV-cache blocks in use (0-1)."""
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache this step."""
+    prefix_hits: int = 0
+    """Of those, tokens found in the cache."""
+    prompt_tokens: int = 0
+    """Prompt tokens prefilled this step (computed + cached)."""
+    prompt_tokens_cached: int = 0
+    """Prompt tokens served from the local prefix cache this step."""
+    generation_tokens: int = 0
+    """Output tokens produced this step."""
+    preempted: int = 0
+    """Requests preempted this step."""
+    finished: int = 0
+    """Requests that finished this step."""
+    has_iteration: bool = False
+    """True when the step carried iteration stats (tokens, finished requests)."""
+    spec_drafts: int = 0
+    """Speculative drafts proposed (one per request per step)."""
+    spec_draft_tokens: int = 0
+    """Draft tokens proposed."""
+    spec_accepted: int = 0
+    """Draft tokens accepted."""
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """Accepted tokens per draft position."""
+    spec_draft_tokens_per_pos: tuple[int, ...] = ()
+    """Draft tokens per draft position (ngram may propose fewer than k)."""
+    has_spec: bool = False
+    """True when the step carried speculative-decoding stats."""
+    cg_mode: str | None = None
+    """CUDA-graph runtime mode of the step ("NONE", "PIECEWISE", "FULL"); None: not reported."""
+    cg_unpadded_tokens: int = 0
+    """Tokens the step really ran."""
+    cg_padded_tokens: int = 0
+    """Tokens after padding to the captured graph size."""
+    cg_paddings: int = 0
+    """Padding tokens added."""
+
+
+def _int(obj: object, name: str) -> int:
+    value = getattr(obj, name, 0)
+    return int(value) if isinstance(value, int | float) else 0
+
+
+def _ints(obj: object, name: str) -> tuple[int, ...]:
+    value = getattr(obj, name, None)
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value)
+
+
+def step_from_vllm(
+    scheduler_stats: object | None, iteration_stats: object | None, time_ns: int, engine_idx: int
+) -> StepStats:
+    """Convert one `StatLoggerBase.record()` call's arguments into a StepStats."""
+    step = StepStats(time_ns=time_ns, engine_idx=engine_idx)
+    if scheduler_stats is not None:
+        step.running = _int(scheduler_stats, "num_running_reqs")
+        step.waiting = _int(scheduler_stats, "num_waiting_reqs")
+        usage = getattr(scheduler_stats, "kv_cache_usage", 0.0)
+        step.kv_cache_usage = float(usage) if isinstance(usage, int | float) else 0.0
+        pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if pcs is not None:
+            step.prefix_queries = _int(pcs, "queries")
+            step.prefix_hits = _int(pcs, "hits")
+        sd = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if sd is not None:
+            step.has_spec = True
+            step.spec_drafts = _int(sd, "num_drafts")
+            step.spec_draft_tokens = _int(sd, "num_draft_tokens")
+            step.spec_accepted = _int(sd, "num_accepted_tokens")
+            step.spec_accepted_per_pos = _ints(sd, "num_accepted_tokens_per_pos")
+            step.spec_draft_tokens_per_pos = _ints(sd, "num_draft_tokens_per_pos")
+        cg = getattr(scheduler_stats, "cudagraph_stats", None)
+        if cg is not None:
+            mode = getattr(cg, "runtime_mode", None)
+            # The mode arrives as a str or an enum depending on the release; keep its bare name.
+            step.cg_mode = str(getattr(mode, "name", mode)).rsplit(".", 1)[-1]
+            step.cg_unpadded_tokens = _int(cg, "num_unpadded_tokens")
+            step.cg_padded_tokens = _int(cg, "num_padded_tokens")
+            step.cg_paddings = _int(cg, "num_paddings")
+    if iteration_stats is not None:
+        step.has_iteration = True
+        step.generation_tokens = _int(iteration_stats, "num_generation_tokens")
+        step.preempted = _int(iteration_stats, "num_preempted_reqs")
+        pts = getattr(iteration_stats, "prompt_token_stats", None)
+        if pts is not None:
+            step.prompt_tokens = _int(pts, "total")
+            step.prompt_tokens_cached = _int(pts, "local_cache_hit")
+        else:
+            step.prompt_tokens = _int(iteration_stats, "num_prompt_tokens")
+        finished = getattr(iteration_stats, "finished_requests", None)
+        step.finished = len(finished) if finished is not None else 0
+    return step

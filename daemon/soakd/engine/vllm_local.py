@@ -1,0 +1,195 @@
+"""The in-process vLLM adapter: AsyncLLM driven with token-id prompts, plus soakd's stat logger.
+
+Every import of vLLM lives in this module, so the rest of soakd runs (and is tested) without it and
+the differences between vLLM releases stay in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import psutil
+import structlog
+
+from soakd.config import EngineConfig
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.stats import StepStats, step_from_vllm
+from soakd.errors import EngineError
+
+log = structlog.get_logger(__name__)
+
+StepSink = Callable[[StepStats], None]
+
+
+def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments for this config (pure: unit-tested without vLLM)."""
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "enforce_eager": cfg.enforce_eager,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "seed": cfg.seed,
+        # soakd's own logger is the one consumer; vLLM's periodic log lines would only be noise.
+        "disable_log_stats": True,
+    }
+    if cfg.cudagraph_metrics:
+        kwargs["cudagraph_metrics"] = True
+    spec = cfg.speculative
+    if spec.enabled:
+        spec_cfg: dict[str, Any] = {
+            "method": spec.method,
+            "num_speculative_tokens": spec.num_speculative_tokens,
+        }
+        if spec.method == "ngram":
+            spec_cfg["prompt_lookup_min"] = spec.prompt_lookup_min
+            spec_cfg["prompt_lookup_max"] = spec.prompt_lookup_max
+        if spec.model:
+            spec_cfg["model"] = spec.model
+        kwargs["speculative_config"] = spec_cfg
+    kwargs.update(cfg.extra_args)
+    return kwargs
+
+
+def config_id(kwargs: dict[str, Any]) -> str:
+    """A short stable id of an engine configuration, for the `config` tag."""
+    blob = json.dumps(kwargs, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:10]
+
+
+def _make_logger_factory(sink: StepSink) -> Callable[[Any, int], Any]:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SoakdStatLogger(StatLoggerBase):
+        """Hands each step's stats to soakd; record() runs on the engine's output loop, so it only
+        converts and appends."""
+
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            sink(step_from_vllm(scheduler_stats, iteration_stats, time.time_ns(), engine_idx))
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    def factory(vllm_config: Any, engine_index: int = 0) -> Any:
+        return SoakdStatLogger(vllm_config, engine_index)
+
+    return factory
+
+
+class VllmLocalEngine:
+    """vLLM's AsyncLLM in this process (engine core and workers in child processes)."""
+
+    def __init__(self, cfg: EngineConfig, model_path: str, step_sink: StepSink) -> None:
+        self._cfg = cfg
+        self._model_path = model_path
+        self._sink = step_sink
+        self._kwargs = engine_kwargs(cfg, model_path)
+        self._llm: Any = None
+        self._info: EngineInfo | None = None
+        self._sampling: Any = None
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("engine not started")
+        return self._info
+
+    async def start(self) -> None:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        is_cpu = bool(current_platform.is_cpu())
+        if is_cpu:
+            # The CPU build sizes its KV cache from this variable, not gpu_memory_utilization.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._cfg.cpu_kvcache_space_gib))
+        fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
+        kwargs = {k: v for k, v in self._kwargs.items() if k != "cudagraph_metrics" or k in fields}
+        t0 = time.monotonic()
+        try:
+            args = AsyncEngineArgs(**kwargs)
+            factory = _make_logger_factory(self._sink)
+            self._llm = await asyncio.wait_for(
+                asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory]),
+                timeout=self._cfg.start_timeout,
+            )
+        except TimeoutError:
+            raise EngineError(f"vLLM did not start within {self._cfg.start_timeout:.0f} s") from None
+        except (RuntimeError, ValueError, TypeError, OSError) as err:
+            raise EngineError(f"vLLM failed to start: {type(err).__name__}: {err}") from err
+        start_s = time.monotonic() - t0
+        vcfg = self._llm.vllm_config
+        tokenizer = self._llm.get_tokenizer()
+        if asyncio.iscoroutine(tokenizer):
+            tokenizer = await tokenizer
+        special = tuple(sorted(int(i) for i in getattr(tokenizer, "all_special_ids", []) or []))
+        vocab = int(vcfg.model_config.get_vocab_size())
+        spec = vcfg.speculative_config
+        comp = vcfg.compilation_config
+        cg_mode = str(getattr(comp, "cudagraph_mode", "NONE"))
+        self._info = EngineInfo(
+            kind="vllm-local",
+            version=str(vllm.__version__),
+            model=self._model_path,
+            config_id=config_id(self._kwargs),
+            vocab_size=vocab,
+            reserved_ids=special,
+            max_model_len=int(vcfg.model_config.max_model_len),
+            speculative_tokens=int(spec.num_speculative_tokens) if spec is not None else 0,
+            cudagraphs=(not is_cpu) and "NONE" not in cg_mode.upper(),
+            start_s=start_s,
+            details={
+                "platform": "cpu" if is_cpu else str(current_platform.device_name),
+                "cudagraph_mode": cg_mode,
+                "max_num_seqs": str(vcfg.scheduler_config.max_num_seqs),
+            },
+        )
+        log.info("engine_started", start_s=round(start_s, 2), config_id=self._info.config_id)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._llm is None:
+            raise EngineError("engine not started")
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            # Output lengths follow the trace: no early stop on EOS.
+            min_tokens=request.max_tokens,
+            ignore_eos=True,
+            temperature=self._cfg.temperature,
+            seed=request.seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+        async for out in self._llm.generate(prompt, params, request_id=request.request_id):
+            n = sum(len(c.token_ids) for c in out.outputs)
+            if n:
+                yield n
+
+    def process_ids(self) -> list[int]:
+        me = psutil.Process()
+        return [me.pid] + [p.pid for p in me.children(recursive=True)]
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            await asyncio.to_thread(llm.shutdown)

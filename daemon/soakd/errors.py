@@ -1,0 +1,68 @@
+"""The error hierarchy of soakd.
+
+SoakdError                      anything soakd raises on purpose
+├── InputError                  bad input from the user: one line, exit code 2, nothing written
+│   ├── ConfigError             config.toml: names file, line and key
+│   ├── TraceError              a trace file: names file, line and field
+│   └── UsageError              command-line arguments
+├── EngineError                 the inference engine failed to start or died
+├── CollectorError              one collector failed one collection (the runner contains it)
+└── SinkError                   a write to a sink failed (the batch is kept and retried)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class SoakdError(Exception):
+    """Base of every error soakd raises on purpose."""
+
+
+class InputError(SoakdError):
+    """Bad user input. `str(err)` is the one-line message printed before exiting with code 2."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        file: str | Path | None = None,
+        line: int | None = None,
+        key: str | None = None,
+    ) -> None:
+        self.reason = reason
+        self.file = str(file) if file is not None else None
+        self.line = line
+        self.key = key
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        where = ""
+        if self.file is not None:
+            where = self.file + (f":{self.line}" if self.line is not None else "")
+        what = f"{self.key}: " if self.key else ""
+        return f"{where}: {what}{self.reason}" if where else f"{what}{self.reason}"
+
+
+class ConfigError(InputError):
+    """An invalid configuration file or value."""
+
+
+class TraceError(InputError):
+    """An invalid trace file or row."""
+
+
+class UsageError(InputError):
+    """Invalid command-line arguments."""
+
+
+class EngineError(SoakdError):
+    """The inference engine could not start, or failed while running."""
+
+
+class CollectorError(SoakdError):
+    """A collector could not collect this time; the runner logs it and goes on."""
+
+
+class SinkError(SoakdError):
+    """A sink could not take a batch; the batch stays in the spool and is retried."""

@@ -1,0 +1,118 @@
+"""The one metric type that flows through every stage, and its InfluxDB line-protocol form."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+FieldValue = float | int | bool | str
+
+_MEAS_ESC = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\n"})
+_TAG_ESC = str.maketrans({",": r"\,", " ": r"\ ", "=": r"\=", "\n": r"\n"})
+_STR_ESC = str.maketrans({'"': r"\"", "\\": r"\\", "\n": r"\n"})
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One point: a measurement with tags (indexed strings) and fields (values) at a time.
+
+    A field keeps one type forever (InfluxDB rejects a change): integers are counters and sizes,
+    floats are rates, ratios and durations. Non-finite floats are dropped at encoding time, since
+    line protocol has no NaN.
+    """
+
+    measurement: str
+    fields: Mapping[str, FieldValue]
+    time_ns: int
+    tags: Mapping[str, str] = field(default_factory=dict)
+
+    def to_line(self) -> str | None:
+        """Line protocol for this sample, or None when no field has a value that can be written."""
+        parts: list[str] = []
+        for key in sorted(self.fields):
+            value = self.fields[key]
+            enc = _encode_field(value)
+            if enc is not None:
+                parts.append(f"{key.translate(_TAG_ESC)}={enc}")
+        if not parts:
+            return None
+        head = self.measurement.translate(_MEAS_ESC)
+        for key in sorted(self.tags):
+            value = self.tags[key]
+            if value != "":
+                head += f",{key.translate(_TAG_ESC)}={value.translate(_TAG_ESC)}"
+        return f"{head} {','.join(parts)} {self.time_ns}"
+
+
+def _encode_field(value: FieldValue) -> str | None:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return f"{value}i"
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else None
+    return '"' + value.translate(_STR_ESC) + '"'
+
+
+def _unescape(text: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
+
+
+def _split_unescaped(text: str, sep: str) -> list[str]:
+    out: list[str] = []
+    cur: list[str] = []
+    i = 0
+    in_str = False
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\" and i + 1 < len(text):
+            cur.append(text[i : i + 2])
+            i += 2
+            continue
+        if ch == '"':
+            in_str = not in_str
+        if ch == sep and not in_str:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+        i += 1
+    out.append("".join(cur))
+    return out
+
+
+def _decode_field(text: str) -> FieldValue:
+    if text.startswith('"'):
+        return _unescape(text[1:-1])
+    if text in ("true", "t", "T", "True", "TRUE"):
+        return True
+    if text in ("false", "f", "F", "False", "FALSE"):
+        return False
+    if text.endswith("i"):
+        return int(text[:-1])
+    return float(text)
+
+
+def parse_line(line: str) -> Sample:
+    """Parse one line-protocol line written by `Sample.to_line` (used to read the spool back).
+
+    Raises ValueError on a malformed line.
+    """
+    sections = _split_unescaped(line.rstrip("\n"), " ")
+    if len(sections) != 3:
+        raise ValueError(f"expected 'measurement,tags fields time', got {len(sections)} parts")
+    head, body, ts = sections
+    head_parts = _split_unescaped(head, ",")
+    tags: dict[str, str] = {}
+    for item in head_parts[1:]:
+        key, _, value = item.partition("=")
+        tags[_unescape(key)] = _unescape(value)
+    fields: dict[str, FieldValue] = {}
+    for item in _split_unescaped(body, ","):
+        kv = _split_unescaped(item, "=")
+        if len(kv) != 2:
+            raise ValueError(f"bad field {item!r}")
+        fields[_unescape(kv[0])] = _decode_field(kv[1])
+    return Sample(measurement=_unescape(head_parts[0]), fields=fields, time_ns=int(ts), tags=tags)

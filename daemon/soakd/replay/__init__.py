@@ -1,0 +1,1 @@
+"""Replay: pacing recorded traffic onto the engine, admission, and prompt synthesis."""

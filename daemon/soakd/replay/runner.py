@@ -1,0 +1,289 @@
+"""Drive the engine with a paced trace: admission, prompt synthesis, and one record per request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+from soakd.engine.base import Engine, GenerationRequest
+from soakd.metric import Sample
+from soakd.replay.admission import AdmissionGate
+from soakd.replay.clock import Clock
+from soakd.replay.pacer import Scheduled
+from soakd.replay.prompts import PromptSynth
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request. Times in seconds; None where the request never got that far."""
+
+    request_id: str
+    index: int
+    """Position of the request in the trace."""
+    loop: int
+    """Pass over the trace (0 first)."""
+    session: str
+    due_wall_ns: int
+    """Wall time the trace said the request should be sent."""
+    lateness_s: float
+    """How late the pacer handed the request on, against its due time (harness fidelity)."""
+    queue_s: float = 0.0
+    """Time waiting for admission (the concurrency ceiling)."""
+    ttft_s: float | None = None
+    """Send to first output token."""
+    tpot_s: float | None = None
+    """Mean time per output token after the first: (last - first) / (tokens - 1)."""
+    itl_mean_s: float | None = None
+    """Mean gap between streamed deltas (a delta may carry several tokens under speculation)."""
+    e2e_s: float | None = None
+    """Send to last token."""
+    input_tokens: int = 0
+    """Prompt tokens sent (after clipping to the engine's context)."""
+    input_tokens_trace: int = 0
+    """Prompt tokens the trace asked for."""
+    output_tokens: int = 0
+    """Output tokens received."""
+    output_tokens_expected: int = 0
+    """Output tokens asked for."""
+    error: str = ""
+    """Empty when the request completed with every token asked for."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    def to_sample(self, time_ns: int) -> Sample:
+        status = "ok" if self.ok else ("shed" if self.error == "shed" else "error")
+        fields: dict[str, float | int | str] = {
+            "index": self.index,
+            "loop": self.loop,
+            "lateness_s": self.lateness_s,
+            "queue_s": self.queue_s,
+            "input_tokens": self.input_tokens,
+            "input_tokens_trace": self.input_tokens_trace,
+            "output_tokens": self.output_tokens,
+            "output_tokens_expected": self.output_tokens_expected,
+            "due_ns": self.due_wall_ns,
+        }
+        for name in ("ttft_s", "tpot_s", "itl_mean_s", "e2e_s"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = float(value)
+        if self.error:
+            fields["error"] = self.error
+        return Sample("requests", fields, time_ns, tags={"status": status})
+
+
+@dataclass(slots=True)
+class ReplayStats:
+    """Live counters of a replay (read by the progress display and the run summary)."""
+
+    scheduled: int = 0
+    """Requests that came due."""
+    dispatched: int = 0
+    """Requests sent to the engine."""
+    completed: int = 0
+    """Requests that finished with every token."""
+    failed: int = 0
+    """Requests that errored, were cut short, or were aborted at the end."""
+    shed: int = 0
+    """Requests dropped because too many were already waiting for admission."""
+    output_tokens: int = 0
+    """Output tokens received."""
+    clipped: int = 0
+    """Requests whose prompt was clipped to fit the engine's context."""
+    lateness_max_s: float = 0.0
+    """Worst pacer lateness seen."""
+    errors: dict[str, int] = field(default_factory=dict)
+    """Error kinds and their counts."""
+
+    @property
+    def finished(self) -> int:
+        return self.completed + self.failed + self.shed
+
+
+RecordSink = Callable[[RequestRecord], None]
+
+
+class Replayer:
+    """Sends each scheduled request at its due time (open loop) through the admission gate."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        scheduled: Iterable[Scheduled],
+        prompts: PromptSynth,
+        gate: AdmissionGate,
+        clock: Clock,
+        on_record: RecordSink,
+        *,
+        run_tag: str,
+        max_pending: int,
+        max_model_len: int,
+        drain_timeout_s: float,
+        seed: int = 0,
+    ) -> None:
+        self._engine = engine
+        self._scheduled = scheduled
+        self._prompts = prompts
+        self._gate = gate
+        self._clock = clock
+        self._on_record = on_record
+        self._run_tag = run_tag
+        self._max_pending = max_pending
+        self._max_model_len = max_model_len
+        self._drain_timeout_s = drain_timeout_s
+        self._seed = seed
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stop = asyncio.Event()
+        self.stats = ReplayStats()
+
+    def stop(self) -> None:
+        """Stop dispatching new requests; those in flight drain as at the normal end."""
+        self._stop.set()
+
+    @property
+    def pending(self) -> int:
+        """Requests sent or waiting for admission and not finished."""
+        return len(self._tasks)
+
+    async def run(self) -> ReplayStats:
+        t0 = self._clock.monotonic()
+        wall0 = self._clock.wall_ns()
+        stop_wait = asyncio.create_task(self._stop.wait())
+        try:
+            for item in self._scheduled:
+                deadline = t0 + item.due_s
+                if self._clock.monotonic() < deadline:
+                    sleeper = asyncio.create_task(self._clock.sleep_until(deadline))
+                    await asyncio.wait({sleeper, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                    if not sleeper.done():
+                        sleeper.cancel()
+                if self._stop.is_set():
+                    break
+                self._dispatch(item, deadline, wall0 + int(item.due_s * 1e9))
+        finally:
+            stop_wait.cancel()
+        await self._drain()
+        return self.stats
+
+    def _dispatch(self, item: Scheduled, deadline: float, due_wall_ns: int) -> None:
+        stats = self.stats
+        stats.scheduled += 1
+        lateness = max(0.0, self._clock.monotonic() - deadline)
+        stats.lateness_max_s = max(stats.lateness_max_s, lateness)
+        record = RequestRecord(
+            request_id=f"{self._run_tag}-{item.loop}-{item.spec.index}",
+            index=item.spec.index,
+            loop=item.loop,
+            session=item.spec.session,
+            due_wall_ns=due_wall_ns,
+            lateness_s=lateness,
+            input_tokens_trace=item.spec.input_tokens,
+            output_tokens_expected=item.spec.output_tokens,
+        )
+        if len(self._tasks) >= self._max_pending:
+            # Open loop: the trace does not wait for a slow engine, but memory must stay bounded.
+            self._finish(record, "shed")
+            return
+        task = asyncio.create_task(self._one(item, record))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _one(self, item: Scheduled, record: RequestRecord) -> None:
+        clock = self._clock
+        t_wait = clock.monotonic()
+        try:
+            await self._gate.acquire()
+        except asyncio.CancelledError:
+            self._finish(record, "aborted: replay ended before admission")
+            raise
+        try:
+            record.queue_s = clock.monotonic() - t_wait
+            await self._send(item, record)
+        except asyncio.CancelledError:
+            self._finish(record, "aborted: replay ended")
+            raise
+        # A failed request is a recorded result, never the end of the soak: this is the boundary
+        # that contains whatever the engine raises for one request.
+        except Exception as err:  # noqa: BLE001
+            self._finish(record, f"engine: {type(err).__name__}: {err}"[:200])
+        finally:
+            await self._gate.release()
+
+    async def _send(self, item: Scheduled, record: RequestRecord) -> None:
+        spec = item.spec
+        out_tokens = min(spec.output_tokens, self._max_model_len - 1)
+        record.output_tokens_expected = out_tokens
+        ids = self._prompts.prompt_ids(spec, salt=item.loop)
+        room = self._max_model_len - out_tokens
+        if len(ids) > room:
+            ids = ids[:room]
+            self.stats.clipped += 1
+        record.input_tokens = len(ids)
+        request = GenerationRequest(
+            request_id=record.request_id,
+            prompt_ids=ids,
+            max_tokens=out_tokens,
+            seed=self._seed + spec.index,
+        )
+        clock = self._clock
+        self.stats.dispatched += 1
+        sent = clock.monotonic()
+        first: float | None = None
+        last = sent
+        gaps = 0.0
+        deltas = 0
+        received = 0
+        async for n in self._engine.generate(request):
+            now = clock.monotonic()
+            if first is None:
+                first = now
+            else:
+                gaps += now - last
+                deltas += 1
+            last = now
+            received += n
+            self.stats.output_tokens += n
+        record.output_tokens = received
+        if first is not None:
+            record.ttft_s = first - sent
+            record.e2e_s = last - sent
+            if received > 1:
+                record.tpot_s = (last - first) / (received - 1)
+            if deltas:
+                record.itl_mean_s = gaps / deltas
+        if received < out_tokens:
+            self._finish(record, f"short output: {received} of {out_tokens} tokens")
+        else:
+            self._finish(record, "")
+
+    def _finish(self, record: RequestRecord, error: str) -> None:
+        record.error = error
+        stats = self.stats
+        if not error:
+            stats.completed += 1
+        elif error == "shed":
+            stats.shed += 1
+        else:
+            stats.failed += 1
+            kind = error.split(":", 1)[0]
+            stats.errors[kind] = stats.errors.get(kind, 0) + 1
+        self._on_record(record)
+
+    async def _drain(self) -> None:
+        if not self._tasks:
+            return
+        _, still = await asyncio.wait(set(self._tasks), timeout=self._drain_timeout_s)
+        if still:
+            log.warning("drain_timeout", aborting=len(still), timeout_s=self._drain_timeout_s)
+            for task in still:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(*still, return_exceptions=True)

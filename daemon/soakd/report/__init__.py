@@ -1,0 +1,1 @@
+"""Report: the acceptance criteria, the verdict, and reading a finished run back."""

@@ -1,0 +1,68 @@
+"""Find a finished run on disk and judge it from its spool (the same path `soakd run` ends with)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from soakd.config import CriteriaConfig
+from soakd.errors import UsageError
+from soakd.report.criteria import evaluate, summarize
+from soakd.report.verdict import VERDICT_FILE, Verdict, make_verdict, write_json_atomic
+from soakd.sinks.spool import iter_samples
+
+META_FILE = "meta.json"
+SUMMARY_FILE = "summary.json"
+SPOOL_DIR = "spool"
+
+
+def find_run(arg: str, output_dir: Path) -> Path:
+    """A run directory from a path or a run id (looked up under output_dir; a unique prefix is enough)."""
+    path = Path(arg)
+    if (path / SPOOL_DIR).is_dir():
+        return path
+    candidate = output_dir / arg
+    if (candidate / SPOOL_DIR).is_dir():
+        return candidate
+    if output_dir.is_dir():
+        matches = sorted(
+            p for p in output_dir.iterdir() if p.name.startswith(arg) and (p / SPOOL_DIR).is_dir()
+        )
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise UsageError(f"run id prefix {arg!r} matches {len(matches)} runs under {output_dir}")
+    raise UsageError(f"no run at {arg!r} (not a run directory, nor a run id under {output_dir})")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with path.open(encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as err:
+        raise UsageError(f"cannot read: {err.strerror}", file=path) from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"not JSON: {err.msg}", file=path, line=err.lineno) from None
+    if not isinstance(data, dict):
+        raise UsageError("not a JSON object", file=path)
+    return data
+
+
+def judge(
+    run_dir: Path,
+    run_id: str,
+    criteria: CriteriaConfig,
+    *,
+    ran_s: float,
+    planned_s: float,
+    interrupted: bool,
+) -> Verdict:
+    """Evaluate the criteria over the run's request records in its spool; write verdict.json."""
+    requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests"))
+    results = evaluate(criteria, requests, ran_s=ran_s, planned_s=planned_s)
+    verdict = make_verdict(
+        run_id, results, requests, ran_s=ran_s, planned_s=planned_s, interrupted=interrupted
+    )
+    write_json_atomic(run_dir / VERDICT_FILE, verdict.to_dict())
+    return verdict

@@ -1,0 +1,84 @@
+"""The verdict of a run: PASS/FAIL with its evidence, written atomically to the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from soakd.report.criteria import CriterionResult, RequestSummary
+
+VERDICT_FILE = "verdict.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    run_id: str
+    passed: bool
+    criteria: list[CriterionResult]
+    requests: RequestSummary
+    ran_s: float
+    planned_s: float
+    interrupted: bool
+
+    @property
+    def word(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.passed else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "verdict": self.word,
+            "passed": self.passed,
+            "exit_code": self.exit_code,
+            "ran_s": self.ran_s,
+            "planned_s": self.planned_s,
+            "interrupted": self.interrupted,
+            "criteria": [asdict(c) for c in self.criteria],
+            "requests": self.requests.to_dict(),
+        }
+
+    def lines(self) -> list[str]:
+        """Human-readable verdict, one criterion per line."""
+        out = [f"{self.word}  run {self.run_id}"]
+        for c in self.criteria:
+            value = "no data" if c.value is None else f"{c.value:.4g}"
+            mark = "ok  " if c.passed else "FAIL"
+            extra = f"  ({c.detail})" if c.detail else ""
+            out.append(f"  {mark} {c.name} = {value} (must be {c.op} {c.threshold:g}){extra}")
+        return out
+
+
+def make_verdict(
+    run_id: str,
+    criteria: list[CriterionResult],
+    requests: RequestSummary,
+    *,
+    ran_s: float,
+    planned_s: float,
+    interrupted: bool,
+) -> Verdict:
+    passed = bool(criteria) and all(c.passed for c in criteria)
+    return Verdict(run_id, passed, criteria, requests, ran_s, planned_s, interrupted)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON so that a reader sees the old file or the whole new one, never half of it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True, default=str)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

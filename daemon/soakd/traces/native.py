@@ -1,0 +1,164 @@
+"""Read and write soakd's own trace format (soakd-trace, version 1).
+
+Format: JSONL, UTF-8, one JSON object per line; blank lines are skipped. The first line is a header:
+
+    {"format": "soakd-trace", "version": 1, "block_size": 512}
+
+- `format` (string, required): always "soakd-trace".
+- `version` (integer, required): 1.
+- `block_size` (integer >= 1, required): tokens per prefix block in the records' `hash_ids`.
+
+Every following line is one request, in arrival order:
+
+    {"t": 0.25, "input_tokens": 700, "output_tokens": 64, "hash_ids": [0, 17], "session": "c1", "turn": 2}
+
+- `t` (number >= 0, required): arrival, in seconds from the start of the trace. It must never decrease
+  from one record to the next; replay times requests from the first one's `t`, so the first request
+  is sent at once whatever its `t`.
+- `input_tokens` (integer >= 1, required): prompt length.
+- `output_tokens` (integer >= 1, required): tokens to generate.
+- `hash_ids` (array of integers >= 0, optional): one id per `block_size` tokens of the prompt, so its
+  length is exactly ceil(input_tokens / block_size); the last block may be partial. Requests with equal
+  ids at the same position share that block's content, hence a prefix the engine can cache. Left out
+  (or []): the prompt shares nothing with other requests.
+- `session` (string, optional, default ""): multi-turn conversation id.
+- `turn` (integer >= 0, optional, default 0): turn within the session.
+
+Any other key in a record or in the header is an error naming the key, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from soakd.traces.model import RequestSpec, RowReader, blocks_needed, show_number
+
+FORMAT_NAME = "soakd-trace"
+VERSION = 1
+
+_HEADER_KEYS = frozenset({"format", "version", "block_size"})
+_RECORD_KEYS = frozenset({"t", "input_tokens", "output_tokens", "hash_ids", "session", "turn"})
+
+
+def is_header(row: dict[str, Any]) -> bool:
+    """Whether a first JSON row claims to be a native header (auto-detection)."""
+    return "format" in row
+
+
+def parse(rows: Iterable[tuple[int, dict[str, Any]]], file: str) -> Iterator[RequestSpec]:
+    """Specs from the (line, object) rows of a native file; raises TraceError on the first bad row."""
+    it = iter(rows)
+    first = next(it, None)
+    if first is None:
+        return
+    block_size = _parse_header(RowReader(first[1], file, first[0]))
+    first_t = 0.0
+    prev_t = 0.0
+    for index, (line, obj) in enumerate(it):
+        r = RowReader(obj, file, line)
+        for key in obj:
+            if key not in _RECORD_KEYS:
+                raise r.error(
+                    "unknown field (expected t, input_tokens, output_tokens, hash_ids, session, turn)", key
+                )
+        t = r.number("t", minimum=0)
+        if index == 0:
+            first_t = t
+        elif t < prev_t:
+            raise r.error(f"timestamp goes backwards ({show_number(t)} < {show_number(prev_t)})", "t")
+        prev_t = t
+        input_tokens = r.integer("input_tokens", minimum=1)
+        yield RequestSpec(
+            index=index,
+            arrival_s=t - first_t,
+            input_tokens=input_tokens,
+            output_tokens=r.integer("output_tokens", minimum=1),
+            block_size=block_size,
+            hash_ids=r.hash_ids(
+                "hash_ids", input_tokens=input_tokens, input_key="input_tokens", block_size=block_size
+            ),
+            session=r.string("session", default=""),
+            turn=r.integer("turn", minimum=0, default=0),
+            line=line,
+        )
+
+
+def _parse_header(r: RowReader) -> int:
+    """The block size from a header row, after checking it is a soakd-trace version 1 header."""
+    if "format" not in r.row:
+        raise r.error(
+            f'expected the header {{"format": "{FORMAT_NAME}", "version": {VERSION}, ...}}', "format"
+        )
+    if r.row["format"] != FORMAT_NAME:
+        raise r.error(f"expected {FORMAT_NAME!r}, got {r.row['format']!r}", "format")
+    for key in r.row:
+        if key not in _HEADER_KEYS:
+            raise r.error("unknown header field (expected format, version, block_size)", key)
+    version = r.integer("version")
+    if version != VERSION:
+        raise r.error(f"unsupported version {version} (this soakd reads version {VERSION})", "version")
+    return r.integer("block_size", minimum=1)
+
+
+def record(spec: RequestSpec) -> dict[str, Any]:
+    """The native record of one spec; optional fields left at their defaults are left out."""
+    row: dict[str, Any] = {
+        "t": spec.arrival_s,
+        "input_tokens": spec.input_tokens,
+        "output_tokens": spec.output_tokens,
+    }
+    if spec.hash_ids:
+        row["hash_ids"] = list(spec.hash_ids)
+    if spec.session:
+        row["session"] = spec.session
+    if spec.turn:
+        row["turn"] = spec.turn
+    return row
+
+
+def lines(specs: Iterable[RequestSpec], block_size: int) -> Iterator[str]:
+    """The native serialization, line by line (each with its newline).
+
+    Raises ValueError for specs the reader would reject (hash_ids not covering the prompt at
+    `block_size`, arrivals going backwards), so a written file always reads back.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    yield _dumps({"format": FORMAT_NAME, "version": VERSION, "block_size": block_size})
+    prev = 0.0
+    for n, spec in enumerate(specs):
+        if spec.hash_ids and len(spec.hash_ids) != blocks_needed(spec.input_tokens, block_size):
+            raise ValueError(
+                f"request {spec.index}: {len(spec.hash_ids)} hash_ids do not cover "
+                f"{spec.input_tokens} tokens in blocks of {block_size}"
+            )
+        if n and spec.arrival_s < prev:
+            raise ValueError(f"request {spec.index}: arrival goes backwards ({spec.arrival_s} < {prev})")
+        prev = spec.arrival_s
+        yield _dumps(record(spec))
+
+
+def write_native(path: str | Path, specs: Iterable[RequestSpec], block_size: int) -> None:
+    """Write specs as a native trace, atomically: readers see the old file or the whole new one."""
+    target = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.writelines(lines(specs, block_size))
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(target)
+    except BaseException:
+        # Leave no half-written temp file behind, whatever stopped us (a bad spec, a full disk, Ctrl-C).
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n"

@@ -1,0 +1,71 @@
+"""Session-scoped real servers for the integration tests: one influxd 1.x and one victoria-metrics.
+
+A missing binary skips the tests that need it, unless SOAKD_REQUIRE_SERVERS=1 (set in CI, where both are
+installed), which turns the skip into a failure so that a broken CI image cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from servers import (
+    INFLUXD,
+    VICTORIA_METRICS,
+    Server,
+    binary_available,
+    start_influxdb,
+    start_victoria_metrics,
+)
+
+
+def _require(binary: str, package: str) -> None:
+    if binary_available(binary):
+        return
+    reason = f"{binary} not found (apt-get install {package})"
+    if os.environ.get("SOAKD_REQUIRE_SERVERS") == "1":
+        pytest.fail(f"SOAKD_REQUIRE_SERVERS=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def influxdb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """An influxd (Debian's 1.6.7) on a free loopback port, data in a temp folder."""
+    _require(INFLUXD, "influxdb")
+    server = start_influxdb(tmp_path_factory.mktemp("influxdb"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def victoria_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A single-node victoria-metrics on a free loopback port (it takes InfluxDB line protocol)."""
+    _require(VICTORIA_METRICS, "victoria-metrics")
+    server = start_victoria_metrics(tmp_path_factory.mktemp("victoria-metrics"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+InfluxStarter = Callable[..., Server]
+
+
+@pytest.fixture
+def influxdb_starter() -> Iterator[InfluxStarter]:
+    """`start_influxdb` for tests that stop and restart their own server; stops what it started."""
+    _require(INFLUXD, "influxdb")
+    started: list[Server] = []
+
+    def start(root: Path, http_port: int | None = None, rpc_port: int | None = None) -> Server:
+        server = start_influxdb(root, http_port, rpc_port)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

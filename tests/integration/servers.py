@@ -1,0 +1,155 @@
+"""Start and stop real database servers (influxd 1.x, victoria-metrics) on loopback for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+INFLUXD = os.environ.get("SOAKD_INFLUXD", "/usr/bin/influxd")
+VICTORIA_METRICS = os.environ.get("SOAKD_VICTORIA_METRICS", "/usr/bin/victoria-metrics")
+START_TIMEOUT_S = 60.0
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become ready in time."""
+
+
+@dataclass
+class Server:
+    """A running server process and where it listens."""
+
+    name: str
+    url: str
+    root: Path
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Terminate the process by its pid, wait for it, kill it if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=timeout_s)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def binary_available(path: str) -> bool:
+    return Path(path).is_file() and os.access(path, os.X_OK)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _spawn(name: str, argv: list[str], root: Path, url: str, ports: dict[str, int]) -> Server:
+    log_path = root / f"{name}.log"
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return Server(name=name, url=url, root=root, log_path=log_path, process=process, ports=ports)
+
+
+def _wait_ready(server: Server, path: str, ok_status: int) -> None:
+    """Poll the readiness endpoint until it answers `ok_status`; raise with the log tail if it never does."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if server.process.poll() is not None:
+                raise ServerStartError(
+                    f"{server.name} exited with {server.process.returncode}:\n{server.log_tail()}"
+                )
+            try:
+                if client.get(server.url + path).status_code == ok_status:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                server.stop()
+                raise ServerStartError(
+                    f"{server.name} not ready after {START_TIMEOUT_S:.0f} s:\n{server.log_tail()}"
+                )
+            time.sleep(0.05)  # poll interval
+
+
+def start_influxdb(root: Path, http_port: int | None = None, rpc_port: int | None = None) -> Server:
+    """Start influxd with its data under `root`; pass the ports of a stopped instance to restart it."""
+    root.mkdir(parents=True, exist_ok=True)
+    http_port = http_port or free_port()
+    rpc_port = rpc_port or free_port()
+    config = root / "influxdb.conf"
+    config.write_text(
+        f"""\
+reporting-disabled = true
+bind-address = "127.0.0.1:{rpc_port}"
+
+[meta]
+  dir = "{root / "meta"}"
+
+[data]
+  dir = "{root / "data"}"
+  wal-dir = "{root / "wal"}"
+  query-log-enabled = false
+
+[monitor]
+  store-enabled = false
+
+[http]
+  bind-address = "127.0.0.1:{http_port}"
+  log-enabled = false
+
+[continuous_queries]
+  enabled = false
+""",
+        encoding="utf-8",
+    )
+    server = _spawn(
+        "influxd",
+        [INFLUXD, "-config", str(config)],
+        root,
+        f"http://127.0.0.1:{http_port}",
+        {"http": http_port, "rpc": rpc_port},
+    )
+    _wait_ready(server, "/ping", 204)
+    return server
+
+
+def start_victoria_metrics(root: Path, http_port: int | None = None) -> Server:
+    """Start a single-node victoria-metrics with its data under `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    http_port = http_port or free_port()
+    server = _spawn(
+        "victoria-metrics",
+        [
+            VICTORIA_METRICS,
+            f"-httpListenAddr=127.0.0.1:{http_port}",
+            f"-storageDataPath={root / 'data'}",
+            "-retentionPeriod=100y",
+        ],
+        root,
+        f"http://127.0.0.1:{http_port}",
+        {"http": http_port},
+    )
+    _wait_ready(server, "/health", 200)
+    return server
