@@ -173,13 +173,18 @@ class ControlConfig(_Section):
     enabled: Literal[False] = False
 
 
-class CriteriaConfig(_Section):
-    """[criteria]: the acceptance thresholds of the verdict. A threshold left out is not checked."""
+# A criterion set to false is not checked (TOML has no null, and a removed key takes its default).
+Ratio = Annotated[float, Field(ge=0, le=1)] | Literal[False]
+Millis = Annotated[float, Field(gt=0)] | Literal[False]
 
-    max_error_rate: float | None = Field(default=0.01, ge=0, le=1)
-    ttft_p99_ms: float | None = Field(default=5000.0, gt=0)
-    tpot_p99_ms: float | None = Field(default=500.0, gt=0)
-    min_completed_ratio: float | None = Field(default=0.95, ge=0, le=1)
+
+class CriteriaConfig(_Section):
+    """[criteria]: the acceptance thresholds of the verdict; `false` switches one off."""
+
+    max_error_rate: Ratio = 0.01
+    ttft_p99_ms: Millis = 5000.0
+    tpot_p99_ms: Millis = 500.0
+    min_completed_ratio: Ratio = 0.95
 
 
 class Config(_Section):
@@ -242,7 +247,7 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
         cfg = Config.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        loc = [str(x) for x in first["loc"]]
+        loc = _key_path(data, first["loc"])
         key = ".".join(loc) if loc else "(top level)"
         line = _find_line(text, loc) if text else None
         reason = _reason(first)
@@ -262,6 +267,29 @@ def _reason(error: Any) -> str:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     return msg[:1].lower() + msg[1:]
+
+
+def _key_path(data: Any, loc: Sequence[int | str]) -> list[str]:
+    """The keys of `loc` that exist in the data; pydantic adds union-branch names that are not keys."""
+    path: list[str] = []
+    node = data
+    for elem in loc:
+        if isinstance(node, dict) and str(elem) in node:
+            node = node[str(elem)]
+        elif isinstance(node, list) and isinstance(elem, int) and elem < len(node):
+            node = node[elem]
+        elif isinstance(node, dict):
+            # A missing key (pydantic names it) is still part of the path; a union tag is not.
+            if not path or elem not in _UNION_TAGS:
+                path.append(str(elem))
+            break
+        else:
+            continue
+        path.append(str(elem))
+    return path
+
+
+_UNION_TAGS = {"constrained-float", "float", "int", "str", "bool", "literal[False]", "list", "dict"}
 
 
 def _set_dotted(data: dict[str, Any], keys: Sequence[str], value: Any) -> None:

@@ -49,6 +49,8 @@ def schedule(
     n = 0
     while True:
         offset = n * period
+        if offset / speed >= duration_s:
+            return  # no request of this pass can be due in time; don't even open the trace
         emitted = False
         for spec in trace:
             due = (spec.arrival_s + offset) / speed

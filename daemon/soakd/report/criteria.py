@@ -134,14 +134,14 @@ def evaluate(
     """Judge the summary. A criterion whose value cannot be measured fails: no data is no evidence."""
     results: list[CriterionResult] = []
 
-    def check(name: str, op: str, threshold: float | None, value: float | None, detail: str = "") -> None:
-        if threshold is None:
+    def check(name: str, op: str, threshold: float | bool, value: float | None, detail: str = "") -> None:
+        if threshold is False:
             return
         if value is None:
-            results.append(CriterionResult(name, op, threshold, None, False, "no data"))
+            results.append(CriterionResult(name, op, float(threshold), None, False, "no data"))
             return
         ok = value <= threshold if op == "<=" else value >= threshold
-        results.append(CriterionResult(name, op, threshold, value, ok, detail))
+        results.append(CriterionResult(name, op, float(threshold), value, ok, detail))
 
     # A soak stopped early has not shown what the full duration would: it cannot pass.
     check("duration_completed_s", ">=", planned_s * 0.99, ran_s, f"planned {planned_s:.0f} s")

@@ -1,0 +1,112 @@
+"""Config loading: defaults, the shipped config.toml, and errors that name file, line and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from soakd import config
+from soakd.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.toml"
+    p.write_text(text, encoding="utf-8")
+    return p
+
+
+def test_shipped_config_equals_builtin_defaults() -> None:
+    shipped = config.load(ROOT / "config.toml")
+    assert shipped.model_dump() == config.load(None).model_dump()
+    assert shipped.base_dir == ROOT
+
+
+def test_values_are_typed_and_frozen(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, '[run]\nduration = "1h30m"\n[replay]\nspeed = 2\n'))
+    assert cfg.run.duration == 5400.0
+    assert cfg.replay.speed == 2.0
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.run.duration = 1.0  # type: ignore[misc]
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, '[run]\noutput_dir = "out"\n'))
+    assert cfg.resolve(cfg.run.output_dir) == tmp_path.resolve() / "out"
+    assert cfg.resolve("/abs/x") == Path("/abs/x")
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "key", "reason"),
+    [
+        ("[run]\nname = 'x'\nbogus = 1\n", 3, "run.bogus", "unknown key"),
+        ("[run]\n\n[engine]\nmax_num_seqs = 'many'\n", 4, "engine.max_num_seqs", "valid integer"),
+        ("[replay]\nspeed = 0\n", 2, "replay.speed", "greater than 0"),
+        ("[run]\nduration = '10 parsecs'\n", 2, "run.duration", "not a duration"),
+        (
+            "[engine.speculative]\nmethod = 'ngram'\nnum_speculative_tokens = 99\n",
+            3,
+            "engine.speculative.num_speculative_tokens",
+            "less than or equal to 16",
+        ),
+        ("[telemetry]\ncollectors = ['host', 'gpux']\n", 2, "telemetry.collectors.1", "'host'"),
+        ("[criteria]\nmax_error_rate = 1.5\n", 2, "criteria.max_error_rate", "less than or equal to 1"),
+        ("[control]\nenabled = true\n", 2, "control.enabled", "not part of this release"),
+        ("[nope]\nx = 1\n", 1, "nope", "unknown key"),
+    ],
+)
+def test_errors_name_file_line_and_key(tmp_path: Path, text: str, line: int, key: str, reason: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    err = info.value
+    assert err.line == line
+    assert err.key == key
+    assert reason in err.reason
+    assert str(err).startswith(f"{path}:{line}: {key}: ")
+    assert "\n" not in str(err)
+
+
+def test_toml_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "[run]\nname = 'ok'\nduration = = 3\n")
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    assert info.value.line == 3
+    assert "TOML syntax" in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        config.load(tmp_path / "absent.toml")
+
+
+def test_criteria_can_be_switched_off(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, "[criteria]\nttft_p99_ms = false\n"))
+    assert cfg.criteria.ttft_p99_ms is False
+    with pytest.raises(ConfigError):
+        config.load(write(tmp_path, "[criteria]\nttft_p99_ms = true\n"))
+
+
+def test_overrides_apply_and_are_validated() -> None:
+    cfg = config.load(None, {"run.duration": "8h", "replay.max_concurrency": 4})
+    assert cfg.run.duration == 8 * 3600
+    assert cfg.replay.max_concurrency == 4
+    with pytest.raises(ConfigError) as info:
+        config.load(None, {"replay.max_concurrency": 0})
+    assert info.value.key == "replay.max_concurrency"
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90s", 90), ("10m", 600), ("8h", 28800), ("1h30m", 5400), ("250ms", 0.25), (12, 12), ("1d", 86400)],
+)
+def test_parse_duration(text: str | int, seconds: float) -> None:
+    assert config.parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["", "10", "m10", "10m5", "-5s", -1, True, [1]])
+def test_parse_duration_rejects(bad: object) -> None:
+    with pytest.raises(ValueError):
+        config.parse_duration(bad)

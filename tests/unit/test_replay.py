@@ -1,0 +1,199 @@
+"""The replayer: open-loop dispatch, admission ceiling, records per request, shedding, draining."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.replay.admission import AdmissionGate
+from soakd.replay.clock import FakeClock, SystemClock
+from soakd.replay.pacer import schedule
+from soakd.replay.prompts import PromptSynth
+from soakd.replay.runner import Replayer, RequestRecord
+from soakd.traces.model import RequestSpec
+
+
+class FakeEngine:
+    """Streams `max_tokens` tokens in deltas of `chunk`, `step_s` apart on the given clock."""
+
+    def __init__(
+        self,
+        clock: FakeClock | SystemClock,
+        step_s: float = 0.01,
+        chunk: int = 2,
+        fail_on: set[int] | None = None,
+        short_on: set[int] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.step_s = step_s
+        self.chunk = chunk
+        self.fail_on = fail_on or set()
+        self.short_on = short_on or set()
+        self.requests: list[GenerationRequest] = []
+        self.active = 0
+        self.peak = 0
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo("fake", "0", "m", "cfg", vocab_size=100, reserved_ids=(0,), max_model_len=64)
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        self.requests.append(request)
+        index = int(request.request_id.rsplit("-", 1)[1])
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            if index in self.fail_on:
+                raise RuntimeError("boom")
+            left = request.max_tokens - (1 if index in self.short_on else 0)
+            while left > 0:
+                await self.clock.sleep_until(self.clock.monotonic() + self.step_s)
+                n = min(self.chunk, left)
+                left -= n
+                yield n
+        finally:
+            self.active -= 1
+
+    def process_ids(self) -> list[int]:
+        return []
+
+    async def stop(self) -> None:
+        return None
+
+
+def make(
+    engine: FakeEngine,
+    specs: list[RequestSpec],
+    clock: FakeClock | SystemClock,
+    *,
+    limit: int = 8,
+    max_pending: int = 100,
+    duration: float = 1000.0,
+    drain: float = 5.0,
+) -> tuple[Replayer, list[RequestRecord]]:
+    records: list[RequestRecord] = []
+    span = specs[-1].arrival_s if specs else 0.0
+    sched = schedule(specs, span_s=span, requests=len(specs), speed=1.0, duration_s=duration, loop=False)
+    rep = Replayer(
+        engine,
+        sched,
+        PromptSynth(100, 0, (0,)),
+        AdmissionGate(limit),
+        clock,
+        records.append,
+        run_tag="t",
+        max_pending=max_pending,
+        max_model_len=64,
+        drain_timeout_s=drain,
+    )
+    return rep, records
+
+
+def spec(i: int, t: float, inp: int = 20, out: int = 6) -> RequestSpec:
+    return RequestSpec(i, t, inp, out, 16)
+
+
+async def test_every_scheduled_request_gets_exactly_one_record() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock, fail_on={2}, short_on={3})
+    rep, records = make(engine, [spec(i, i * 0.5) for i in range(6)], clock)
+    stats = await rep.run()
+    assert sorted(r.index for r in records) == list(range(6))
+    assert stats.scheduled == 6 and stats.completed == 4 and stats.failed == 2
+    by = {r.index: r for r in records}
+    assert by[2].error.startswith("engine: RuntimeError: boom")
+    assert by[3].error == "short output: 5 of 6 tokens"
+    ok = by[0]
+    assert ok.ok and ok.output_tokens == 6 and ok.input_tokens == 20
+    # 3 deltas 10 ms apart (virtual time): TTFT 10 ms, TPOT (30-10)/(6-1) ms, ITL 10 ms
+    assert ok.ttft_s == pytest.approx(0.01)
+    assert ok.e2e_s == pytest.approx(0.03)
+    assert ok.tpot_s == pytest.approx(0.004)
+    assert ok.itl_mean_s == pytest.approx(0.01)
+    assert stats.output_tokens == sum(r.output_tokens for r in records)
+
+
+async def test_requests_are_sent_on_trace_time_in_virtual_time() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock, step_s=0.001)
+    rep, records = make(engine, [spec(0, 0.0), spec(1, 2.0), spec(2, 7.5)], clock)
+    await rep.run()
+    dues = sorted((r.due_wall_ns - records[0].due_wall_ns) / 1e9 for r in records)
+    assert dues == [0.0, 2.0, 7.5]
+    assert all(r.lateness_s == 0.0 for r in records)
+
+
+async def test_admission_ceiling_bounds_concurrency_and_queue_time_is_recorded() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock, step_s=1.0, chunk=1)
+    rep, records = make(engine, [spec(i, 0.0) for i in range(6)], clock, limit=2)
+    await rep.run()
+    assert engine.peak == 2
+    assert len(records) == 6 and all(r.ok for r in records)
+    assert max(r.queue_s for r in records) > 0
+
+
+async def test_shed_when_too_many_wait_and_recorded() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock, step_s=1.0, chunk=1)
+    rep, records = make(engine, [spec(i, 0.0) for i in range(10)], clock, limit=1, max_pending=3)
+    stats = await rep.run()
+    assert stats.shed == 7
+    assert sum(1 for r in records if r.error == "shed") == 7
+    assert stats.finished == 10
+
+
+async def test_prompts_clip_to_context_and_are_counted() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock)
+    rep, records = make(engine, [spec(0, 0.0, inp=500, out=10)], clock)
+    stats = await rep.run()
+    assert stats.clipped == 1
+    assert records[0].input_tokens == 54 and records[0].input_tokens_trace == 500
+    assert len(engine.requests[0].prompt_ids) == 54
+
+
+async def test_stop_ends_dispatch_and_drain_timeout_aborts_in_flight() -> None:
+    clock = SystemClock()
+    engine = FakeEngine(clock, step_s=0.2, chunk=1)
+    rep, records = make(engine, [spec(0, 0.0, out=50), spec(1, 30.0)], clock, drain=0.1)
+    task = asyncio.create_task(rep.run())
+    await asyncio.sleep(0.05)
+    rep.stop()
+    stats = await asyncio.wait_for(task, 5)
+    assert stats.scheduled == 1  # the request due at 30 s was never dispatched
+    assert len(records) == 1
+    assert records[0].error.startswith("aborted")
+
+
+async def test_gate_limit_can_be_lowered_and_raised() -> None:
+    gate = AdmissionGate(2)
+    await gate.acquire()
+    await gate.acquire()
+    await gate.set_limit(1)
+    waiter = asyncio.create_task(gate.acquire())
+    await gate.release()
+    await asyncio.sleep(0)
+    assert not waiter.done()  # 1 in flight, limit 1
+    await gate.set_limit(3)
+    await asyncio.wait_for(waiter, 1)
+    assert gate.in_flight == 2 and gate.peak_in_flight == 2
+    with pytest.raises(ValueError):
+        await gate.set_limit(0)
+
+
+def test_record_sample_fields_and_status_tag() -> None:
+    r = RequestRecord("id", 3, 1, "", 10, 0.001, ttft_s=0.5, output_tokens=4, output_tokens_expected=4)
+    s = r.to_sample(99)
+    assert s.measurement == "requests" and s.tags == {"status": "ok"} and s.time_ns == 99
+    assert s.fields["ttft_s"] == 0.5 and "tpot_s" not in s.fields and "error" not in s.fields
+    r.error = "shed"
+    assert r.to_sample(1).tags == {"status": "shed"}
+    r.error = "engine: x"
+    assert r.to_sample(1).tags == {"status": "error"} and r.to_sample(1).fields["error"] == "engine: x"
