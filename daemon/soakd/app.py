@@ -48,6 +48,10 @@ from soakd.traces.loader import Trace, open_trace
 log = structlog.get_logger(__name__)
 
 
+class _StoppedBeforeReplay(Exception):
+    """A stop signal arrived while the engine was starting: no replay, straight to the verdict."""
+
+
 class SampleWriter:
     """Adds the run-wide tags and writes samples to the spool, the one place every sample goes first.
 
@@ -120,6 +124,18 @@ def make_engine(cfg: Config, model: str, collector: EngineCollector) -> Engine:
     return VllmLocalEngine(cfg.engine, model, collector.push)
 
 
+def _check_writable(out_dir: Path, source: str) -> None:
+    """Fail at start, as bad input, when runs cannot be written (not hours later)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"cannot create {out_dir}: {err.strerror}", file=source, key="run.output_dir"
+        ) from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"{out_dir} is not writable", file=source, key="run.output_dir")
+
+
 class Soak:
     """One soak run, from a validated config to a verdict. Components are built in start order."""
 
@@ -140,7 +156,9 @@ class Soak:
         self.model = resolve_model(cfg)
         self.run_id = new_run_id(cfg.run.name)
         self.host = cfg.run.host or socket.gethostname()
-        self.run_dir = cfg.resolve(cfg.run.output_dir) / self.run_id
+        out_dir = cfg.resolve(cfg.run.output_dir)
+        self.run_dir = out_dir / self.run_id
+        _check_writable(out_dir, cfg.source)
         self.interrupted = False
         self._replayer: Replayer | None = None
         self.scheduler_missed = 0
@@ -193,6 +211,8 @@ class Soak:
         try:
             await engine.start()
             started = True
+            if self.interrupted:
+                raise _StoppedBeforeReplay
             info = engine.info
             engine_collector.config_id = info.config_id
             engine_collector.cudagraphs = info.cudagraphs
@@ -229,6 +249,7 @@ class Soak:
                 max_pending=cfg.replay.max_pending,
                 max_model_len=info.max_model_len,
                 drain_timeout_s=cfg.replay.drain_timeout,
+                duration_s=cfg.run.duration,
                 seed=cfg.run.seed,
             )
             notify("READY=1\nSTATUS=replaying")
@@ -236,6 +257,8 @@ class Soak:
             self._progress_start = t_run0
             stats = await self._replayer.run()
             t_run1 = self._clock.monotonic()
+        except _StoppedBeforeReplay:
+            log.warning("stopped_before_replay")
         finally:
             notify("STOPPING=1\nSTATUS=stopping")
             with contextlib.suppress(asyncio.CancelledError):
@@ -398,6 +421,7 @@ class Soak:
             scheduler.add_job(ship, "interval", seconds=cfg.sinks.influx.interval, id="forward")
         if self._progress is not None:
             scheduler.add_job(self._tick_progress, "interval", seconds=1.0, id="progress")
+        scheduler.add_job(self._status, "interval", seconds=10.0, id="status")
         wd = watchdog_interval_s()
         if wd is not None:
 
@@ -406,6 +430,18 @@ class Soak:
 
             scheduler.add_job(watchdog, "interval", seconds=wd, id="watchdog")
         return scheduler
+
+    async def _status(self) -> None:
+        """systemd's STATUS line: what `systemctl status soakd` shows a person mid-run."""
+        if self._replayer is None or self._progress_start is None:
+            return
+        st = self._replayer.stats
+        elapsed = self._clock.monotonic() - self._progress_start
+        pct = min(100.0, 100.0 * elapsed / self.cfg.run.duration)
+        notify(
+            f"STATUS=replaying {pct:.0f}% ({elapsed:.0f}/{self.cfg.run.duration:.0f} s): "
+            f"{st.completed} done, {st.failed} failed, {st.shed} shed, {self._replayer.pending} in flight"
+        )
 
     async def _tick_progress(self) -> None:
         if self._progress is None or self._replayer is None:

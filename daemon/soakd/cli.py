@@ -13,8 +13,11 @@ import os
 import sys
 import tomllib
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
+
+import structlog
 
 from soakd import __version__
 from soakd.errors import EngineError, InputError, SinkError, UsageError
@@ -196,7 +199,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     cfg = _load_config(args.config, overrides)
     results = asyncio.run(run_checks(cfg))
     if args.json:
-        print(json.dumps([r.__dict__ for r in results], indent=2))
+        print(json.dumps([asdict(r) for r in results], indent=2))
     else:
         for r in results:
             print(f"{'ok  ' if r.ok else 'FAIL'} {r.name}: {r.detail}")
@@ -214,6 +217,8 @@ def _cmd_model(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     # vLLM's own INFO lines would drown soakd's; its warnings still show.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # stdout carries results (--json); vLLM logs to stdout by default.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from soakd.logs import configure
@@ -232,3 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("soakd: interrupted", file=sys.stderr)
         return 130
+    # Anything else is a bug or an outside failure: exit 3, never 1, which means FAIL (a normal end).
+    except Exception as err:  # noqa: BLE001
+        structlog.get_logger("soakd").exception("internal_error")
+        print(f"soakd: internal error: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_ERROR

@@ -28,6 +28,6 @@ def watchdog_interval_s(env: Mapping[str, str] | None = None) -> float | None:
     e = env if env is not None else os.environ
     usec = e.get("WATCHDOG_USEC", "")
     pid = e.get("WATCHDOG_PID", "")
-    if not usec.isdigit() or (pid and pid != str(os.getpid())):
+    if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
         return None
     return int(usec) / 2e6

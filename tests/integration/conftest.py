@@ -69,3 +69,22 @@ def influxdb_starter() -> Iterator[InfluxStarter]:
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight model, built by the real CLI (`soakd model tiny`) once per session."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    proc = subprocess.run(
+        [sys.executable, "-m", "soakd", "model", "tiny", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "config.json").is_file()
+    return out

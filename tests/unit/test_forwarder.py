@@ -390,3 +390,26 @@ def test_make_writer_picks_by_api_and_reads_secrets_from_env() -> None:
     v2c = make_writer(InfluxConfig(api="v2", database="d"), {})
     assert isinstance(v2c, V2Writer)
     assert v2c.bucket == "d"
+
+
+async def test_v1_writer_creates_a_missing_database_and_writes_again() -> None:
+    from soakd.sinks.influx import V1Writer
+
+    seen: list[tuple[str, str]] = []
+    created = False
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal created
+        seen.append((request.url.path, request.content.decode()))
+        if request.url.path == "/query":
+            created = True
+            return httpx.Response(200, json={"results": [{"statement_id": 0}]})
+        if not created:
+            return httpx.Response(404, json={"error": 'database not found: "soakd"'})
+        return httpx.Response(204)
+
+    writer = V1Writer("http://influx", "soakd", transport=httpx.MockTransport(handler))
+    await writer.write(["m a=1i 1"])
+    await writer.aclose()
+    assert [p for p, _ in seen] == ["/write", "/query", "/write"]
+    assert "CREATE+DATABASE" in seen[1][1] or "CREATE DATABASE" in seen[1][1]

@@ -91,6 +91,7 @@ def make(
         max_pending=max_pending,
         max_model_len=64,
         drain_timeout_s=drain,
+        duration_s=duration,
     )
     return rep, records
 
@@ -122,8 +123,9 @@ async def test_every_scheduled_request_gets_exactly_one_record() -> None:
 async def test_requests_are_sent_on_trace_time_in_virtual_time() -> None:
     clock = FakeClock()
     engine = FakeEngine(clock, step_s=0.001)
-    rep, records = make(engine, [spec(0, 0.0), spec(1, 2.0), spec(2, 7.5)], clock)
+    rep, records = make(engine, [spec(0, 0.0), spec(1, 2.0), spec(2, 7.5)], clock, duration=20.0)
     await rep.run()
+    assert clock.monotonic() >= 20.0  # the replay lasted its duration, past the last request
     dues = sorted((r.due_wall_ns - records[0].due_wall_ns) / 1e9 for r in records)
     assert dues == [0.0, 2.0, 7.5]
     assert all(r.lateness_s == 0.0 for r in records)

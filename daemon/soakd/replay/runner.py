@@ -127,6 +127,7 @@ class Replayer:
         max_pending: int,
         max_model_len: int,
         drain_timeout_s: float,
+        duration_s: float | None = None,
         seed: int = 0,
     ) -> None:
         self._engine = engine
@@ -139,6 +140,7 @@ class Replayer:
         self._max_pending = max_pending
         self._max_model_len = max_model_len
         self._drain_timeout_s = drain_timeout_s
+        self._duration_s = duration_s
         self._seed = seed
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
@@ -168,6 +170,11 @@ class Replayer:
                 if self._stop.is_set():
                     break
                 self._dispatch(item, deadline, wall0 + int(item.due_s * 1e9))
+            if self._duration_s is not None and not self._stop.is_set():
+                # The soak lasts its duration even when the last request is due earlier.
+                end = asyncio.create_task(self._clock.sleep_until(t0 + self._duration_s))
+                await asyncio.wait({end, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                end.cancel()
         finally:
             stop_wait.cancel()
         await self._drain()

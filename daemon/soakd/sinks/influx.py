@@ -96,6 +96,10 @@ class V1Writer:
             params["rp"] = self.retention_policy
         body = "\n".join(lines).encode("utf-8")
         response = await self._request("POST", "/write", params=params, content=body)
+        if response.status_code == 404 and b"database not found" in response.content:
+            # A fresh server, or the database was dropped mid-run: create it and write again.
+            await self.create_database()
+            response = await self._request("POST", "/write", params=params, content=body)
         # 1.x answers 204; a 4xx with "partial write" means some points were dropped: that is a failure.
         if not response.is_success:
             raise SinkError(f"HTTP {response.status_code}: {_server_message(response.content)}")

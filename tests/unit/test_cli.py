@@ -1,0 +1,119 @@
+"""The command line: bad input is one line on stderr, exit code 2, and nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from soakd.cli import main
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("soakd: error: ")
+    return lines[0]
+
+
+def test_bad_config_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\noutput_dir = "runs"\n[replay]\nspeeed = 2\n')
+    code, _, err = run(["run", "--config", str(cfg)], capsys)
+    assert code == 2
+    assert one_line_error(err) == f"soakd: error: {cfg}:4: replay.speeed: unknown key"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_bad_trace_row_names_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+        '{"timestamp": 5, "input_length": "ten", "output_length": 5, "hash_ids": [1]}\n'
+    )
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\noutput_dir = "runs"\n')
+    code, _, err = run(["run", "--config", str(cfg), "--trace", str(trace)], capsys)
+    assert code == 2
+    line = one_line_error(err)
+    assert f"{trace}:2:" in line and "input_length" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_model_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\noutput_dir = "runs"\n[engine]\nmodel = "nowhere"\n')
+    code, _, err = run(["run", "--config", str(cfg)], capsys)
+    assert code == 2
+    assert "engine.model: no model at" in one_line_error(err)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "--duration", "soon"], "run.duration"),
+        (["run", "--set", "nokey"], "KEY=VALUE"),
+        (["run", "--set", "replay.max_concurrency=0"], "replay.max_concurrency"),
+        (["frobnicate"], "invalid choice"),
+        (["report", "no-such-run"], "no run at"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments(
+    argv: list[str],
+    needle: str,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert needle in one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_says_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["check", "--json"], capsys)
+    # No model in an empty folder: check answers, and says what is missing.
+    assert code == 1
+    checks = {c["name"]: c for c in json.loads(out)}
+    assert checks["config"]["ok"] and checks["trace"]["ok"]
+    assert not checks["model"]["ok"] and "soakd model tiny" in checks["model"]["detail"]
+    assert checks["influx"]["detail"].startswith("disabled")
+    assert checks["gpu"]["ok"]
+
+
+def test_check_reports_an_unreachable_influxdb(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[sinks.influx]\nenabled = true\nurl = "http://127.0.0.1:9"\ntimeout = "2s"\n')
+    code, out, _ = run(["check", "--config", str(cfg)], capsys)
+    assert code == 1
+    assert "FAIL influx: http://127.0.0.1:9 (v1)" in out
+
+
+def test_help_does_not_import_vllm() -> None:
+    code = (
+        "import sys; from soakd.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('vllm' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False False"

@@ -1,0 +1,174 @@
+"""Engine stats: conversion from vLLM's stats objects and per-interval aggregation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from soakd.collectors.engine import EngineCollector
+from soakd.config import load
+from soakd.engine.stats import StepStats, step_from_vllm
+from soakd.engine.vllm_local import config_id, engine_kwargs
+
+
+# Stand-ins shaped like vLLM 0.32's SchedulerStats / IterationStats (the real ones are exercised by the
+# integration test against a real engine).
+@dataclass
+class _Prefix:
+    queries: int = 0
+    hits: int = 0
+
+
+@dataclass
+class _Spec:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Mode:
+    name: str
+
+
+@dataclass
+class _CG:
+    runtime_mode: object
+    num_unpadded_tokens: int
+    num_padded_tokens: int
+    num_paddings: int
+
+
+@dataclass
+class _Sched:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_stats: _Prefix = field(default_factory=_Prefix)
+    spec_decoding_stats: _Spec | None = None
+    cudagraph_stats: _CG | None = None
+
+
+@dataclass
+class _Prompt:
+    total: int = 0
+    local_cache_hit: int = 0
+
+
+@dataclass
+class _Iter:
+    num_generation_tokens: int = 0
+    num_preempted_reqs: int = 0
+    prompt_token_stats: _Prompt = field(default_factory=_Prompt)
+    finished_requests: list[object] = field(default_factory=list)
+
+
+def test_conversion_reads_every_field() -> None:
+    sched = _Sched(
+        3,
+        2,
+        0.25,
+        _Prefix(100, 64),
+        _Spec(2, 6, 4, [2, 1, 1], [2, 2, 2]),
+        _CG(_Mode("CUDAGraphMode.FULL"), 5, 8, 3),
+    )
+    it = _Iter(7, 1, _Prompt(120, 64), [object(), object()])
+    s = step_from_vllm(sched, it, 11, 0)
+    assert (s.running, s.waiting, s.kv_cache_usage) == (3, 2, 0.25)
+    assert (s.prefix_queries, s.prefix_hits) == (100, 64)
+    assert (s.spec_drafts, s.spec_draft_tokens, s.spec_accepted) == (2, 6, 4)
+    assert s.spec_accepted_per_pos == (2, 1, 1) and s.spec_draft_tokens_per_pos == (2, 2, 2)
+    assert s.cg_mode == "FULL" and (s.cg_unpadded_tokens, s.cg_padded_tokens, s.cg_paddings) == (5, 8, 3)
+    assert (s.generation_tokens, s.preempted, s.prompt_tokens, s.prompt_tokens_cached, s.finished) == (
+        7,
+        1,
+        120,
+        64,
+        2,
+    )
+    assert s.has_spec and s.has_iteration
+
+
+def test_conversion_tolerates_missing_parts() -> None:
+    s = step_from_vllm(None, None, 5, 1)
+    assert s == StepStats(time_ns=5, engine_idx=1)
+    s = step_from_vllm(_Sched(cudagraph_stats=_CG("NONE", 4, 4, 0)), None, 5, 0)
+    assert s.cg_mode == "NONE" and not s.has_spec
+
+
+def step(**kw: object) -> StepStats:
+    return StepStats(time_ns=1, **kw)  # type: ignore[arg-type]
+
+
+def test_interval_aggregation_and_acceptance_per_position() -> None:
+    c = EngineCollector(config_id="abc")
+    c.push(
+        step(
+            running=2,
+            has_iteration=True,
+            generation_tokens=8,
+            prompt_tokens=100,
+            prefix_queries=100,
+            prefix_hits=50,
+            has_spec=True,
+            spec_drafts=2,
+            spec_draft_tokens=6,
+            spec_accepted=3,
+            spec_accepted_per_pos=(2, 1, 0),
+            spec_draft_tokens_per_pos=(2, 2, 2),
+        )
+    )
+    c.push(
+        step(
+            running=4,
+            has_iteration=True,
+            generation_tokens=4,
+            has_spec=True,
+            spec_drafts=1,
+            spec_draft_tokens=2,
+            spec_accepted=2,
+            spec_accepted_per_pos=(1, 1),
+            spec_draft_tokens_per_pos=(1, 1),
+        )
+    )
+    engine, spec = c.collect(99)
+    assert engine.measurement == "engine" and engine.tags == {"config": "abc"} and engine.time_ns == 99
+    f = engine.fields
+    assert f["steps"] == 2 and f["running_max"] == 4 and f["running_mean"] == 3.0
+    assert f["prefix_hit_rate"] == 0.5 and f["generation_tokens"] == 12
+    assert "cg_hit_rate" not in f  # no CUDA graphs: not applicable, never a fake 0%
+    s = spec.fields
+    assert (s["drafts"], s["draft_tokens"], s["accepted"]) == (3, 8, 5)
+    assert s["acceptance_rate"] == pytest.approx(5 / 8)
+    assert s["mean_acceptance_length"] == pytest.approx(1 + 5 / 3)
+    assert (s["accepted_pos0"], s["draft_tokens_pos0"], s["acceptance_rate_pos0"]) == (3, 3, 1.0)
+    assert s["acceptance_rate_pos2"] == 0.0 and s["draft_tokens_pos2"] == 2
+    # the next interval starts empty
+    (empty,) = c.collect(100)
+    assert empty.fields["steps"] == 0
+    assert c.steps_total == 2 and c.spec_accepted_total == 5
+
+
+def test_cuda_graph_hit_rate_when_the_engine_has_graphs() -> None:
+    c = EngineCollector(cudagraphs=True)
+    c.push(step(cg_mode="FULL", cg_unpadded_tokens=5, cg_padded_tokens=8, cg_paddings=3))
+    c.push(step(cg_mode="PIECEWISE", cg_unpadded_tokens=16, cg_padded_tokens=16))
+    c.push(step(cg_mode="NONE", cg_unpadded_tokens=600, cg_padded_tokens=600))
+    (engine,) = c.collect(1)
+    f = engine.fields
+    assert f["cg_steps"] == 3 and f["cg_graph_steps"] == 2
+    assert f["cg_hit_rate"] == pytest.approx(2 / 3)
+    assert f["cg_padding_waste"] == pytest.approx(3 / 24)
+
+
+def test_engine_kwargs_follow_config() -> None:
+    cfg = load(None, {"engine.speculative.method": "mtp", "engine.extra_args": {"attention_backend": "X"}})
+    kw = engine_kwargs(cfg.engine, "/m")
+    assert kw["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    assert kw["attention_backend"] == "X" and kw["model"] == "/m" and kw["cudagraph_metrics"] is True
+    off = engine_kwargs(load(None, {"engine.speculative.enabled": False}).engine, "/m")
+    assert "speculative_config" not in off
+    assert config_id(kw) == config_id(dict(kw)) != config_id(off)

@@ -1,0 +1,71 @@
+"""Summaries of request records, criteria, and the verdict document."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from soakd.config import load
+from soakd.metric import Sample
+from soakd.report.criteria import evaluate, summarize
+from soakd.report.verdict import make_verdict, write_json_atomic
+
+
+def req(status: str, ttft: float = 0.1, tpot: float = 0.01, error: str = "") -> Sample:
+    fields: dict[str, float | int | str] = {"lateness_s": 0.0, "input_tokens": 10, "output_tokens": 5}
+    if status == "ok":
+        fields |= {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": ttft + 4 * tpot}
+    if error:
+        fields["error"] = error
+    return Sample("requests", fields, 1, tags={"status": status})
+
+
+def test_summary_counts_and_percentiles() -> None:
+    samples = [req("ok", ttft=0.001 * i) for i in range(1, 101)]
+    samples += [req("error", error="engine: boom"), req("shed", error="shed"), Sample("host", {"a": 1}, 1)]
+    s = summarize(samples)
+    assert (s.scheduled, s.completed, s.failed, s.shed) == (102, 100, 1, 1)
+    assert s.errors == {"engine": 1}
+    assert s.ttft is not None and s.ttft.p50_ms == pytest.approx(50.5) and s.ttft.max_ms == pytest.approx(100)
+    assert s.ttft.p99_ms == pytest.approx(99.01)
+    assert s.error_rate == pytest.approx(1 / 101)
+    assert s.completed_ratio == pytest.approx(100 / 102)
+    assert s.output_tokens == 505
+
+
+def test_criteria_pass_and_fail() -> None:
+    cfg = load(None).criteria
+    good = summarize([req("ok") for _ in range(50)])
+    results = evaluate(cfg, good, ran_s=120, planned_s=120)
+    assert all(r.passed for r in results) and len(results) == 5
+    slow = summarize([req("ok", ttft=9.0) for _ in range(50)])
+    failed = {r.name for r in evaluate(cfg, slow, ran_s=120, planned_s=120) if not r.passed}
+    assert failed == {"ttft_p99_ms"}
+    short = {r.name for r in evaluate(cfg, good, ran_s=60, planned_s=120) if not r.passed}
+    assert short == {"duration_completed_s"}
+
+
+def test_no_data_fails_and_switched_off_criteria_are_skipped() -> None:
+    cfg = load(None, {"criteria.tpot_p99_ms": False}).criteria
+    results = evaluate(cfg, summarize([]), ran_s=10, planned_s=10)
+    names = {r.name: r for r in results}
+    assert "tpot_p99_ms" not in names
+    assert names["ttft_p99_ms"].passed is False and names["ttft_p99_ms"].detail == "no data"
+    v = make_verdict("r", results, summarize([]), ran_s=10, planned_s=10, interrupted=False)
+    assert v.word == "FAIL" and v.exit_code == 1
+
+
+def test_verdict_document_and_atomic_write(tmp_path: Path) -> None:
+    cfg = load(None).criteria
+    s = summarize([req("ok")])
+    v = make_verdict(
+        "run-1", evaluate(cfg, s, ran_s=5, planned_s=5), s, ran_s=5, planned_s=5, interrupted=False
+    )
+    path = tmp_path / "verdict.json"
+    write_json_atomic(path, v.to_dict())
+    doc = json.loads(path.read_text())
+    assert doc["verdict"] == "PASS" and doc["exit_code"] == 0 and doc["requests"]["completed"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["verdict.json"]  # no temp file left behind
+    assert v.lines()[0] == "PASS  run run-1"
