@@ -322,6 +322,7 @@ class Soak:
             if forwarder is None
             else {
                 "lines_shipped": forwarder.lines_shipped,
+                "lines_rejected": forwarder.lines_rejected,
                 "failures": forwarder.failures,
                 "backlog_lines": forwarder.backlog_lines(),
                 "all_shipped": shipped_all,

@@ -66,3 +66,11 @@ class CollectorError(SoakdError):
 
 class SinkError(SoakdError):
     """A sink could not take a batch; the batch stays in the spool and is retried."""
+
+
+class SinkRejected(SinkError):
+    """The sink answered that the data itself is wrong (HTTP 400: bad line, field type conflict).
+
+    Retrying the same batch would block everything behind it forever; the forwarder sets it aside in
+    the spool (rejected.lp) and reports it instead.
+    """

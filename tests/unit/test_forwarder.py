@@ -413,3 +413,37 @@ async def test_v1_writer_creates_a_missing_database_and_writes_again() -> None:
     await writer.aclose()
     assert [p for p, _ in seen] == ["/write", "/query", "/write"]
     assert "CREATE+DATABASE" in seen[1][1] or "CREATE DATABASE" in seen[1][1]
+
+
+async def test_a_refused_batch_is_set_aside_not_retried_forever(tmp_path: Path) -> None:
+    from soakd.errors import SinkRejected
+    from soakd.sinks.forwarder import REJECTED_FILE, Forwarder
+
+    spool = Spool(tmp_path, segment_bytes=1 << 20, fsync_interval_s=1.0)
+    spool.write([Sample("m", {"v": i}, i + 1) for i in range(6)])
+    spool.flush()
+    shipped: list[str] = []
+    calls = 0
+
+    class Refusing:
+        async def write(self, lines: Sequence[str]) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise SinkRejected("HTTP 400: field type conflict")
+            shipped.extend(lines)
+
+        async def ping(self) -> str:
+            return "x"
+
+        async def aclose(self) -> None:
+            return None
+
+    events: list[str] = []
+    fwd = Forwarder(tmp_path, Refusing(), batch_lines=3, on_event=lambda kind, _: events.append(kind))
+    assert await fwd.drain(5.0)
+    assert len(shipped) == 3 and fwd.lines_rejected == 3
+    kept = (tmp_path / REJECTED_FILE).read_text().splitlines()
+    assert kept == [line for line in iter_lines(tmp_path)][:3]
+    assert events == ["sink_rejected"]
+    spool.close()

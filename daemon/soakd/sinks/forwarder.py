@@ -18,13 +18,15 @@ from pathlib import Path
 
 import structlog
 
-from soakd.errors import SinkError
+from soakd.errors import SinkError, SinkRejected
 from soakd.sinks.influx import LineWriter
 from soakd.sinks.spool import list_segments
 
 log = structlog.get_logger(__name__)
 
 EventFields = dict[str, float | int | str]
+# Batches the database refused (HTTP 400) are kept here, beside the segments, for a person to inspect.
+REJECTED_FILE = "rejected.lp"
 EventCallback = Callable[[str, EventFields], None]
 SleepFn = Callable[[float], Awaitable[None]]
 
@@ -65,6 +67,7 @@ class Forwarder:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.lines_shipped = 0
+        self.lines_rejected = 0
         self.batches = 0
         self.failures = 0
         self.consecutive_failures = 0
@@ -124,6 +127,8 @@ class Forwarder:
         if lines:
             try:
                 await self.writer.write(lines)
+            except SinkRejected as err:
+                self._set_aside(lines, str(err))
             except SinkError as err:
                 self._record_failure(str(err), len(lines))
                 return 0
@@ -208,6 +213,17 @@ class Forwarder:
                 log.warning("forwarder_skipped_torn_line", segment=path.name, bytes=len(torn))
                 cursor = _Cursor(path.name, offset + len(torn))
         return lines, cursor
+
+    def _set_aside(self, lines: list[str], reason: str) -> None:
+        """Keep a refused batch on disk (never dropped silently) and let the rest flow on."""
+        path = self.spool_dir / REJECTED_FILE
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write("".join(line + "\n" for line in lines))
+            fh.flush()
+            os.fsync(fh.fileno())
+        self.lines_rejected += len(lines)
+        log.error("sink_rejected_batch", lines=len(lines), reason=reason, kept_in=str(path))
+        self._emit("sink_rejected", {"lines": len(lines), "reason": reason})
 
     def _record_failure(self, reason: str, batch: int) -> None:
         self.failures += 1

@@ -22,7 +22,7 @@ from influxdb_client.domain.write_precision import WritePrecision
 from influxdb_client.rest import ApiException
 
 from soakd.config import InfluxConfig
-from soakd.errors import SinkError
+from soakd.errors import SinkError, SinkRejected
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +101,8 @@ class V1Writer:
             await self.create_database()
             response = await self._request("POST", "/write", params=params, content=body)
         # 1.x answers 204; a 4xx with "partial write" means some points were dropped: that is a failure.
+        if response.status_code == 400:
+            raise SinkRejected(f"HTTP 400: {_server_message(response.content)}")
         if not response.is_success:
             raise SinkError(f"HTTP {response.status_code}: {_server_message(response.content)}")
 
