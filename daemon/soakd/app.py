@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import platform
 import secrets
@@ -34,7 +35,7 @@ from soakd.metric import FieldValue, Sample
 from soakd.notify import notify, watchdog_interval_s
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock, SystemClock
-from soakd.replay.pacer import schedule
+from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
 from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, judge
@@ -193,7 +194,7 @@ class Soak:
         spool = Spool(self.run_dir / SPOOL_DIR, cfg.sinks.spool.segment_bytes, cfg.sinks.spool.fsync_interval)
         writer = SampleWriter(spool, {"run_id": self.run_id, "host": self.host})
         forwarder = self._make_forwarder(writer)
-        engine_collector = EngineCollector()
+        engine_collector = EngineCollector(active=False)
         engine = self._engine_factory(cfg, self.model, engine_collector)
         collectors = self._make_collectors(engine, engine_collector)
         runner = CollectorRunner(collectors, writer)
@@ -225,6 +226,8 @@ class Soak:
             self._write_meta({"engine": asdict(info)})
             prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
             gate = AdmissionGate(cfg.replay.max_concurrency)
+            await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
+            engine_collector.active = True
             summary = self.trace.summary
             scheduled = schedule(
                 self.trace,
@@ -338,6 +341,46 @@ class Soak:
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
         notify(f"STATUS=done: {verdict.word}")
         return RunResult(self.run_id, self.run_dir, verdict, summary_doc)
+
+    async def _warm_up(
+        self,
+        engine: Engine,
+        prompts: PromptSynth,
+        gate: AdmissionGate,
+        writer: SampleWriter,
+        max_model_len: int,
+    ) -> None:
+        """Send the trace's first requests once, unrecorded, so one-off kernel compilation (Triton JIT,
+        first-shape allocations) does not land in the soak's latencies. Its prompts use their own salt,
+        so they warm no prefix the replay will look up."""
+        n = self.cfg.replay.warmup_requests
+        if n <= 0:
+            return
+        first = list(itertools.islice(self.trace, n))
+        records: list[RequestRecord] = []
+        warm = Replayer(
+            engine,
+            [Scheduled(spec=spec, loop=-1, due_s=0.0) for spec in first],
+            prompts,
+            gate,
+            SystemClock(),
+            records.append,
+            run_tag=self.run_id[-4:] + "w",
+            max_pending=len(first),
+            max_model_len=max_model_len,
+            drain_timeout_s=self.cfg.engine.start_timeout,
+            seed=self.cfg.run.seed,
+        )
+        t0 = time.monotonic()
+        stats = await warm.run()
+        took = time.monotonic() - t0
+        writer.event(
+            "warmup",
+            f"{stats.completed} warm-up requests in {took:.1f} s",
+            requests=len(records),
+            failed=stats.failed,
+            warmup_s=took,
+        )
 
     def _verdict(self, ran_s: float) -> Verdict:
         return judge(

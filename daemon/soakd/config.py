@@ -118,6 +118,7 @@ class ReplayConfig(_Section):
 
     speed: float = Field(default=1.0, gt=0)
     loop: bool = True
+    warmup_requests: int = Field(default=8, ge=0)
     max_concurrency: int = Field(default=16, ge=1)
     max_pending: int = Field(default=4096, ge=1)
     drain_timeout: Duration = Field(default=60.0, ge=0)

@@ -36,7 +36,8 @@ def configure(level: str = "info", *, journald_prefix: bool = False) -> None:
             _PrefixedJSON(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # sys.stderr is looked up per logger, not bound once, so a replaced stream is followed.
+        logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )
 

@@ -172,3 +172,13 @@ def test_engine_kwargs_follow_config() -> None:
     off = engine_kwargs(load(None, {"engine.speculative.enabled": False}).engine, "/m")
     assert "speculative_config" not in off
     assert config_id(kw) == config_id(dict(kw)) != config_id(off)
+
+
+def test_steps_before_activation_are_discarded() -> None:
+    c = EngineCollector(active=False)
+    c.push(step(generation_tokens=5, has_iteration=True))
+    assert c.collect(1) == []
+    c.active = True
+    c.push(step(generation_tokens=3, has_iteration=True))
+    (engine,) = c.collect(2)
+    assert engine.fields["generation_tokens"] == 3 and c.steps_total == 1

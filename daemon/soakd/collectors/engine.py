@@ -18,10 +18,12 @@ class EngineCollector:
 
     name = "engine"
 
-    def __init__(self, config_id: str = "", cudagraphs: bool = False) -> None:
+    def __init__(self, config_id: str = "", cudagraphs: bool = False, active: bool = True) -> None:
         self._steps: deque[StepStats] = deque()
         self.config_id = config_id
         self.cudagraphs = cudagraphs
+        self.active = active
+        """While False, steps are discarded: engine start-up and warm-up are not the soak's traffic."""
         self.steps_total = 0
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
@@ -34,6 +36,8 @@ class EngineCollector:
         steps: list[StepStats] = []
         while self._steps:
             steps.append(self._steps.popleft())
+        if not self.active:
+            return []
         tags = {"config": self.config_id} if self.config_id else {}
         out = [Sample("engine", self._engine_fields(steps), now_ns, tags=dict(tags))]
         spec = self._spec_fields(steps)
