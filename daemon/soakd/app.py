@@ -227,7 +227,7 @@ class Soak:
             prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
             gate = AdmissionGate(cfg.replay.max_concurrency)
             await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
-            engine_collector.active = True
+            engine_collector.activate()
             summary = self.trace.summary
             scheduled = schedule(
                 self.trace,

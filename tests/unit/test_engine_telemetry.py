@@ -178,7 +178,8 @@ def test_steps_before_activation_are_discarded() -> None:
     c = EngineCollector(active=False)
     c.push(step(generation_tokens=5, has_iteration=True))
     assert c.collect(1) == []
-    c.active = True
+    c.push(step(generation_tokens=7, has_iteration=True))  # queued before activation: dropped too
+    c.activate()
     c.push(step(generation_tokens=3, has_iteration=True))
     (engine,) = c.collect(2)
     assert engine.fields["generation_tokens"] == 3 and c.steps_total == 1

@@ -28,6 +28,11 @@ class EngineCollector:
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
 
+    def activate(self) -> None:
+        """From now on steps are traffic; whatever came before (start-up, warm-up) is dropped."""
+        self._steps.clear()
+        self.active = True
+
     def push(self, step: StepStats) -> None:
         """Called once per engine step; deque.append is atomic, so any thread may call it."""
         self._steps.append(step)

@@ -1,0 +1,161 @@
+"""The soak's wiring, with an in-process fake engine: start order, samples, verdict, summary, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from soakd.app import SampleWriter, Soak
+from soakd.collectors.engine import EngineCollector
+from soakd.config import Config, load
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.stats import StepStats
+from soakd.metric import Sample
+from soakd.sinks.spool import Spool, iter_samples
+
+
+class StubEngine:
+    """Streams tokens and reports one step per delta to the engine collector, like the stat logger."""
+
+    def __init__(self, collector: EngineCollector) -> None:
+        self.collector = collector
+        self.started = False
+        self.stopped = False
+        self.seen: list[str] = []
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo("stub", "1", "m", "cfg1", vocab_size=300, reserved_ids=(0,), max_model_len=4096)
+
+    async def start(self) -> None:
+        self.collector.push(StepStats(time_ns=1, has_iteration=True, generation_tokens=99))  # warm-up noise
+        self.started = True
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        self.seen.append(request.request_id)
+        left = request.max_tokens
+        while left:
+            await asyncio.sleep(0.001)
+            n = min(4, left)
+            left -= n
+            self.collector.push(
+                StepStats(
+                    time_ns=1,
+                    has_iteration=True,
+                    generation_tokens=n,
+                    has_spec=True,
+                    spec_drafts=1,
+                    spec_draft_tokens=3,
+                    spec_accepted=n - 1,
+                    spec_accepted_per_pos=(1, 1, 0),
+                    spec_draft_tokens_per_pos=(1, 1, 1),
+                )
+            )
+            yield n
+
+    def process_ids(self) -> list[int]:
+        return [os.getpid()]
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+def config(tmp_path: Path, **over: object) -> Config:
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "w.safetensors").write_text("")
+    base: dict[str, object] = {
+        "run.duration": "3s",
+        "run.output_dir": str(tmp_path / "runs"),
+        "trace.format": "synthetic",
+        "trace.synthetic.rate_rps": 20.0,
+        "trace.synthetic.duration": "2s",
+        "trace.synthetic.output_tokens_mean": 8,
+        "trace.synthetic.output_tokens_max": 16,
+        "engine.model": str(tmp_path / "model"),
+        "replay.warmup_requests": 3,
+        "telemetry.interval": "0.5s",
+        "telemetry.collectors": ["host", "engine"],
+    }
+    base.update(over)
+    return load(None, base)
+
+
+async def test_a_soak_with_a_fake_engine(tmp_path: Path) -> None:
+    engines: list[StubEngine] = []
+
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+        engines.append(StubEngine(collector))
+        return engines[-1]
+
+    soak = Soak(config(tmp_path), engine_factory=factory)
+    result = await soak.run()
+    engine = engines[0]
+    assert engine.started and engine.stopped
+    warm = [r for r in engine.seen if "--1-" in r]
+    assert len(warm) == 3  # warm-up requests are sent, with their own salt (loop -1)
+    run_dir = result.run_dir
+    for name in ("meta.json", "verdict.json", "summary.json"):
+        assert (run_dir / name).is_file()
+    samples = list(iter_samples(run_dir / "spool"))
+    by: dict[str, list[Sample]] = {}
+    for s in samples:
+        by.setdefault(s.measurement, []).append(s)
+        assert s.tags["run_id"] == result.run_id and s.tags["host"]
+    requests = by["requests"]
+    assert len(requests) == result.summary["replay"]["scheduled"] > 0  # warm-up is not recorded
+    kinds = [s.tags["kind"] for s in by["events"]]
+    assert kinds[:3] == ["run_start", "engine_start", "warmup"] and kinds[-1] == "run_end"
+    # Engine telemetry carries the config tag and excludes the steps from before warm-up ended.
+    gen = sum(int(s.fields["generation_tokens"]) for s in by["engine"])
+    assert gen == result.summary["replay"]["output_tokens"]
+    assert all(s.tags["config"] == "cfg1" for s in by["engine"])
+    assert sum(int(s.fields["drafts"]) for s in by["spec_decode"]) > 0
+    assert "host" in by and "collector" in by and len(by["run"]) == 1
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert verdict["verdict"] == result.verdict.word == "PASS"
+    assert result.summary["points"] == {m: len(v) for m, v in by.items()}
+
+
+async def test_sigterm_stops_the_replay_and_still_judges(tmp_path: Path) -> None:
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+        return StubEngine(collector)
+
+    soak = Soak(config(tmp_path, **{"run.duration": "60s"}), engine_factory=factory)
+    loop = asyncio.get_running_loop()
+    loop.call_later(1.0, os.kill, os.getpid(), signal.SIGTERM)
+    result = await asyncio.wait_for(soak.run(), 30)
+    assert soak.interrupted
+    assert result.verdict.word == "FAIL"
+    failed = [c.name for c in result.verdict.criteria if not c.passed]
+    assert failed == ["duration_completed_s"]
+    assert json.loads((result.run_dir / "summary.json").read_text())["interrupted"] is True
+    loop.remove_signal_handler(signal.SIGTERM)
+
+
+def test_sample_writer_keeps_times_unique_per_series(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, 1 << 20, 1.0)
+    w = SampleWriter(spool, {"run_id": "r"}, wall_ns=lambda: 5)
+    w([Sample("m", {"a": 1}, 10), Sample("m", {"a": 2}, 10), Sample("m", {"a": 3}, 9)])
+    w([Sample("m", {"a": 4}, 10, tags={"x": "1"})])  # another series may share the time
+    w.event("k", "hello", n=1)
+    spool.close()
+    got = [(s.measurement, s.time_ns) for s in iter_samples(tmp_path)]
+    assert got == [("m", 10), ("m", 11), ("m", 12), ("m", 10), ("events", 5)]
+    assert w.counts == {"m": 4, "events": 1}
+
+
+def test_bad_trace_fails_before_anything_is_written(tmp_path: Path) -> None:
+    from soakd.errors import TraceError
+
+    bad = tmp_path / "t.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 0, "output_length": 1}\n')
+    with pytest.raises(TraceError):
+        Soak(config(tmp_path, **{"trace.format": "auto", "trace.path": str(bad)}))
+    assert not (tmp_path / "runs").exists()
