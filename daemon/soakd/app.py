@@ -288,6 +288,7 @@ class Soak:
                     {
                         "passed": int(verdict.passed),
                         "ran_s": ran_s,
+                        "planned_s": self.cfg.run.duration,
                         "requests": verdict.requests.scheduled,
                         "completed": verdict.requests.completed,
                         "failed": verdict.requests.failed,

@@ -24,6 +24,7 @@ class EngineCollector:
         self.cudagraphs = cudagraphs
         self.active = active
         """While False, steps are discarded: engine start-up and warm-up are not the soak's traffic."""
+        self._last_ns: int | None = None
         self.steps_total = 0
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
@@ -43,9 +44,16 @@ class EngineCollector:
             steps.append(self._steps.popleft())
         if not self.active:
             return []
+        last, self._last_ns = self._last_ns, now_ns
         tags = {"config": self.config_id} if self.config_id else {}
-        out = [Sample("engine", self._engine_fields(steps), now_ns, tags=dict(tags))]
+        fields = self._engine_fields(steps)
         spec = self._spec_fields(steps)
+        if last is not None:
+            # What the point's counts cover, so a dashboard computes rates as sum(x) / sum(interval_s).
+            fields["interval_s"] = (now_ns - last) / 1e9
+            if spec:
+                spec["interval_s"] = fields["interval_s"]
+        out = [Sample("engine", fields, now_ns, tags=dict(tags))]
         if spec:
             out.append(Sample("spec_decode", spec, now_ns, tags=dict(tags)))
         return out

@@ -1,0 +1,572 @@
+"""dashboards/soak.json and its provisioning files: the structure Grafana 11/12 loads, and every
+measurement, field and tag a query reads is one soakd writes.
+
+No Grafana can be installed here, so the dashboard is checked structurally. The schema is not a hand
+list: a short soak runs through soakd's own wiring (`Soak` with a stub engine that reports speculative
+decoding at every draft position and CUDA-graph steps, the real host collector, the collector runner,
+the sample writer and the spool), and the points it spools are the schema. Where InfluxDB 1.x is
+installed, an integration test also runs every query on it against those points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from soakd.app import Soak
+from soakd.collectors.engine import EngineCollector
+from soakd.config import Config, load, parse_duration
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.stats import StepStats
+from soakd.replay.clock import FakeClock
+from soakd.sinks.spool import iter_lines, iter_samples
+
+yaml = pytest.importorskip("yaml")  # PyYAML comes with vLLM
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "dashboards" / "soak.json"
+DATASOURCE_YAML = ROOT / "dashboards" / "provisioning" / "datasources" / "soakd.yaml"
+PROVIDER_YAML = ROOT / "dashboards" / "provisioning" / "dashboards" / "soakd.yaml"
+
+DS_REF = {"type": "influxdb", "uid": "${datasource}"}
+DRAFT_POSITIONS = 4  # the dashboard plots acceptance at positions 0-3
+STEP_S = 0.05  # virtual seconds per streamed delta of the stub engine
+# Host fields psutil provides only where the kernel reports them (no sensors in VMs and containers,
+# no cpufreq on some hypervisors): the dashboard may read them even when this machine writes none.
+HOST_OPTIONAL = {("host", "cpu_freq_mhz"), ("host", "temp_max_c")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the schema, from a soak through soakd's own code
+
+
+class _StubEngine:
+    """Streams tokens on the virtual clock and reports a step per delta with every stat soakd reads:
+    scheduler, prefix cache, speculative decoding at DRAFT_POSITIONS positions, CUDA graphs (graph and
+    NONE steps). Every fifth request fails, so `error` records are in the run too."""
+
+    def __init__(self, collector: EngineCollector, clock: FakeClock) -> None:
+        self.collector = collector
+        self.clock = clock
+        self.steps = 0
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            "stub",
+            "1",
+            "m",
+            "cfg1",
+            vocab_size=300,
+            reserved_ids=(0,),
+            max_model_len=4096,
+            speculative_tokens=DRAFT_POSITIONS,
+            cudagraphs=True,
+        )
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        if int(request.request_id.rsplit("-", 1)[1]) % 5 == 4:
+            raise RuntimeError("stub engine failure")
+        left = request.max_tokens
+        while left:
+            await self.clock.sleep_until(self.clock.monotonic() + STEP_S)
+            n = min(DRAFT_POSITIONS, left)
+            left -= n
+            self.steps += 1
+            self.collector.push(
+                StepStats(
+                    time_ns=self.clock.wall_ns(),
+                    running=1,
+                    waiting=1,
+                    kv_cache_usage=0.25,
+                    prefix_queries=32,
+                    prefix_hits=16,
+                    prompt_tokens=32,
+                    prompt_tokens_cached=16,
+                    generation_tokens=n,
+                    preempted=int(self.steps % 7 == 0),
+                    finished=int(left == 0),
+                    has_iteration=True,
+                    spec_drafts=1,
+                    spec_draft_tokens=DRAFT_POSITIONS,
+                    spec_accepted=n - 1,
+                    spec_accepted_per_pos=tuple(int(i < n - 1) for i in range(DRAFT_POSITIONS)),
+                    spec_draft_tokens_per_pos=(1,) * DRAFT_POSITIONS,
+                    has_spec=True,
+                    cg_mode="NONE" if self.steps % 3 == 0 else "FULL",
+                    cg_unpadded_tokens=n,
+                    cg_padded_tokens=8,
+                    cg_paddings=8 - n,
+                )
+            )
+            yield n
+
+    def process_ids(self) -> list[int]:
+        return [os.getpid()]
+
+    async def stop(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class SoakSchema:
+    """What one soak spooled: (measurement, field) and (measurement, tag) pairs, tag values, the lines."""
+
+    fields: frozenset[tuple[str, str]]
+    tags: frozenset[tuple[str, str]]
+    statuses: frozenset[str]
+    run_id: str
+    lines: tuple[str, ...]
+    first_ns: int
+    last_ns: int
+
+
+def _soak_config(tmp: Path) -> Config:
+    (tmp / "model").mkdir()
+    (tmp / "model" / "config.json").write_text("{}")
+    (tmp / "model" / "w.safetensors").write_text("")
+    return load(
+        None,
+        {
+            "run.duration": "3s",
+            "run.output_dir": str(tmp / "runs"),
+            "trace.format": "synthetic",
+            "trace.synthetic.rate_rps": 20.0,
+            "trace.synthetic.duration": "2s",
+            "trace.synthetic.output_tokens_mean": 8,
+            "trace.synthetic.output_tokens_max": 16,
+            "engine.model": str(tmp / "model"),
+            # One request at a time at ~5 per second against 20 arriving: some are shed.
+            "replay.max_concurrency": 1,
+            "replay.max_pending": 2,
+            "telemetry.collectors": ["host", "engine"],
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def schema(tmp_path_factory: pytest.TempPathFactory) -> SoakSchema:
+    tmp = tmp_path_factory.mktemp("soak")
+    clock = FakeClock(wall_start_ns=time.time_ns())
+
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> _StubEngine:
+        return _StubEngine(collector, clock)
+
+    result = asyncio.run(Soak(_soak_config(tmp), clock=clock, engine_factory=factory).run())
+    spool = result.run_dir / "spool"
+    fields: set[tuple[str, str]] = set()
+    tags: set[tuple[str, str]] = set()
+    statuses: set[str] = set()
+    times: list[int] = []
+    for sample in iter_samples(spool):
+        fields.update((sample.measurement, name) for name in sample.fields)
+        tags.update((sample.measurement, name) for name in sample.tags)
+        if sample.measurement == "requests":
+            statuses.add(sample.tags["status"])
+        times.append(sample.time_ns)
+    return SoakSchema(
+        frozenset(fields),
+        frozenset(tags),
+        frozenset(statuses),
+        result.run_id,
+        tuple(iter_lines(spool)),
+        min(times),
+        max(times),
+    )
+
+
+def test_the_schema_soak_covers_what_the_dashboard_shows(schema: SoakSchema) -> None:
+    # Guards the fixture itself: without these the checks below would pass vacuously.
+    assert schema.statuses == {"ok", "error", "shed"}
+    measurements = {m for m, _ in schema.fields}
+    assert {"requests", "engine", "spec_decode", "host", "collector", "events", "run"} <= measurements
+    assert ("engine", "cg_hit_rate") in schema.fields
+    assert ("spec_decode", f"accepted_pos{DRAFT_POSITIONS - 1}") in schema.fields
+    for measurement in measurements:
+        assert {(measurement, "run_id"), (measurement, "host")} <= schema.tags
+
+
+# ---------------------------------------------------------------------------------------------------
+# the dashboard
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    return doc
+
+
+def all_panels(dash: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dash["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # a collapsed row keeps its panels inside
+
+
+def content_panels(dash: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in all_panels(dash) if p["type"] != "row"]
+
+
+def panel_queries(dash: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for panel in content_panels(dash):
+        for target in panel["targets"]:
+            yield panel, target
+
+
+def annotation_queries(dash: dict[str, Any]) -> list[dict[str, Any]]:
+    return [a for a in dash["annotations"]["list"] if a.get("datasource", {}).get("type") == "influxdb"]
+
+
+def variable(dash: dict[str, Any], name: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [v for v in dash["templating"]["list"] if v["name"] == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
+def test_dashboard_identity_and_schema_version(dashboard: dict[str, Any]) -> None:
+    assert 39 <= dashboard["schemaVersion"] <= 42
+    assert dashboard["uid"] == "soakd-soak"
+    assert dashboard["title"] == "soakd: soak run"
+    assert dashboard["id"] is None  # provisioned: Grafana assigns the id
+
+
+def test_panel_ids_are_unique_and_the_grid_does_not_overlap(dashboard: dict[str, Any]) -> None:
+    panels = list(all_panels(dashboard))
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    boxes = []
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["y"] >= 0 and g["w"] >= 1 and g["h"] >= 1, p["title"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        boxes.append((p["title"], g["x"], g["y"], g["x"] + g["w"], g["y"] + g["h"]))
+    for i, (a, ax0, ay0, ax1, ay1) in enumerate(boxes):
+        for b, bx0, by0, bx1, by1 in boxes[i + 1 :]:
+            assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, f"{a!r} overlaps {b!r}"
+
+
+def rows(dash: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Row title -> the panels placed below it (up to the next row), in the order they are drawn."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    current: list[dict[str, Any]] = []
+    for panel in sorted(dash["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"])):
+        if panel["type"] == "row":
+            current = out.setdefault(panel["title"], list(panel.get("panels", [])))
+        else:
+            current.append(panel)
+    return out
+
+
+def test_rows_and_panels_are_the_brief(dashboard: dict[str, Any]) -> None:
+    assert dashboard["panels"][0]["type"] == "row"
+    by_row = rows(dashboard)
+    assert list(by_row) == [
+        "Overview",
+        "Latency",
+        "Throughput",
+        "Engine",
+        "Speculative decoding",
+        "Host",
+        "soakd health",
+    ]
+    assert all(by_row.values())
+    assert {p["type"] for p in by_row["Overview"]} == {"stat"}
+    assert [p["type"] for p in by_row["soakd health"]][-1] == "table"
+    assert {p["type"] for p in content_panels(dashboard)} == {"stat", "timeseries", "table"}
+
+
+def test_every_panel_says_what_it_shows_and_has_a_unit(dashboard: dict[str, Any]) -> None:
+    for panel in content_panels(dashboard):
+        desc = panel.get("description", "")
+        assert desc.strip() and "\n" not in desc, panel["title"]
+        assert panel["fieldConfig"]["defaults"].get("unit"), panel["title"]
+        assert panel["datasource"] == DS_REF, panel["title"]
+        assert panel["targets"], panel["title"]
+
+
+def test_every_target_is_influxql_for_one_run(dashboard: dict[str, Any]) -> None:
+    for panel, target in panel_queries(dashboard):
+        where = f"{panel['title']} {target['refId']}"
+        assert target["rawQuery"] is True, where
+        assert isinstance(target["query"], str), where
+        assert target["datasource"] == DS_REF, where
+        query = target["query"]
+        assert '"run_id" =~ /^$run_id$/' in query and "$timeFilter" in query, where
+        assert '"host" =~ /^$host$/' in query, where
+        if panel["type"] == "timeseries":
+            assert "GROUP BY time($__interval)" in query and query.endswith("fill(null)"), where
+        else:
+            # Stats and the events table read the whole range: a p99 per bucket is not the run's p99.
+            assert "GROUP BY time" not in query, where
+    for panel in content_panels(dashboard):
+        refs = [t["refId"] for t in panel["targets"]]
+        assert len(refs) == len(set(refs)), panel["title"]
+
+
+def test_per_second_rates_never_use_buckets_shorter_than_the_telemetry_interval(
+    dashboard: dict[str, Any],
+) -> None:
+    # engine/spec_decode points hold counts per telemetry interval: a sum over a bucket shorter than that
+    # interval, divided by the bucket, would multiply the rate (and empty buckets would alternate).
+    interval = load(None).telemetry.interval
+    rate_panels = [p for p, t in panel_queries(dashboard) if "$__interval_ms" in t["query"]]
+    assert rate_panels
+    for panel in rate_panels:
+        assert parse_duration(panel.get("interval", "0s")) >= interval, panel["title"]
+
+
+_RATIO = re.compile(r'sum\("([^"]+)"\)\s*/\s*sum\("([^"]+)"\)')
+
+
+def test_ratios_skip_intervals_with_nothing_to_divide(dashboard: dict[str, Any]) -> None:
+    # InfluxQL 1.x answers x / 0 with 0: an interval without drafts would read as 0% acceptance.
+    ratios = 0
+    for panel, target in panel_queries(dashboard):
+        for _, denominator in _RATIO.findall(target["query"]):
+            ratios += 1
+            assert f'"{denominator}" > 0' in target["query"], f"{panel['title']}: {denominator}"
+    assert ratios >= 6
+
+
+def test_overview_verdict_maps_passed_to_pass_and_fail(dashboard: dict[str, Any]) -> None:
+    verdict = next(p for p in content_panels(dashboard) if p["title"] == "Verdict")
+    assert 'FROM "run"' in verdict["targets"][0]["query"] and '"passed"' in verdict["targets"][0]["query"]
+    options = verdict["fieldConfig"]["defaults"]["mappings"][0]["options"]
+    assert options["1"]["text"] == "PASS" and options["1"]["color"] == "green"
+    assert options["0"]["text"] == "FAIL" and options["0"]["color"] == "red"
+
+
+def test_acceptance_covers_the_default_number_of_draft_tokens(dashboard: dict[str, Any]) -> None:
+    k = load(None).engine.speculative.num_speculative_tokens
+    text = json.dumps(dashboard)
+    for i in range(max(k, DRAFT_POSITIONS)):
+        assert f'sum(\\"accepted_pos{i}\\") / sum(\\"draft_tokens_pos{i}\\")' in text
+
+
+def test_variables_and_annotations(dashboard: dict[str, Any]) -> None:
+    ds = variable(dashboard, "datasource")
+    assert ds["type"] == "datasource" and ds["query"] == "influxdb"
+    run = variable(dashboard, "run_id")
+    assert run["type"] == "query" and run["datasource"] == DS_REF
+    assert run["query"].startswith("SHOW TAG VALUES FROM ") and 'WITH KEY = "run_id"' in run["query"]
+    assert run["sort"] == 2  # alphabetical descending: run ids start with their UTC time, newest first
+    assert not run["multi"] and not run["includeAll"]  # one run at a time
+    host = variable(dashboard, "host")
+    assert 'WITH KEY = "host"' in host["query"] and "$run_id" in host["query"]
+    (anno,) = annotation_queries(dashboard)
+    assert anno["datasource"] == DS_REF and anno["enable"] is True
+    for holder in (anno, anno["target"]):  # legacy keys and Grafana 10+'s migrated target agree
+        assert holder["query"] == anno["query"]
+        assert holder["textColumn"] == "message" and holder["tagsColumn"] == "kind"
+    assert 'FROM "events"' in anno["query"]
+    assert '"run_id" =~ /^$run_id$/' in anno["query"] and "$timeFilter" in anno["query"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# every measurement, field and tag a query reads is in the schema
+
+_AS = re.compile(r'\s+AS\s+"[^"]*"', re.IGNORECASE)
+_REGEX_LITERAL = re.compile(r"/\^[^/]*\$/")
+_STRING = re.compile(r"'[^']*'")
+_FROM = re.compile(r'\bFROM\s+"([^"]+)"', re.IGNORECASE)
+_GROUP_BY = re.compile(r"\bGROUP BY\s+(.*?)(?:\s+fill\(|\s+ORDER BY|\s+LIMIT|$)", re.IGNORECASE)
+_FUNC_ARG = re.compile(r'\b[a-z_]+\(\s*"([^"]+)"', re.IGNORECASE)
+_IDENT = re.compile(r'"([^"]+)"')
+_SHOW_TAG_KEY = re.compile(r'WITH KEY\s*=\s*"([^"]+)"', re.IGNORECASE)
+
+
+@dataclass
+class Refs:
+    measurement: str
+    fields: set[str]
+    """Identifiers inside functions: must be fields."""
+    tags: set[str]
+    """GROUP BY and SHOW TAG VALUES keys: must be tags."""
+    either: set[str]
+    """Raw SELECT columns and WHERE identifiers: a field or a tag."""
+
+
+def references(query: str) -> Refs:
+    """What an InfluxQL query reads. Aliases, regex literals and string literals are not references."""
+    text = _STRING.sub("''", _REGEX_LITERAL.sub("//", _AS.sub("", query)))
+    measurements = _FROM.findall(text)
+    assert len(measurements) == 1, f"one FROM per query (no subqueries): {query}"
+    text = _FROM.sub("", text)
+    tags: set[str] = set()
+    key = _SHOW_TAG_KEY.search(text)
+    if key:
+        tags.add(key.group(1))
+        text = _SHOW_TAG_KEY.sub("", text)
+    group = _GROUP_BY.search(text)
+    if group:
+        tags.update(name for name in _IDENT.findall(group.group(1)))
+        text = text[: group.start()] + text[group.end() :]
+    fields = set(_FUNC_ARG.findall(text))
+    either = set(_IDENT.findall(text)) - fields
+    return Refs(measurements[0], fields, tags, either)
+
+
+def test_the_reference_parser() -> None:
+    q = (
+        'SELECT sum("a") / sum("b") AS "rate", "kind" FROM "m" WHERE "run_id" =~ /^$run_id$/ AND "b" > 0 '
+        'AND "status" = \'ok\' AND $timeFilter GROUP BY time($__interval), "t" fill(null)'
+    )
+    r = references(q)
+    assert (r.measurement, r.fields, r.tags, r.either) == (
+        "m",
+        {"a", "b"},
+        {"t"},
+        {"kind", "run_id", "status"},
+    )
+    r = references('SHOW TAG VALUES FROM "events" WITH KEY = "host" WHERE "run_id" =~ /^$run_id$/')
+    assert (r.measurement, r.fields, r.tags, r.either) == ("events", set(), {"host"}, {"run_id"})
+
+
+def all_queries(dash: dict[str, Any]) -> list[tuple[str, str]]:
+    out = [(f"{p['title']} {t['refId']}", t["query"]) for p, t in panel_queries(dash)]
+    out += [(f"annotation {a['name']}", a["query"]) for a in annotation_queries(dash)]
+    out += [(f"annotation {a['name']} target", a["target"]["query"]) for a in annotation_queries(dash)]
+    out += [(f"variable {v['name']}", v["query"]) for v in dash["templating"]["list"] if v["type"] == "query"]
+    return out
+
+
+def test_every_measurement_field_and_tag_a_query_reads_is_written_by_soakd(
+    dashboard: dict[str, Any], schema: SoakSchema
+) -> None:
+    fields = schema.fields | HOST_OPTIONAL
+    measurements = {m for m, _ in schema.fields}
+    problems: list[str] = []
+    read: set[tuple[str, str]] = set()
+    for where, query in all_queries(dashboard):
+        refs = references(query)
+        m = refs.measurement
+        if m not in measurements:
+            problems.append(f"{where}: no measurement {m!r}")
+            continue
+        for name in refs.fields:
+            read.add((m, name))
+            if (m, name) not in fields:
+                problems.append(f"{where}: {m!r} has no field {name!r}")
+        for name in refs.tags:
+            if (m, name) not in schema.tags:
+                problems.append(f"{where}: {m!r} has no tag {name!r}")
+        for name in refs.either:
+            read.add((m, name))
+            if (m, name) not in fields and (m, name) not in schema.tags:
+                problems.append(f"{where}: {m!r} has no field or tag {name!r}")
+    assert not problems, "\n".join(problems)
+    # and the dashboard reads the headline of every measurement
+    for pair in [
+        ("requests", "ttft_s"),
+        ("requests", "tpot_s"),
+        ("engine", "generation_tokens"),
+        ("engine", "kv_cache_usage_max"),
+        ("spec_decode", "accepted"),
+        ("host", "engine_rss_bytes"),
+        ("collector", "duration_s"),
+        ("events", "message"),
+        ("run", "passed"),
+    ]:
+        assert pair in read, pair
+
+
+# ---------------------------------------------------------------------------------------------------
+# provisioning
+
+
+def test_datasource_provisioning_matches_the_dashboard_and_soakd(dashboard: dict[str, Any]) -> None:
+    doc = yaml.safe_load(DATASOURCE_YAML.read_text(encoding="utf-8"))
+    assert doc["apiVersion"] == 1
+    (ds,) = doc["datasources"]
+    assert ds["type"] == "influxdb"
+    assert ds["name"] == ds["uid"] == "soakd-influxdb"
+    assert variable(dashboard, "datasource")["current"]["value"] == ds["uid"]
+    defaults = load(None).sinks.influx
+    assert ds["url"] == defaults.url == "http://127.0.0.1:8086"
+    assert ds["jsonData"]["dbName"] == defaults.database
+    assert ds["jsonData"]["httpMode"] == "POST"
+    assert ds["jsonData"].get("version", "InfluxQL") == "InfluxQL"
+
+
+def test_dashboard_provider_provisioning() -> None:
+    doc = yaml.safe_load(PROVIDER_YAML.read_text(encoding="utf-8"))
+    assert doc["apiVersion"] == 1
+    (provider,) = doc["providers"]
+    assert provider["type"] == "file"
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards/soakd"
+    assert provider["options"]["foldersFromFilesStructure"] is False
+
+
+# ---------------------------------------------------------------------------------------------------
+# every query on a real InfluxDB 1.x, against the schema soak's points
+
+
+def _grafana_interpolate(query: str, run_id: str, start_ns: int, end_ns: int) -> str:
+    """What Grafana sends for this dashboard: one run, host All (allValue .*), a 1 s interval."""
+    return (
+        query.replace("$run_id", re.escape(run_id))
+        .replace("$host", ".*")
+        .replace("$timeFilter", f"time >= {start_ns // 1_000_000}ms and time <= {end_ns // 1_000_000}ms")
+        .replace("$__interval_ms", "1000")
+        .replace("$__interval", "1s")
+    )
+
+
+def _non_null_values(result: dict[str, Any]) -> int:
+    count = 0
+    for series in result.get("series", []):
+        for row in series["values"]:
+            count += sum(v is not None for v in row[1:])
+    return count
+
+
+@pytest.mark.integration
+def test_every_query_runs_on_influxdb_1x(
+    dashboard: dict[str, Any], schema: SoakSchema, tmp_path: Path
+) -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "integration"))
+    try:
+        import servers
+    finally:
+        sys.path.pop(0)
+    if not servers.binary_available(servers.INFLUXD):
+        if os.environ.get("SOAKD_REQUIRE_SERVERS") == "1":
+            pytest.fail(f"SOAKD_REQUIRE_SERVERS=1 but {servers.INFLUXD} not found", pytrace=False)
+        pytest.skip(f"{servers.INFLUXD} not found (apt-get install influxdb)")
+    server = servers.start_influxdb(tmp_path / "influxdb")
+    try:
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            client.post("/query", params={"q": "CREATE DATABASE soakd"}).raise_for_status()
+            body = "\n".join(schema.lines).encode()
+            client.post("/write", params={"db": "soakd", "precision": "ns"}, content=body).raise_for_status()
+            problems: list[str] = []
+            for where, query in all_queries(dashboard):
+                q = _grafana_interpolate(
+                    query, schema.run_id, schema.first_ns - 10**9, schema.last_ns + 10**9
+                )
+                reply = client.get("/query", params={"db": "soakd", "q": q}).json()
+                # A statement InfluxDB cannot parse fails the whole request; one it cannot run, its result.
+                result = reply["results"][0] if "results" in reply else reply
+                if "error" in result:
+                    problems.append(f"{where}: {result['error']}\n  {q}")
+                    continue
+                refs = references(query)
+                optional = {(refs.measurement, f) for f in refs.fields | refs.either} & HOST_OPTIONAL
+                if _non_null_values(result) == 0 and not (optional - schema.fields):
+                    problems.append(f"{where}: no data\n  {q}")
+            assert not problems, "\n".join(problems)
+    finally:
+        server.stop()
