@@ -113,11 +113,14 @@ async def test_v1_field_type_conflict_raises_with_server_message(influxdb: Serve
     await writer.aclose()
 
 
-async def test_v1_writer_against_a_missing_database_fails(influxdb: Server) -> None:
-    writer = V1Writer(influxdb.url, "never_created", timeout_s=5.0)
-    with pytest.raises(SinkError, match="database not found"):
-        await writer.write([f"m a=1i {BASE_NS}"])
+async def test_v1_writer_creates_a_missing_database(influxdb: Server) -> None:
+    db = "created_on_first_write"
+    shown = _query(influxdb, "", "SHOW DATABASES")
+    assert db not in {row[0] for row in shown[0].get("values", [])}
+    writer = V1Writer(influxdb.url, db, timeout_s=5.0)
+    await writer.write([f"engine tokens=5i {BASE_NS}"])
     await writer.aclose()
+    assert _count(influxdb, db) == 1
 
 
 async def test_server_outage_loses_nothing(tmp_path: Path, influxdb_starter: Callable[..., Server]) -> None:
