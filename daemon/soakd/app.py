@@ -11,7 +11,7 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,7 +29,7 @@ from soakd.collectors.host import HostCollector
 from soakd.collectors.runner import CollectorRunner
 from soakd.config import Config
 from soakd.engine.base import Engine
-from soakd.errors import ConfigError
+from soakd.errors import ConfigError, EngineError
 from soakd.logs import bind
 from soakd.metric import FieldValue, Sample
 from soakd.notify import notify, watchdog_interval_s
@@ -38,6 +38,7 @@ from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
+from soakd.report.criteria import RequestFolder
 from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, judge
 from soakd.report.verdict import Verdict, write_json_atomic
 from soakd.sinks.forwarder import Forwarder
@@ -47,10 +48,6 @@ from soakd.tinymodel import is_model_dir
 from soakd.traces.loader import Trace, open_trace
 
 log = structlog.get_logger(__name__)
-
-
-class _StoppedBeforeReplay(Exception):
-    """A stop signal arrived while the engine was starting: no replay, straight to the verdict."""
 
 
 class SampleWriter:
@@ -82,9 +79,12 @@ class SampleWriter:
         self._spool.write(out)
 
     def event(self, kind: str, message: str, **fields: FieldValue) -> None:
-        """An annotation: something soakd saw or did (Grafana draws these on every panel)."""
-        self([Sample("events", {"message": message, **fields}, self._wall_ns(), tags={"kind": kind})])
+        """An annotation: something soakd saw or did (Grafana draws these on every panel).
+
+        After the spool is closed (the very end of a run) events go to the log only."""
         log.info("event", kind=kind, message=message, **fields)
+        if not self._spool.closed:
+            self([Sample("events", {"message": message, **fields}, self._wall_ns(), tags={"kind": kind})])
 
 
 @dataclass(slots=True)
@@ -93,6 +93,8 @@ class RunResult:
     run_dir: Path
     verdict: Verdict
     summary: dict[str, Any]
+    error: str = ""
+    """Why the run ended early on its own (engine failure, trace changed); the CLI exits 3."""
 
 
 ProgressFn = Callable[[float, float, ReplayStats], None]
@@ -161,6 +163,7 @@ class Soak:
         self.run_dir = out_dir / self.run_id
         _check_writable(out_dir, cfg.source)
         self.interrupted = False
+        self.error = ""
         self._replayer: Replayer | None = None
         self.scheduler_missed = 0
         self._progress_start: float | None = None
@@ -206,71 +209,82 @@ class Soak:
         writer.event("run_start", f"soak {self.run_id} starting", planned_s=cfg.run.duration)
         notify(f"STATUS=starting engine ({cfg.engine.kind})")
         scheduler.start()
+        folder = RequestFolder()
         started = False
         t_run0 = t_run1 = self._clock.monotonic()
         stats = ReplayStats()
         try:
-            await engine.start()
-            started = True
-            if self.interrupted:
-                raise _StoppedBeforeReplay
-            info = engine.info
-            engine_collector.config_id = info.config_id
-            engine_collector.cudagraphs = info.cudagraphs
-            writer.event(
-                "engine_start",
-                f"{info.kind} {info.version} started in {info.start_s:.1f} s",
-                start_s=info.start_s,
-                config=info.config_id,
-            )
-            self._write_meta({"engine": asdict(info)})
-            prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
-            gate = AdmissionGate(cfg.replay.max_concurrency)
-            await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
-            engine_collector.activate()
-            summary = self.trace.summary
-            scheduled = schedule(
-                self.trace,
-                span_s=summary.span_s,
-                requests=summary.requests,
-                speed=cfg.replay.speed,
-                duration_s=cfg.run.duration,
-                loop=cfg.replay.loop,
-            )
+            try:
+                await engine.start()
+                started = True
+            except EngineError as err:
+                self.error = f"engine did not start: {err}"
+                writer.event("engine_error", self.error)
+            if started and not self.interrupted:
+                info = engine.info
+                engine_collector.config_id = info.config_id
+                engine_collector.cudagraphs = info.cudagraphs
+                writer.event(
+                    "engine_start",
+                    f"{info.kind} {info.version} started in {info.start_s:.1f} s",
+                    start_s=info.start_s,
+                    config=info.config_id,
+                )
+                self._write_meta({"engine": asdict(info)})
+                prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
+                gate = AdmissionGate(cfg.replay.max_concurrency)
+                await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
+                if "engine" in cfg.telemetry.collectors:
+                    engine_collector.activate()
+            if started and not self.interrupted and not self.error:
+                summary = self.trace.summary
+                scheduled = schedule(
+                    self.trace,
+                    span_s=summary.span_s,
+                    requests=summary.requests,
+                    speed=cfg.replay.speed,
+                    duration_s=cfg.run.duration,
+                    loop=cfg.replay.loop,
+                )
 
-            def on_record(record: RequestRecord) -> None:
-                writer([record.to_sample(self._clock.wall_ns())])
+                def on_record(record: RequestRecord) -> None:
+                    sample = record.to_sample(self._clock.wall_ns())
+                    folder.add(sample)  # the verdict counts it even if the disk refuses the line
+                    writer([sample])
 
-            self._replayer = Replayer(
-                engine,
-                scheduled,
-                prompts,
-                gate,
-                self._clock,
-                on_record,
-                run_tag=self.run_id[-4:],
-                max_pending=cfg.replay.max_pending,
-                max_model_len=info.max_model_len,
-                drain_timeout_s=cfg.replay.drain_timeout,
-                duration_s=cfg.run.duration,
-                seed=cfg.run.seed,
-            )
-            notify("READY=1\nSTATUS=replaying")
-            t_run0 = self._clock.monotonic()
-            self._progress_start = t_run0
-            stats = await self._replayer.run()
-            t_run1 = self._clock.monotonic()
-        except _StoppedBeforeReplay:
-            log.warning("stopped_before_replay")
+                self._replayer = Replayer(
+                    engine,
+                    scheduled,
+                    prompts,
+                    gate,
+                    self._clock,
+                    on_record,
+                    run_tag=self.run_id[-4:],
+                    max_pending=cfg.replay.max_pending,
+                    max_model_len=info.max_model_len,
+                    drain_timeout_s=cfg.replay.drain_timeout,
+                    duration_s=cfg.run.duration,
+                    seed=cfg.run.seed,
+                )
+                notify("READY=1\nSTATUS=replaying")
+                t_run0 = self._clock.monotonic()
+                self._progress_start = t_run0
+                stats = await self._replayer.run()
+                t_run1 = self._clock.monotonic()
+                if self._replayer.fatal:
+                    self.error = self._replayer.fatal
+                    writer.event("replay_error", f"replay ended early: {self.error}")
+            elif self.interrupted:
+                log.warning("stopped_before_replay")
         finally:
             notify("STOPPING=1\nSTATUS=stopping")
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tick_progress()
-            runner.run_once()  # the last interval's telemetry
-            scheduler.shutdown(wait=False)
+            # Each step on its own: one failing (a full disk, say) must not keep the engine running.
+            await self._guard("progress", self._tick_progress())
+            self._guard_sync("final_collect", runner.run_once)
+            self._guard_sync("scheduler", lambda: scheduler.shutdown(wait=False))
             if started:
-                await engine.stop()
-            runner.close()
+                await self._guard("engine_stop", engine.stop())
+            self._guard_sync("collectors_close", runner.close)
         ran_s = t_run1 - t_run0
         writer.event(
             "run_end",
@@ -279,39 +293,52 @@ class Soak:
             completed=stats.completed,
             failed=stats.failed,
         )
-        spool.flush(fsync=True)
-        verdict = self._verdict(ran_s)
-        writer(
-            [
-                Sample(
-                    "run",
-                    {
-                        "passed": int(verdict.passed),
-                        "ran_s": ran_s,
-                        "planned_s": self.cfg.run.duration,
-                        "requests": verdict.requests.scheduled,
-                        "completed": verdict.requests.completed,
-                        "failed": verdict.requests.failed,
-                    },
-                    self._clock.wall_ns(),
-                )
-            ]
+        verdict = judge(
+            self.run_dir,
+            self.run_id,
+            cfg.criteria,
+            ran_s=ran_s,
+            planned_s=cfg.run.duration,
+            interrupted=self.interrupted or bool(self.error),
+            requests=folder.summary(),
         )
-        spool.flush(fsync=True)
-        spool.close()
+        self._guard_sync(
+            "run_point",
+            lambda: writer(
+                [
+                    Sample(
+                        "run",
+                        {
+                            "passed": int(verdict.passed),
+                            "ran_s": ran_s,
+                            "planned_s": cfg.run.duration,
+                            "requests": verdict.requests.scheduled,
+                            "completed": verdict.requests.completed,
+                            "failed": verdict.requests.failed,
+                        },
+                        self._clock.wall_ns(),
+                    )
+                ]
+            ),
+        )
+        self._guard_sync("spool_flush", lambda: spool.flush(fsync=True))
         shipped_all = True
         if forwarder is not None:
             notify("STATUS=shipping spool to InfluxDB")
+            # Shipped before the spool closes, so outage/backfill events of this last stretch are kept.
             shipped_all = await forwarder.drain(cfg.sinks.influx.final_drain_timeout)
             if not shipped_all:
                 log.error(
                     "influx_backlog_left",
                     lines=forwarder.backlog_lines(),
-                    hint="the spool keeps them; rerun the forwarder with `soakd report --ship`",
+                    hint="the spool keeps them; ship them later with `soakd report RUN --ship`",
                 )
+            await self._guard("influx_close", forwarder.writer.aclose())
+        self._guard_sync("spool_close", spool.close)
         summary_doc = {
             "run_id": self.run_id,
             "verdict": verdict.word,
+            "error": self.error,
             "ran_s": ran_s,
             "interrupted": self.interrupted,
             "replay": asdict(stats),
@@ -340,8 +367,22 @@ class Soak:
             },
         }
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
-        notify(f"STATUS=done: {verdict.word}")
-        return RunResult(self.run_id, self.run_dir, verdict, summary_doc)
+        notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
+        return RunResult(self.run_id, self.run_dir, verdict, summary_doc, self.error)
+
+    async def _guard(self, step: str, coro: Coroutine[Any, Any, Any]) -> None:
+        """Await one shutdown step; log its failure and go on with the others."""
+        try:
+            await coro
+        # Shutdown must reach the verdict whatever one step raises; each failure is logged by name.
+        except Exception as err:  # noqa: BLE001
+            log.error("shutdown_step_failed", step=step, error=f"{type(err).__name__}: {err}")
+
+    def _guard_sync(self, step: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001  (same reason as _guard)
+            log.error("shutdown_step_failed", step=step, error=f"{type(err).__name__}: {err}")
 
     async def _warm_up(
         self,
@@ -372,6 +413,7 @@ class Soak:
             drain_timeout_s=self.cfg.engine.start_timeout,
             seed=self.cfg.run.seed,
         )
+        self._replayer = warm  # so a stop signal during warm-up ends it
         t0 = time.monotonic()
         stats = await warm.run()
         took = time.monotonic() - t0
@@ -381,16 +423,6 @@ class Soak:
             requests=len(records),
             failed=stats.failed,
             warmup_s=took,
-        )
-
-    def _verdict(self, ran_s: float) -> Verdict:
-        return judge(
-            self.run_dir,
-            self.run_id,
-            self.cfg.criteria,
-            ran_s=ran_s,
-            planned_s=self.cfg.run.duration,
-            interrupted=self.interrupted,
         )
 
     def _make_forwarder(self, writer: SampleWriter) -> Forwarder | None:

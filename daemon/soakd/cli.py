@@ -120,6 +120,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         _print_summary(result.summary, result.run_dir)
         print("\n".join(result.verdict.lines()))
+    if result.error:
+        # The verdict is written (FAIL), but the run did not end normally: not a plain FAIL.
+        print(f"soakd: run ended early: {result.error}", file=sys.stderr)
+        return EXIT_ERROR
     return result.verdict.exit_code
 
 
@@ -146,6 +150,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     base = _load_config(args.config, {}) if args.config else config.load(None)
     run_dir = find_run(args.run, base.resolve(base.run.output_dir))
     meta = read_json(run_dir / META_FILE)
+    if not isinstance(meta.get("config"), dict) or "run_id" not in meta:
+        raise UsageError("not a soakd run's metadata (no config or run_id)", file=run_dir / META_FILE)
     # Judge by the criteria the run was started with, unless asked to apply another config's.
     judged_by = base if args.config else config.Config.model_validate(meta["config"])
     criteria = judged_by.criteria

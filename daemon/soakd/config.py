@@ -53,7 +53,7 @@ class _Section(BaseModel):
 class RunConfig(_Section):
     """[run]: what this soak is called, how long it lasts, where its files go."""
 
-    name: str = "soak"
+    name: str = Field(default="soak", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     duration: Duration = Field(default=120.0, gt=0)
     output_dir: str = "runs"
     host: str = ""

@@ -159,3 +159,60 @@ def test_bad_trace_fails_before_anything_is_written(tmp_path: Path) -> None:
     with pytest.raises(TraceError):
         Soak(config(tmp_path, **{"trace.format": "auto", "trace.path": str(bad)}))
     assert not (tmp_path / "runs").exists()
+
+
+class FailingStart(StubEngine):
+    async def start(self) -> None:
+        from soakd.errors import EngineError
+
+        raise EngineError("no GPU memory left")
+
+
+class DyingEngine(StubEngine):
+    """Serves a few requests, then its engine core 'dies': every request raises EngineError."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        from soakd.errors import EngineError
+
+        if len(self.seen) >= 10:
+            raise EngineError("vLLM engine core died: test")
+        async for n in super().generate(request):
+            yield n
+
+
+async def test_engine_that_cannot_start_still_leaves_a_verdict(tmp_path: Path) -> None:
+    soak = Soak(config(tmp_path), engine_factory=lambda c, m, col: FailingStart(col))
+    result = await soak.run()
+    assert result.error.startswith("engine did not start: no GPU memory left")
+    assert result.verdict.word == "FAIL"
+    for name in ("verdict.json", "summary.json"):
+        assert (result.run_dir / name).is_file()
+    kinds = [s.tags["kind"] for s in iter_samples(result.run_dir / "spool", "events")]
+    assert "engine_error" in kinds and kinds[-1] == "run_end"
+
+
+async def test_engine_death_ends_the_replay_early_with_every_request_recorded(tmp_path: Path) -> None:
+    soak = Soak(
+        config(tmp_path, **{"run.duration": "30s"}), engine_factory=lambda c, m, col: DyingEngine(col)
+    )
+    result = await asyncio.wait_for(soak.run(), 20)
+    assert result.error.startswith("engine: vLLM engine core died")
+    assert result.summary["ran_s"] < 10
+    requests = list(iter_samples(result.run_dir / "spool", "requests"))
+    replay = result.summary["replay"]
+    assert len(requests) == replay["scheduled"] == replay["completed"] + replay["failed"] + replay["shed"]
+    assert result.verdict.word == "FAIL"
+
+
+async def test_stop_during_warm_up_skips_the_replay(tmp_path: Path) -> None:
+    class SlowWarm(StubEngine):
+        async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+            await asyncio.sleep(0.5)
+            async for n in super().generate(request):
+                yield n
+
+    soak = Soak(config(tmp_path, **{"run.duration": "30s"}), engine_factory=lambda c, m, col: SlowWarm(col))
+    asyncio.get_running_loop().call_later(0.2, soak._on_signal, "SIGTERM")
+    result = await asyncio.wait_for(soak.run(), 20)
+    assert soak.interrupted and result.summary["replay"]["scheduled"] == 0
+    assert result.verdict.word == "FAIL"

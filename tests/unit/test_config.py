@@ -110,3 +110,9 @@ def test_parse_duration(text: str | int, seconds: float) -> None:
 def test_parse_duration_rejects(bad: object) -> None:
     with pytest.raises(ValueError):
         config.parse_duration(bad)
+
+
+def test_run_name_must_be_a_plain_word() -> None:
+    with pytest.raises(ConfigError) as info:
+        config.load(None, {"run.name": "a/b"})
+    assert info.value.key == "run.name"

@@ -199,3 +199,34 @@ def test_record_sample_fields_and_status_tag() -> None:
     assert r.to_sample(1).tags == {"status": "shed"}
     r.error = "engine: x"
     assert r.to_sample(1).tags == {"status": "error"} and r.to_sample(1).fields["error"] == "engine: x"
+
+
+async def test_a_record_that_cannot_be_written_is_counted_once_and_reported() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock)
+    written: list[RequestRecord] = []
+
+    def flaky(record: RequestRecord) -> None:
+        if record.index == 1:
+            raise OSError(28, "No space left on device")
+        written.append(record)
+
+    span = 1.0
+    sched = schedule(
+        [spec(i, i * 0.5) for i in range(3)], span_s=span, requests=3, speed=1.0, duration_s=100, loop=False
+    )
+    rep = Replayer(
+        engine,
+        sched,
+        PromptSynth(100, 0, (0,)),
+        AdmissionGate(4),
+        clock,
+        flaky,
+        run_tag="t",
+        max_pending=10,
+        max_model_len=64,
+        drain_timeout_s=5,
+    )
+    stats = await rep.run()
+    assert stats.completed == 3 and stats.failed == 0  # counted once, as what it was
+    assert stats.records_lost == 1 and len(written) == 2

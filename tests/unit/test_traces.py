@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -139,6 +140,13 @@ def test_iterating_a_file_rewritten_after_validation_fails(tmp_path: Path) -> No
     _write(path, [HEADER, {"t": 0, "input_tokens": 3, "output_tokens": 1}, {"x": 1}])
     with pytest.raises(TraceError, match="changed since it was validated"):
         list(trace)
+
+
+def test_touching_the_file_does_not_count_as_a_change(tmp_path: Path) -> None:
+    path = _write(tmp_path / "n.jsonl", [HEADER, {"t": 0, "input_tokens": 3, "output_tokens": 1}])
+    trace = _open(path)
+    os.utime(path, (1, 1))
+    assert len(list(trace)) == 1
 
 
 # --- errors -----------------------------------------------------------------------------------------

@@ -69,3 +69,11 @@ def test_verdict_document_and_atomic_write(tmp_path: Path) -> None:
     assert doc["verdict"] == "PASS" and doc["exit_code"] == 0 and doc["requests"]["completed"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["verdict.json"]  # no temp file left behind
     assert v.lines()[0] == "PASS  run run-1"
+
+
+def test_an_interrupted_run_never_passes_the_duration_criterion() -> None:
+    cfg = load(None).criteria
+    s = summarize([req("ok") for _ in range(5)])
+    results = evaluate(cfg, s, ran_s=130, planned_s=120, interrupted=True)
+    dur = next(r for r in results if r.name == "duration_completed_s")
+    assert not dur.passed and dur.detail == "stopped before the end"

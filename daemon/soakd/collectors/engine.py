@@ -35,8 +35,11 @@ class EngineCollector:
         self.active = True
 
     def push(self, step: StepStats) -> None:
-        """Called once per engine step; deque.append is atomic, so any thread may call it."""
-        self._steps.append(step)
+        """Called once per engine step; deque.append is atomic, so any thread may call it.
+
+        While inactive the step is dropped at once, so nothing piles up when nobody collects."""
+        if self.active:
+            self._steps.append(step)
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
         steps: list[StepStats] = []

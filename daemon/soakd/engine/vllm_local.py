@@ -7,6 +7,7 @@ the differences between vLLM releases stay in one place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -93,6 +94,18 @@ def _make_logger_factory(sink: StepSink) -> Callable[[Any, int], Any]:
     return factory
 
 
+def _engine_dead_error() -> type[BaseException]:
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # a release without it: nothing to translate
+        return _NeverRaised
+    return EngineDeadError
+
+
+class _NeverRaised(Exception):
+    pass
+
+
 class VllmLocalEngine:
     """vLLM's AsyncLLM in this process (engine core and workers in child processes)."""
 
@@ -142,6 +155,10 @@ class VllmLocalEngine:
             tokenizer = await tokenizer
         special = tuple(sorted(int(i) for i in getattr(tokenizer, "all_special_ids", []) or []))
         vocab = int(vcfg.model_config.get_vocab_size())
+        # Models pad their embedding past the tokenizer's vocabulary (Qwen: 151936 vs 151665); ids in
+        # the padding are not real tokens and some releases reject them.
+        with contextlib.suppress(TypeError):
+            vocab = min(vocab, len(tokenizer))
         spec = vcfg.speculative_config
         comp = vcfg.compilation_config
         cg_mode = str(getattr(comp, "cudagraph_mode", "NONE"))
@@ -180,10 +197,14 @@ class VllmLocalEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
-        async for out in self._llm.generate(prompt, params, request_id=request.request_id):
-            n = sum(len(c.token_ids) for c in out.outputs)
-            if n:
-                yield n
+        try:
+            async for out in self._llm.generate(prompt, params, request_id=request.request_id):
+                n = sum(len(c.token_ids) for c in out.outputs)
+                if n:
+                    yield n
+        except _engine_dead_error() as err:
+            # One request failing is a result; the engine core dying ends the soak.
+            raise EngineError(f"vLLM engine core died: {err}") from err
 
     def process_ids(self) -> list[int]:
         me = psutil.Process()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import structlog
 
 from soakd.engine.base import Engine, GenerationRequest
+from soakd.errors import EngineError, SoakdError
 from soakd.metric import Sample
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock
@@ -53,6 +54,8 @@ class RequestRecord:
     """Output tokens asked for."""
     error: str = ""
     """Empty when the request completed with every token asked for."""
+    done: bool = False
+    """Set when the record has been counted and handed on (a request is counted exactly once)."""
 
     @property
     def ok(self) -> bool:
@@ -100,6 +103,8 @@ class ReplayStats:
     """Requests whose prompt was clipped to fit the engine's context."""
     lateness_max_s: float = 0.0
     """Worst pacer lateness seen."""
+    records_lost: int = 0
+    """Records that could not be written (e.g. the spool's disk was full); logged, never silent."""
     errors: dict[str, int] = field(default_factory=dict)
     """Error kinds and their counts."""
 
@@ -145,6 +150,8 @@ class Replayer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self.stats = ReplayStats()
+        self.fatal = ""
+        """Why the replay ended early on its own (the engine died, the trace changed); empty if not."""
 
     def stop(self) -> None:
         """Stop dispatching new requests; those in flight drain as at the normal end."""
@@ -160,7 +167,7 @@ class Replayer:
         wall0 = self._clock.wall_ns()
         stop_wait = asyncio.create_task(self._stop.wait())
         try:
-            for item in self._scheduled:
+            for item in self._iterate():
                 deadline = t0 + item.due_s
                 if self._clock.monotonic() < deadline:
                     sleeper = asyncio.create_task(self._clock.sleep_until(deadline))
@@ -179,6 +186,19 @@ class Replayer:
             stop_wait.cancel()
         await self._drain()
         return self.stats
+
+    def _iterate(self) -> Iterator[Scheduled]:
+        """The schedule; an error reading it (a trace changed mid-run) ends the replay, drained."""
+        try:
+            yield from self._scheduled
+        except SoakdError as err:
+            self._end(f"trace: {err}")
+
+    def _end(self, reason: str) -> None:
+        if not self.fatal:
+            self.fatal = reason
+            log.error("replay_ended_early", reason=reason)
+        self._stop.set()
 
     def _dispatch(self, item: Scheduled, deadline: float, due_wall_ns: int) -> None:
         stats = self.stats
@@ -217,6 +237,10 @@ class Replayer:
         except asyncio.CancelledError:
             self._finish(record, "aborted: replay ended")
             raise
+        except EngineError as err:
+            # The engine itself is gone: every later request would fail too, so the soak ends here.
+            self._finish(record, f"engine: {err}"[:200])
+            self._end(f"engine: {err}")
         # A failed request is a recorded result, never the end of the soak: this is the boundary
         # that contains whatever the engine raises for one request.
         except Exception as err:  # noqa: BLE001
@@ -272,6 +296,10 @@ class Replayer:
             self._finish(record, "")
 
     def _finish(self, record: RequestRecord, error: str) -> None:
+        """Count the request and hand its record on; never raises, so a request is counted once."""
+        if record.done:
+            return
+        record.done = True
         record.error = error
         stats = self.stats
         if not error:
@@ -282,7 +310,12 @@ class Replayer:
             stats.failed += 1
             kind = error.split(":", 1)[0]
             stats.errors[kind] = stats.errors.get(kind, 0) + 1
-        self._on_record(record)
+        try:
+            self._on_record(record)
+        except (OSError, ValueError) as err:
+            stats.records_lost += 1
+            if stats.records_lost == 1 or stats.records_lost % 1000 == 0:
+                log.error("record_not_written", error=str(err), lost=stats.records_lost)
 
     async def _drain(self) -> None:
         if not self._tasks:

@@ -8,7 +8,7 @@ from typing import Any
 
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
-from soakd.report.criteria import evaluate, summarize
+from soakd.report.criteria import RequestSummary, evaluate, summarize
 from soakd.report.verdict import VERDICT_FILE, Verdict, make_verdict, write_json_atomic
 from soakd.sinks.spool import iter_samples
 
@@ -57,10 +57,13 @@ def judge(
     ran_s: float,
     planned_s: float,
     interrupted: bool,
+    requests: RequestSummary | None = None,
 ) -> Verdict:
-    """Evaluate the criteria over the run's request records in its spool; write verdict.json."""
-    requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests"))
-    results = evaluate(criteria, requests, ran_s=ran_s, planned_s=planned_s)
+    """Evaluate the criteria over the run's request records (read from its spool unless `requests` is
+    given, already folded); write verdict.json."""
+    if requests is None:
+        requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests"))
+    results = evaluate(criteria, requests, ran_s=ran_s, planned_s=planned_s, interrupted=interrupted)
     verdict = make_verdict(
         run_id, results, requests, ran_s=ran_s, planned_s=planned_s, interrupted=interrupted
     )

@@ -78,6 +78,8 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
+        # mkstemp creates 0600; run files are for the reviewers too (the service's UMask still applies).
+        Path(tmp).chmod(0o644)
         Path(tmp).replace(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

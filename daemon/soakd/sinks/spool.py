@@ -135,6 +135,10 @@ class Spool:
         if fsync and self._dirty:
             self._fsync()
 
+    @property
+    def closed(self) -> bool:
+        return self._file is None
+
     def close(self) -> None:
         """Flush, fsync and close the current segment. Closing twice is harmless."""
         if self._file is None:

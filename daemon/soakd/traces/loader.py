@@ -87,15 +87,18 @@ def _synthetic(cfg: TraceConfig, seed: int) -> Trace:
     return Trace(summary, lambda: iter(specs))
 
 
-def _stamp(source: Traversable, name: str) -> tuple[int, int] | None:
-    """Size and modification time of a file on disk (None for a resource that is not a plain path)."""
+def _stamp(source: Traversable, name: str) -> int | None:
+    """Size of a file on disk (None for a resource that is not a plain path).
+
+    Size, not modification time: a `touch` or an rsync of the same content must not end a night's run.
+    """
     if not isinstance(source, Path):
         return None
     try:
         st = source.stat()
     except OSError as err:
         raise TraceError(f"cannot read: {err.strerror or err}", file=name) from None
-    return st.st_size, st.st_mtime_ns
+    return st.st_size
 
 
 def _open(source: Traversable, name: str) -> IO[bytes]:
