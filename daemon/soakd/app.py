@@ -164,6 +164,7 @@ class Soak:
         _check_writable(out_dir, cfg.source)
         self.interrupted = False
         self.error = ""
+        self.started_utc = datetime.now(UTC).isoformat()
         self._replayer: Replayer | None = None
         self.scheduler_missed = 0
         self._progress_start: float | None = None
@@ -175,7 +176,7 @@ class Soak:
             "host": self.host,
             "soakd_version": __version__,
             "python": platform.python_version(),
-            "started_utc": datetime.now(UTC).isoformat(),
+            "started_utc": self.started_utc,
             "config_source": self.cfg.source,
             "config": self.cfg.model_dump(mode="json"),
             "trace": asdict(self.trace.summary),
