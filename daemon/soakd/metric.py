@@ -95,12 +95,35 @@ def _decode_field(text: str) -> FieldValue:
     return float(text)
 
 
+def _parse_plain(line: str) -> Sample:
+    """Fast path for lines with no escapes and no string fields (most of a spool): plain splits."""
+    sections = line.split(" ")
+    if len(sections) != 3:
+        raise ValueError(f"expected 'measurement,tags fields time', got {len(sections)} parts")
+    head, body, ts = sections
+    head_parts = head.split(",")
+    tags: dict[str, str] = {}
+    for item in head_parts[1:]:
+        key, _, value = item.partition("=")
+        tags[key] = value
+    fields: dict[str, FieldValue] = {}
+    for item in body.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or "=" in value:
+            raise ValueError(f"bad field {item!r}")
+        fields[key] = _decode_field(value)
+    return Sample(measurement=head_parts[0], fields=fields, time_ns=int(ts), tags=tags)
+
+
 def parse_line(line: str) -> Sample:
     """Parse one line-protocol line written by `Sample.to_line` (used to read the spool back).
 
     Raises ValueError on a malformed line.
     """
-    sections = _split_unescaped(line.rstrip("\n"), " ")
+    line = line.rstrip("\n")
+    if "\\" not in line and '"' not in line:
+        return _parse_plain(line)
+    sections = _split_unescaped(line, " ")
     if len(sections) != 3:
         raise ValueError(f"expected 'measurement,tags fields time', got {len(sections)} parts")
     head, body, ts = sections

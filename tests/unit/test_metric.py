@@ -47,3 +47,20 @@ def test_parse_keeps_int_float_bool_distinct() -> None:
 def test_parse_rejects_malformed(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_line(bad)
+
+
+def test_fast_and_escaped_paths_agree() -> None:
+    samples = [
+        Sample("requests", {"ttft_s": 0.25, "index": i, "ok": True}, 10 + i, tags={"status": "ok"})
+        for i in range(50)
+    ] + [Sample("events", {"message": "a b, c", "n": 1}, 5, tags={"kind": "x y"})]
+    for s in samples:
+        line = s.to_line()
+        assert line is not None
+        back = parse_line(line)
+        assert (back.measurement, dict(back.tags), dict(back.fields), back.time_ns) == (
+            s.measurement,
+            dict(s.tags),
+            dict(s.fields),
+            s.time_ns,
+        )
