@@ -166,6 +166,7 @@ class Soak:
         self.error = ""
         self.started_utc = datetime.now(UTC).isoformat()
         self._replayer: Replayer | None = None
+        self._engine_started = False
         self.scheduler_missed = 0
         self._progress_start: float | None = None
         self.scheduler_errors = 0
@@ -189,6 +190,19 @@ class Soak:
         self.interrupted = True
         if self._replayer is not None:
             self._replayer.stop()
+        elif not self._engine_started:
+            # The engine's start cannot be cut short and may outlast the service manager's stop timeout:
+            # leave a verdict now (FAIL, stopped before replay); the normal end rewrites it if reached.
+            log.warning("stop_during_engine_start", hint="stopping once the engine is up")
+            judge(
+                self.run_dir,
+                self.run_id,
+                self.cfg.criteria,
+                ran_s=0.0,
+                planned_s=self.cfg.run.duration,
+                interrupted=True,
+                requests=RequestFolder().summary(),
+            )
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -217,7 +231,7 @@ class Soak:
         try:
             try:
                 await engine.start()
-                started = True
+                started = self._engine_started = True
             except EngineError as err:
                 self.error = f"engine did not start: {err}"
                 writer.event("engine_error", self.error)

@@ -216,3 +216,22 @@ async def test_stop_during_warm_up_skips_the_replay(tmp_path: Path) -> None:
     result = await asyncio.wait_for(soak.run(), 20)
     assert soak.interrupted and result.summary["replay"]["scheduled"] == 0
     assert result.verdict.word == "FAIL"
+
+
+async def test_stop_during_engine_start_leaves_a_verdict_at_once(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+
+    class SlowStart(StubEngine):
+        async def start(self) -> None:
+            await gate.wait()
+            await super().start()
+
+    soak = Soak(config(tmp_path, **{"run.duration": "30s"}), engine_factory=lambda c, m, col: SlowStart(col))
+    task = asyncio.create_task(soak.run())
+    await asyncio.sleep(0.2)
+    soak._on_signal("SIGTERM")
+    early = json.loads((soak.run_dir / "verdict.json").read_text())
+    assert early["verdict"] == "FAIL" and early["interrupted"] is True  # before the engine is even up
+    gate.set()
+    result = await asyncio.wait_for(task, 20)
+    assert result.summary["replay"]["scheduled"] == 0 and result.verdict.word == "FAIL"
