@@ -183,3 +183,15 @@ def test_steps_before_activation_are_discarded() -> None:
     c.push(step(generation_tokens=3, has_iteration=True))
     (engine,) = c.collect(2)
     assert engine.fields["generation_tokens"] == 3 and c.steps_total == 1
+
+
+def test_releases_without_per_position_draft_counts_fall_back_to_drafts() -> None:
+    @dataclass
+    class OldSpec:
+        num_drafts: int = 4
+        num_draft_tokens: int = 12
+        num_accepted_tokens: int = 6
+        num_accepted_tokens_per_pos: list[int] = field(default_factory=lambda: [3, 2, 1])
+
+    s = step_from_vllm(_Sched(spec_decoding_stats=OldSpec()), None, 1, 0)  # type: ignore[arg-type]
+    assert s.spec_draft_tokens_per_pos == (4, 4, 4)

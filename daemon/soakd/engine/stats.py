@@ -95,6 +95,10 @@ def step_from_vllm(
             step.spec_accepted = _int(sd, "num_accepted_tokens")
             step.spec_accepted_per_pos = _ints(sd, "num_accepted_tokens_per_pos")
             step.spec_draft_tokens_per_pos = _ints(sd, "num_draft_tokens_per_pos")
+            if not step.spec_draft_tokens_per_pos and step.spec_accepted_per_pos:
+                # Releases without per-position draft counts: divide by drafts, as vLLM's own log does
+                # (exact when every draft has k tokens; a lower bound of the rate otherwise).
+                step.spec_draft_tokens_per_pos = (step.spec_drafts,) * len(step.spec_accepted_per_pos)
         cg = getattr(scheduler_stats, "cudagraph_stats", None)
         if cg is not None:
             mode = getattr(cg, "runtime_mode", None)
