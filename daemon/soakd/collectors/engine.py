@@ -30,8 +30,7 @@ class EngineCollector:
         self.spec_accepted_total = 0
 
     def activate(self) -> None:
-        """From now on steps are traffic; whatever came before (start-up, warm-up) is dropped."""
-        self._steps.clear()
+        """From now on steps are traffic; those before (start-up, warm-up) were dropped by `push`."""
         self.active = True
 
     def push(self, step: StepStats) -> None:
@@ -42,11 +41,11 @@ class EngineCollector:
             self._steps.append(step)
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
+        if not self.active:
+            return []  # nothing was queued (push drops steps while inactive)
         steps: list[StepStats] = []
         while self._steps:
             steps.append(self._steps.popleft())
-        if not self.active:
-            return []
         last, self._last_ns = self._last_ns, now_ns
         tags = {"config": self.config_id} if self.config_id else {}
         fields = self._engine_fields(steps)
