@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from soakd.config import SyntheticTraceConfig
+from soakd.config import ArrivalConfig, SyntheticTraceConfig
 from soakd.traces import RequestSpec, synthesize
 from soakd.traces.mooncake import BLOCK_SIZE, record
 from soakd.traces.synth import PROMPT_POOL
@@ -28,8 +28,8 @@ SEED = 20251
 MIN_INPUT = 64  # below one block, so raising a prompt to this never changes its block count
 MIN_OUTPUT = 16
 
+ARRIVALS = ArrivalConfig(rate_rps=2.0)
 CONFIG = SyntheticTraceConfig(
-    rate_rps=2.0,
     duration=120.0,
     input_tokens_mean=360,
     input_tokens_max=900,
@@ -49,7 +49,7 @@ def demo_specs() -> list[RequestSpec]:
             input_tokens=max(spec.input_tokens, MIN_INPUT),
             output_tokens=max(spec.output_tokens, MIN_OUTPUT),
         )
-        for spec in synthesize(CONFIG, SEED)
+        for spec in synthesize(CONFIG, ARRIVALS, SEED)
     ]
 
 

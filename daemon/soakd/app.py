@@ -155,7 +155,7 @@ class Soak:
         self._clock = clock or SystemClock()
         self._engine_factory = engine_factory
         # Everything that can reject the input is checked here, before anything is written.
-        self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed)
+        self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
         self.model = resolve_model(cfg)
         self.run_id = new_run_id(cfg.run.name)
         self.host = cfg.run.host or socket.gethostname()

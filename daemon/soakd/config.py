@@ -60,10 +60,21 @@ class RunConfig(_Section):
     seed: int = 0
 
 
+class ArrivalConfig(_Section):
+    """[trace.arrivals]: arrival times for a synthetic trace and for formats that record none (ShareGPT)."""
+
+    process: Literal["poisson", "gamma", "constant"] = "poisson"
+    rate_rps: float = Field(default=2.0, gt=0)
+    burstiness: float = Field(default=1.0, gt=0)
+    diurnal_amplitude: float = Field(default=0.0, ge=0, lt=1)
+    diurnal_period: Duration = Field(default=86400.0, gt=0)
+    diurnal_peak: Duration = Field(default=0.0, ge=0)
+    think_time: Duration = Field(default=5.0, ge=0)
+
+
 class SyntheticTraceConfig(_Section):
     """[trace.synthetic]: a generated trace for users with no recorded traffic."""
 
-    rate_rps: float = Field(default=2.0, gt=0)
     duration: Duration = Field(default=60.0, gt=0)
     input_tokens_mean: int = Field(default=256, ge=1)
     input_tokens_max: int = Field(default=768, ge=1)
@@ -72,13 +83,26 @@ class SyntheticTraceConfig(_Section):
     prefix_share: float = Field(default=0.5, ge=0, le=1)
     prefix_blocks: int = Field(default=1, ge=0)
     block_size: int = Field(default=512, ge=1)
+    session_share: float = Field(default=0.0, ge=0, le=1)
+    turns_mean: float = Field(default=4.0, ge=1)
+    turns_max: int = Field(default=16, ge=1)
+    turn_input_tokens_mean: int = Field(default=64, ge=1)
+
+
+TraceFormat = Literal["auto", "native", "mooncake", "bailian", "azure", "burstgpt", "sharegpt", "synthetic"]
 
 
 class TraceConfig(_Section):
     """[trace]: the recorded traffic to replay."""
 
     path: str = ""
-    format: Literal["auto", "native", "mooncake", "synthetic"] = "auto"
+    format: TraceFormat = "auto"
+    skip_bad_rows: bool = False
+    sort: bool = False
+    block_size: int = Field(default=0, ge=0)
+    tokenizer: str = ""
+    default_output_tokens: int = Field(default=128, ge=1)
+    arrivals: ArrivalConfig = ArrivalConfig()
     synthetic: SyntheticTraceConfig = SyntheticTraceConfig()
 
 
@@ -96,7 +120,10 @@ class SpeculativeConfig(_Section):
 class EngineConfig(_Section):
     """[engine]: the vLLM engine under test."""
 
-    kind: Literal["vllm-local"] = "vllm-local"
+    kind: Literal["vllm-local", "openai"] = "vllm-local"
+    url: str = ""
+    api_key_env: str = "SOAKD_OPENAI_API_KEY"
+    served_model: str = ""
     model: str = "models/tiny"
     dtype: str = "bfloat16"
     max_model_len: int = Field(default=2048, ge=16)
@@ -117,6 +144,10 @@ class ReplayConfig(_Section):
     """[replay]: how the trace is paced and admitted."""
 
     speed: float = Field(default=1.0, gt=0)
+    start: Duration = Field(default=0.0, ge=0)
+    end: Duration = Field(default=0.0, ge=0)
+    rate_scale: float = Field(default=1.0, gt=0, le=64)
+    sessions: Literal["closed", "open"] = "closed"
     loop: bool = True
     warmup_requests: int = Field(default=8, ge=0)
     max_concurrency: int = Field(default=16, ge=1)

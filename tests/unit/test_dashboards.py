@@ -145,7 +145,7 @@ def _soak_config(tmp: Path) -> Config:
             "run.duration": "3s",
             "run.output_dir": str(tmp / "runs"),
             "trace.format": "synthetic",
-            "trace.synthetic.rate_rps": 20.0,
+            "trace.arrivals.rate_rps": 20.0,
             "trace.synthetic.duration": "2s",
             "trace.synthetic.output_tokens_mean": 8,
             "trace.synthetic.output_tokens_max": 16,

@@ -1,30 +1,59 @@
-"""Open the trace a run replays: find it, detect its format, validate it whole and summarise it.
+"""Open the trace a run replays: find it, detect its format, validate it whole, transform and summarise it.
 
 `open_trace` reads the whole file once, streaming, before the run starts, so a bad row fails the run
 at start-up with file, line and field, never hours in. The `Trace` it returns re-reads the file on each
-iteration instead of holding it, so memory stays flat however long the trace or the run.
+iteration instead of holding it, so memory stays flat however long the trace or the run (a trace sorted
+on request is the exception: it is held, sorted, in memory).
+
+Pipeline, the same for every format: the format's reader yields Rows (or a TraceError / Skip per row)
+-> bad rows raise, or are counted with `skip_bad_rows` -> arrival order is checked (or sorted on
+request) -> times become seconds from the first request, turns of a session without block ids get the
+previous turn's blocks as their prefix, requests are numbered -> the window and rate-scale transforms.
 """
 
 from __future__ import annotations
 
+import csv
+import gzip
 import hashlib
+import io
+import itertools
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import IO, Any
 
-from soakd.config import TraceConfig
+import structlog
+
+from soakd.config import ReplayConfig, TraceConfig
 from soakd.errors import TraceError
-from soakd.traces import mooncake, native
-from soakd.traces.model import RequestSpec, TraceSummary
+from soakd.traces import azure, bailian, burstgpt, mooncake, native, sharegpt
+from soakd.traces.model import RequestSpec, Row, Skip, TraceSummary, blocks_needed, show_number
 from soakd.traces.synth import synthesize
+
+log = structlog.get_logger(__name__)
 
 DEMO_RESOURCE = "data/demo_trace.jsonl"
 SYNTHETIC_PATH = "<synthetic>"
+DEFAULT_BLOCK_SIZE = 16  # for formats without block ids: vLLM's KV block size, so prefixes align
+FORMATS = ("native", "mooncake", "bailian", "azure", "burstgpt", "sharegpt")
+_TIME_KEYS = {
+    "native": native.TIME_KEY,
+    "mooncake": mooncake.TIME_KEY,
+    "bailian": bailian.TIME_KEY,
+    "azure": azure.TIME_KEY,
+    "burstgpt": burstgpt.TIME_KEY,
+    "sharegpt": sharegpt.TIME_KEY,
+}
+_MAX_CHAINS = 100_000  # sessions whose prefix blocks are remembered for their next turn
+_CHAIN_ID_BASE = 1 << 48  # block ids made up for session prefixes; far above any trace's own ids
+_BAD_EXAMPLES = 3
 
-_Rows = Iterator[tuple[int, dict[str, Any]]]
+_Items = Iterator[Row | TraceError | Skip]
 
 
 class Trace:
@@ -42,48 +71,140 @@ class Trace:
         return f"Trace({s.path!r}, format={s.format!r}, requests={s.requests})"
 
 
-def open_trace(cfg: TraceConfig, resolve: Callable[[str], Path], seed: int) -> Trace:
-    """Validate and summarise the trace `cfg` names; raises TraceError on the first bad row.
+@dataclass(frozen=True, slots=True)
+class Transforms:
+    """Replay-side changes to the trace itself (speed is applied by the pacer)."""
+
+    start_s: float = 0.0
+    end_s: float = 0.0  # 0: to the end of the trace
+    rate_scale: float = 1.0
+
+    @classmethod
+    def of(cls, replay: ReplayConfig | None) -> Transforms:
+        if replay is None:
+            return cls()
+        return cls(replay.start, replay.end, replay.rate_scale)
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.start_s:
+            out["start_s"] = self.start_s
+        if self.end_s:
+            out["end_s"] = self.end_s
+        if self.rate_scale != 1.0:
+            out["rate_scale"] = self.rate_scale
+        return out
+
+
+@dataclass(slots=True)
+class _Counts:
+    bad: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+    unsorted_at: TraceError | None = None
+
+
+def open_trace(
+    cfg: TraceConfig, resolve: Callable[[str], Path], seed: int, replay: ReplayConfig | None = None
+) -> Trace:
+    """Validate, transform and summarise the trace `cfg` names; raises TraceError on the first bad row.
 
     `cfg.path == ""` is the bundled demo trace. `resolve` turns a configured path into a real one
-    (relative to the config file). `seed` drives the synthetic format only.
+    (relative to the config file). `seed` drives generated times and synthetic traces; `replay`
+    carries the window and rate-scale transforms.
     """
+    transforms = Transforms.of(replay)
     if cfg.format == "synthetic":
-        return _synthetic(cfg, seed)
+        return _synthetic(cfg, seed, transforms)
     source: Traversable = resolve(cfg.path) if cfg.path else files("soakd").joinpath(DEMO_RESOURCE)
     name = str(source)
     stamp = _stamp(source, name)
-    fmt = cfg.format if cfg.format != "auto" else _detect(source, name)
+    fmt = cfg.format if cfg.format != "auto" else detect(source, name)
+    counter = _counter(cfg, resolve) if fmt == "sharegpt" else sharegpt.estimate_tokens
+    block_size = cfg.block_size or DEFAULT_BLOCK_SIZE
+
+    def items(on_bytes: Callable[[bytes], object] | None) -> _Items:
+        return _read(source, name, fmt, cfg, seed, counter, on_bytes)
+
     digest = hashlib.sha256()
+    counts = _Counts()
     tally = _Tally()
-    for spec in _read(source, name, fmt, digest.update):
+    rows = _checked(items(digest.update), name, fmt, cfg, counts, allow_unsorted=cfg.sort)
+    for spec in _transform(_specs(rows, block_size), transforms, seed):
         tally.add(spec)
+    held: list[RequestSpec] | None = None
+    if counts.unsorted_at is not None:
+        # Asked to sort, and needed: the only case where the trace is held in memory.
+        log.warning("trace_sorted_on_read", file=name, first_backwards=str(counts.unsorted_at))
+        unsorted = _checked(items(None), name, fmt, cfg, _Counts(), allow_unsorted=True)
+        ordered = sorted(unsorted, key=lambda r: r.t_s)
+        held = list(_transform(_specs(ordered, block_size), transforms, seed))
+        tally = _Tally()
+        for spec in held:
+            tally.add(spec)
     if tally.requests == 0:
-        raise TraceError("empty trace (no requests)", file=name)
-    summary = tally.summary(name, fmt, digest.hexdigest())
+        raise TraceError(_empty_reason(counts, transforms), file=name)
+    token_counts = "recorded"
+    if fmt == "sharegpt":
+        token_counts = f"tokenizer {cfg.tokenizer}" if cfg.tokenizer else "estimated (4 characters per token)"
+    summary = tally.summary(
+        name,
+        fmt,
+        digest.hexdigest(),
+        bad_rows=counts.bad,
+        skipped=counts.skipped,
+        sorted_on_read=held is not None,
+        token_counts=token_counts,
+        transforms=transforms.as_dict(),
+    )
+    if counts.bad:
+        log.warning("trace_bad_rows_skipped", file=name, bad_rows=counts.bad, first=counts.bad_examples)
+    if counts.skipped:
+        log.info("trace_rows_left_out", file=name, **counts.skipped)
+    if held is not None:
+        kept = held
+        return Trace(summary, lambda: iter(kept))
 
     def specs() -> Iterator[RequestSpec]:
         # A run that loops re-reads the file for hours; if someone rewrites it meanwhile, the replay
         # would no longer be the trace that was validated and summarised.
         if _stamp(source, name) != stamp:
             raise TraceError("changed since it was validated; restart the run", file=name)
-        return _read(source, name, fmt, None)
+        rows = _checked(items(None), name, fmt, cfg, _Counts(), allow_unsorted=False)
+        return _transform(_specs(rows, block_size), transforms, seed)
 
     return Trace(summary, specs)
 
 
-def _synthetic(cfg: TraceConfig, seed: int) -> Trace:
+def _empty_reason(counts: _Counts, transforms: Transforms) -> str:
+    if transforms.start_s or transforms.end_s or transforms.rate_scale < 1:
+        return f"no requests left after the replay window/rate scale {transforms.as_dict()}"
+    left_out = counts.bad + sum(counts.skipped.values())
+    if left_out:
+        return f"no usable requests ({left_out} rows left out)"
+    return "empty trace (no requests)"
+
+
+def _counter(cfg: TraceConfig, resolve: Callable[[str], Path]) -> sharegpt.Counter:
+    if not cfg.tokenizer:
+        return sharegpt.estimate_tokens
+    return sharegpt.tokenizer_counter(str(resolve(cfg.tokenizer)))
+
+
+def _synthetic(cfg: TraceConfig, seed: int, transforms: Transforms) -> Trace:
     # Small by construction (rate x duration), so held in memory; hashed as its native serialization
     # so that equal synthetic traces have equal digests.
-    specs = synthesize(cfg.synthetic, seed)
-    block_size = cfg.synthetic.block_size
+    base = synthesize(cfg.synthetic, cfg.arrivals, seed)
     digest = hashlib.sha256()
-    for line in native.lines(specs, block_size):
+    for line in native.lines(base, cfg.synthetic.block_size):
         digest.update(line.encode("utf-8"))
+    specs = list(_transform(iter(base), transforms, seed))
     tally = _Tally()
     for spec in specs:
         tally.add(spec)
-    summary = tally.summary(SYNTHETIC_PATH, "synthetic", digest.hexdigest())
+    if tally.requests == 0:
+        raise TraceError(_empty_reason(_Counts(), transforms), file=SYNTHETIC_PATH)
+    summary = tally.summary(SYNTHETIC_PATH, "synthetic", digest.hexdigest(), transforms=transforms.as_dict())
     return Trace(summary, lambda: iter(specs))
 
 
@@ -101,50 +222,119 @@ def _stamp(source: Traversable, name: str) -> int | None:
     return st.st_size
 
 
-def _open(source: Traversable, name: str) -> IO[bytes]:
+class _Tee(io.RawIOBase):
+    """A raw reader that shows every byte it reads to `on_bytes` (the trace digest sees the file bytes)."""
+
+    def __init__(self, raw: IO[bytes], on_bytes: Callable[[bytes], object]) -> None:
+        self._raw = raw
+        self._on_bytes = on_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._raw.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data
+        self._on_bytes(data)
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _open(source: Traversable, name: str, on_bytes: Callable[[bytes], object] | None) -> IO[bytes]:
+    """The file's (decompressed) bytes; `on_bytes` sees the bytes as stored."""
     try:
-        fh: IO[bytes] = source.open("rb")
+        raw: IO[bytes] = source.open("rb")
     except OSError as err:
         raise TraceError(f"cannot read: {err.strerror or err}", file=name) from None
-    return fh
+    stream: IO[bytes] = raw if on_bytes is None else io.BufferedReader(_Tee(raw, on_bytes), 1 << 16)
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
+    return stream
 
 
-def _detect(source: Traversable, name: str) -> str:
-    """ "native" or "mooncake", from the first JSON row."""
-    with _open(source, name) as fh:
-        first = next(_rows(fh, name, None), None)
-    if first is None:
+def detect(source: Traversable, name: str) -> str:
+    """The format of a trace file, from its first row (or first array element, or CSV header)."""
+    with _open(source, name, None) as fh:
+        try:
+            head = fh.read(1 << 16)
+        except (OSError, EOFError, gzip.BadGzipFile) as err:
+            raise TraceError(f"cannot read: {err}", file=name) from None
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not text:
         raise TraceError("empty trace (no requests)", file=name)
-    line, row = first
-    if native.is_header(row):
-        return "native"
-    if mooncake.looks_like(row):
-        return "mooncake"
+    first_line_no = head[: len(head) - len(text)].count(b"\n") + 1
+    if text.startswith(b"["):
+        with _open(source, name, None) as fh:
+            _, first = sharegpt.first_item(fh)
+        if sharegpt.looks_like(first):
+            return "sharegpt"
+        raise TraceError("a JSON array, but its first element is not a conversation", file=name)
+    first_line = text.split(b"\n", 1)[0]
+    if text.startswith(b"{"):
+        try:
+            row = json.loads(first_line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            if native.is_header(row):
+                return "native"
+            if bailian.looks_like(row):
+                return "bailian"
+            if mooncake.looks_like(row):
+                return "mooncake"
+            if sharegpt.looks_like(row):
+                return "sharegpt"
+    else:
+        header = next(csv.reader([first_line.decode("utf-8", "replace")]), [])
+        if azure.looks_like(header):
+            return "azure"
+        if burstgpt.looks_like(header):
+            return "burstgpt"
     raise TraceError(
-        'cannot tell the format: expected a header {"format": "soakd-trace", ...} or the Mooncake fields '
-        "timestamp, input_length, output_length (or set trace.format)",
+        "cannot tell the format from the first row (expected a soakd-trace header, Mooncake or Bailian "
+        "JSON lines, an Azure or BurstGPT CSV header, or ShareGPT conversations); set trace.format",
         file=name,
-        line=line,
+        line=first_line_no,
     )
 
 
 def _read(
-    source: Traversable, name: str, fmt: str, on_bytes: Callable[[bytes], object] | None
-) -> Iterator[RequestSpec]:
-    """The specs of a file in format `fmt`, streamed; `on_bytes` (a digest's update) sees every byte."""
-    parse = native.parse if fmt == "native" else mooncake.parse
-    with _open(source, name) as fh:
+    source: Traversable,
+    name: str,
+    fmt: str,
+    cfg: TraceConfig,
+    seed: int,
+    counter: sharegpt.Counter,
+    on_bytes: Callable[[bytes], object] | None,
+) -> _Items:
+    """The rows of a file in format `fmt`, streamed; `on_bytes` (a digest's update) sees every byte."""
+    with _open(source, name, on_bytes) as fh:
         try:
-            yield from parse(_rows(fh, name, on_bytes), name)
-        except OSError as err:
-            raise TraceError(f"cannot read: {err.strerror or err}", file=name) from None
+            if fmt in ("azure", "burstgpt"):
+                text = io.TextIOWrapper(fh, encoding="utf-8-sig", newline="")
+                reader = azure.read if fmt == "azure" else burstgpt.read
+                yield from reader(text, name)
+            elif fmt == "sharegpt":
+                opts = sharegpt.Options(cfg.arrivals, seed, cfg.default_output_tokens, counter)
+                yield from sharegpt.read(fh, name, opts)
+            else:
+                parse = {"native": native.read, "mooncake": mooncake.read, "bailian": bailian.read}[fmt]
+                yield from parse(_json_rows(fh, name), name)
+        except UnicodeDecodeError:
+            raise TraceError("not UTF-8 text", file=name) from None
+        except csv.Error as err:
+            raise TraceError(f"not CSV: {err}", file=name) from None
+        except (OSError, EOFError, gzip.BadGzipFile) as err:
+            raise TraceError(f"cannot read: {getattr(err, 'strerror', None) or err}", file=name) from None
 
 
-def _rows(fh: Iterable[bytes], name: str, on_bytes: Callable[[bytes], object] | None) -> _Rows:
+def _json_rows(fh: Iterable[bytes], name: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line, object) for each non-blank line; TraceError for text that is not a JSON object."""
     for line, raw in enumerate(fh, start=1):
-        if on_bytes is not None:
-            on_bytes(raw)
         if not raw.strip():
             continue
         try:
@@ -161,6 +351,128 @@ def _rows(fh: Iterable[bytes], name: str, on_bytes: Callable[[bytes], object] | 
         yield line, obj
 
 
+def _checked(
+    items: _Items, name: str, fmt: str, cfg: TraceConfig, counts: _Counts, *, allow_unsorted: bool
+) -> Iterator[Row]:
+    """Good rows only: bad ones raise (or are counted with skip_bad_rows); arrival order is enforced."""
+    prev: float | None = None
+    for item in items:
+        if isinstance(item, Row):
+            if prev is not None and item.t_s < prev:
+                err = TraceError(
+                    f"timestamp goes backwards ({show_number(item.t_s)} s < {show_number(prev)} s); "
+                    "set trace.sort = true to sort on read",
+                    file=name,
+                    line=item.line or None,
+                    key=_TIME_KEYS[fmt],
+                )
+                if not allow_unsorted:
+                    raise err
+                if counts.unsorted_at is None:
+                    counts.unsorted_at = err
+            prev = item.t_s if prev is None else max(prev, item.t_s)
+            yield item
+        elif isinstance(item, Skip):
+            counts.skipped[item.reason] = counts.skipped.get(item.reason, 0) + 1
+        else:
+            if not cfg.skip_bad_rows:
+                raise item
+            counts.bad += 1
+            if len(counts.bad_examples) < _BAD_EXAMPLES:
+                counts.bad_examples.append(str(item))
+
+
+def _specs(rows: Iterable[Row], default_block_size: int) -> Iterator[RequestSpec]:
+    """RequestSpecs: times from the first row, numbered, session turns chained onto their predecessors.
+
+    A turn of a session without block ids of its own gets the previous turn's prompt blocks as its
+    prefix (and fresh blocks for the rest), so its prompt starts with the previous prompt token for
+    token and the prefix cache can hit, as it does in a real conversation.
+    """
+    chains: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+    next_id = _CHAIN_ID_BASE
+    first: float | None = None
+    for index, row in enumerate(rows):
+        if first is None:
+            first = row.t_s
+        block_size = row.block_size or default_block_size
+        hash_ids = row.hash_ids
+        if row.session and not hash_ids:
+            needed = blocks_needed(row.input_tokens, block_size)
+            prefix = chains.get(row.session, ())[:needed]
+            fresh = needed - len(prefix)
+            hash_ids = prefix + tuple(range(next_id, next_id + fresh))
+            next_id += fresh
+            chains[row.session] = hash_ids
+            chains.move_to_end(row.session)
+            if len(chains) > _MAX_CHAINS:
+                chains.popitem(last=False)
+        yield RequestSpec(
+            index=index,
+            arrival_s=row.t_s - first,
+            input_tokens=row.input_tokens,
+            output_tokens=row.output_tokens,
+            block_size=block_size,
+            hash_ids=hash_ids,
+            session=row.session,
+            turn=row.turn,
+            line=row.line,
+            images=row.images,
+            sampling=row.sampling,
+        )
+
+
+def _transform(specs: Iterator[RequestSpec], transforms: Transforms, seed: int) -> Iterator[RequestSpec]:
+    """The replay window (trace seconds [start, end), shifted to 0), then rate scaling."""
+    start, end = transforms.start_s, transforms.end_s
+    if start or end:
+        specs = (
+            replace(s, arrival_s=s.arrival_s - start)
+            for s in specs
+            if s.arrival_s >= start and (not end or s.arrival_s < end)
+        )
+    if transforms.rate_scale != 1.0:
+        specs = _rate_scaled(specs, transforms.rate_scale, seed)
+    return specs
+
+
+def _rate_scaled(specs: Iterator[RequestSpec], scale: float, seed: int) -> Iterator[RequestSpec]:
+    """Each request (each whole session) `scale` times on average, the copies spread over the next gap.
+
+    A request is kept floor(scale) times, plus once more with probability frac(scale), decided by a
+    hash of (seed, session or request) so a session is kept or dropped whole. Copy c > 0 gets its own
+    session name and prompt salt (an independent conversation of the same shape) and arrives at a
+    seeded point between its original and the next request, so order holds and no burst of identical
+    arrivals is made up.
+    """
+    whole = int(scale)
+    frac = scale - whole
+    salt = seed.to_bytes(16, "little", signed=True)
+    a, b = itertools.tee(specs)
+    next(b, None)
+    for spec, after in itertools.zip_longest(a, b):
+        key = (spec.session or f"#{spec.index}").encode()
+        copies = whole + (_unit(salt, key, -1) < frac)
+        gap = after.arrival_s - spec.arrival_s if after is not None else 0.0
+        out = [
+            replace(
+                spec,
+                copy=c,
+                arrival_s=spec.arrival_s + (_unit(salt, key, c) * gap if c else 0.0),
+                session=f"{spec.session}~{c}" if spec.session and c else spec.session,
+            )
+            for c in range(copies)
+        ]
+        out.sort(key=lambda s: s.arrival_s)
+        yield from out
+
+
+def _unit(salt: bytes, key: bytes, n: int) -> float:
+    """A uniform number in [0, 1) fixed by (salt, key, n)."""
+    h = hashlib.blake2b(key + n.to_bytes(4, "little", signed=True), digest_size=8, key=salt)
+    return int.from_bytes(h.digest(), "little") / 2**64
+
+
 class _Tally:
     """Running totals for a TraceSummary, fed one spec at a time (memory: one int per distinct block)."""
 
@@ -172,6 +484,8 @@ class _Tally:
         self.blocks: set[int] = set()
         self.last_arrival = 0.0
         self.block_size = 0
+        self.sessions: set[str] = set()
+        self.turns_max = 0
 
     def add(self, spec: RequestSpec) -> None:
         if self.requests == 0:
@@ -182,8 +496,22 @@ class _Tally:
         self.total_blocks += len(spec.hash_ids)
         self.blocks.update(spec.hash_ids)
         self.last_arrival = spec.arrival_s
+        if spec.session and spec.turn > 0:
+            self.sessions.add(spec.session)
+            self.turns_max = max(self.turns_max, spec.turn + 1)
 
-    def summary(self, path: str, fmt: str, sha256: str) -> TraceSummary:
+    def summary(
+        self,
+        path: str,
+        fmt: str,
+        sha256: str,
+        *,
+        bad_rows: int = 0,
+        skipped: dict[str, int] | None = None,
+        sorted_on_read: bool = False,
+        token_counts: str = "recorded",
+        transforms: dict[str, float] | None = None,
+    ) -> TraceSummary:
         unique = len(self.blocks)
         return TraceSummary(
             path=path,
@@ -196,4 +524,11 @@ class _Tally:
             block_size=self.block_size,
             unique_blocks=unique,
             block_reuse_ratio=1.0 - unique / self.total_blocks if self.total_blocks else 0.0,
+            sessions=len(self.sessions),
+            turns_max=self.turns_max,
+            bad_rows=bad_rows,
+            skipped_rows=dict(skipped or {}),
+            sorted_on_read=sorted_on_read,
+            token_counts=token_counts,
+            transforms=dict(transforms or {}),
         )

@@ -1,13 +1,14 @@
 """What a trace is once read: the request and summary types, and the field checks every reader shares.
 
-Each trace format (native, Mooncake, synthetic) turns its rows into `RequestSpec`s; the checks here make
-every format fail the same way, with a `TraceError` naming file, 1-based line and field.
+Each trace format reader turns its rows into `Row`s (or a `TraceError` / `Skip` for a row it cannot
+use); the loader turns rows into `RequestSpec`s. The checks here make every format fail the same way,
+with a `TraceError` naming file, 1-based line and field.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from soakd.errors import TraceError
@@ -27,6 +28,34 @@ class RequestSpec:
     session: str = ""  # multi-turn session id ("" = none)
     turn: int = 0
     line: int = 0  # 1-based source line, for messages
+    images: int = 0  # images attached to the request (metadata: replay sends text tokens only)
+    # Sampling parameters recorded with the request (name, value), e.g. (("temperature", 0.7),).
+    sampling: tuple[tuple[str, float], ...] = ()
+    copy: int = 0  # > 0: an extra copy made by rate scaling (its prompts are salted apart)
+
+
+@dataclass(slots=True)
+class Row:
+    """One request as a format reader saw it, before the loader times, chains and numbers it."""
+
+    line: int  # 1-based source line (0 when the format has no lines)
+    t_s: float  # arrival in the file's own clock, seconds (any origin; the loader subtracts the first)
+    input_tokens: int
+    output_tokens: int
+    block_size: int
+    hash_ids: tuple[int, ...] = ()
+    session: str = ""
+    turn: int = 0
+    images: int = 0
+    sampling: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """A row the format itself says to leave out (e.g. a BurstGPT failure with 0 response tokens)."""
+
+    line: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +72,13 @@ class TraceSummary:
     block_size: int
     unique_blocks: int
     block_reuse_ratio: float  # 1 - unique_blocks / total_blocks (0 when no blocks)
+    sessions: int = 0  # distinct multi-turn sessions
+    turns_max: int = 0  # most turns seen in one session
+    bad_rows: int = 0  # rows left out by skip_bad_rows
+    skipped_rows: dict[str, int] = field(default_factory=dict)  # rows the format leaves out, by reason
+    sorted_on_read: bool = False  # the file's timestamps went backwards and were sorted on request
+    token_counts: str = "recorded"  # "recorded", or how they were derived (estimated, tokenizer)
+    transforms: dict[str, float] = field(default_factory=dict)  # window, rate scale (speed is replay's)
 
 
 def show_number(x: float) -> str:
@@ -143,3 +179,57 @@ def _json_type(value: object) -> str:
     if isinstance(value, list):
         return "array"
     return "object"
+
+
+class CsvRow:
+    """Typed access to the cells of one CSV row by column name; failures are TraceErrors like RowReader's."""
+
+    __slots__ = ("cells", "columns", "file", "line")
+
+    def __init__(self, cells: list[str], columns: dict[str, int], file: str, line: int) -> None:
+        self.cells = cells
+        self.columns = columns
+        self.file = file
+        self.line = line
+
+    def error(self, reason: str, key: str | None = None) -> TraceError:
+        return TraceError(reason, file=self.file, line=self.line, key=key)
+
+    def text(self, key: str) -> str:
+        index = self.columns[key]
+        if index >= len(self.cells):
+            raise self.error(f"missing (the row has {len(self.cells)} columns)", key)
+        return self.cells[index].strip()
+
+    def optional(self, key: str) -> str:
+        """The cell of an optional column ("" when the file has no such column)."""
+        return self.text(key) if key in self.columns else ""
+
+    def integer(self, key: str, *, minimum: int | None = None) -> int:
+        raw = self.text(key)
+        try:
+            value = int(raw)
+        except ValueError:
+            # Some exports write counts as floats ("52.0"); a whole float is still a count.
+            try:
+                as_float = float(raw)
+            except ValueError:
+                raise self.error(f"expected an integer, got {raw[:40]!r}", key) from None
+            if not as_float.is_integer():
+                raise self.error(f"expected an integer, got {raw[:40]!r}", key) from None
+            value = int(as_float)
+        if minimum is not None and value < minimum:
+            raise self.error(f"must be >= {minimum}, got {value}", key)
+        return value
+
+    def number(self, key: str, *, minimum: float | None = None) -> float:
+        raw = self.text(key)
+        try:
+            value = float(raw)
+        except ValueError:
+            raise self.error(f"expected a number, got {raw[:40]!r}", key) from None
+        if not math.isfinite(value):
+            raise self.error(f"expected a finite number, got {raw[:40]!r}", key)
+        if minimum is not None and value < minimum:
+            raise self.error(f"must be >= {minimum:g}, got {value:g}", key)
+        return value

@@ -19,43 +19,36 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from soakd.traces.model import RequestSpec, RowReader, show_number
+from soakd.errors import TraceError
+from soakd.traces.model import RequestSpec, Row, RowReader, Skip
 
+NAME = "mooncake"
 BLOCK_SIZE = 512
+TIME_KEY = "timestamp"
+TIME_SCALE = 1000.0  # file units per second
 _FIELDS = ("timestamp", "input_length", "output_length")
 
 
 def looks_like(row: dict[str, Any]) -> bool:
     """Whether a first JSON row has the Mooncake fields (auto-detection)."""
-    return all(key in row for key in _FIELDS)
+    return all(key in row for key in _FIELDS) and "chat_id" not in row
 
 
-def parse(rows: Iterable[tuple[int, dict[str, Any]]], file: str) -> Iterator[RequestSpec]:
-    """Specs from the (line, object) rows of a Mooncake file; raises TraceError on the first bad row."""
-    first_ms = 0.0
-    prev_ms = 0.0
-    for index, (line, obj) in enumerate(rows):
+def read(rows: Iterable[tuple[int, dict[str, Any]]], file: str) -> Iterator[Row | TraceError | Skip]:
+    """A Row per (line, object) of a Mooncake file, or the TraceError of a bad row."""
+    for line, obj in rows:
         r = RowReader(obj, file, line)
-        ms = r.number("timestamp")
-        if index == 0:
-            first_ms = ms
-        elif ms < prev_ms:
-            raise r.error(
-                f"timestamp goes backwards ({show_number(ms)} < {show_number(prev_ms)})", "timestamp"
-            )
-        prev_ms = ms
-        input_tokens = r.integer("input_length", minimum=1)
-        yield RequestSpec(
-            index=index,
-            arrival_s=(ms - first_ms) / 1000.0,
-            input_tokens=input_tokens,
-            output_tokens=r.integer("output_length", minimum=1),
-            block_size=BLOCK_SIZE,
-            hash_ids=r.hash_ids(
+        try:
+            ms = r.number("timestamp")
+            input_tokens = r.integer("input_length", minimum=1)
+            output_tokens = r.integer("output_length", minimum=1)
+            hash_ids = r.hash_ids(
                 "hash_ids", input_tokens=input_tokens, input_key="input_length", block_size=BLOCK_SIZE
-            ),
-            line=line,
-        )
+            )
+        except TraceError as err:
+            yield err
+            continue
+        yield Row(line, ms / TIME_SCALE, input_tokens, output_tokens, BLOCK_SIZE, hash_ids)
 
 
 def record(spec: RequestSpec) -> dict[str, Any]:

@@ -23,6 +23,12 @@ Every following line is one request, in arrival order:
   (or []): the prompt shares nothing with other requests.
 - `session` (string, optional, default ""): multi-turn conversation id.
 - `turn` (integer >= 0, optional, default 0): turn within the session.
+- `images` (integer >= 0, optional): images attached to the request; kept as metadata.
+- `sampling` (object of numbers or booleans, optional): the request's recorded sampling parameters,
+  e.g. {"temperature": 0.7, "top_p": 0.9}; replay uses temperature and top_p when present.
+- `api` (string, optional): "completions" or "chat", as recorded; metadata.
+- `prompt` (string or array, optional): the recorded prompt text (only with `trace record
+  --record-prompts`); metadata, never replayed or logged.
 
 Any other key in a record or in the header is an error naming the key, so a typo never passes silently.
 """
@@ -30,19 +36,36 @@ Any other key in a record or in the header is an error naming the key, so a typo
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from soakd.traces.model import RequestSpec, RowReader, blocks_needed, show_number
+from soakd.errors import TraceError
+from soakd.traces.model import RequestSpec, Row, RowReader, Skip, blocks_needed
 
 FORMAT_NAME = "soakd-trace"
 VERSION = 1
 
 _HEADER_KEYS = frozenset({"format", "version", "block_size"})
-_RECORD_KEYS = frozenset({"t", "input_tokens", "output_tokens", "hash_ids", "session", "turn"})
+_RECORD_KEYS = frozenset(
+    {
+        "t",
+        "input_tokens",
+        "output_tokens",
+        "hash_ids",
+        "session",
+        "turn",
+        "images",
+        "sampling",
+        "api",
+        "prompt",
+    }
+)
+NAME = "native"
+TIME_KEY = "t"
 
 
 def is_header(row: dict[str, Any]) -> bool:
@@ -50,42 +73,57 @@ def is_header(row: dict[str, Any]) -> bool:
     return "format" in row
 
 
-def parse(rows: Iterable[tuple[int, dict[str, Any]]], file: str) -> Iterator[RequestSpec]:
-    """Specs from the (line, object) rows of a native file; raises TraceError on the first bad row."""
+def read(rows: Iterable[tuple[int, dict[str, Any]]], file: str) -> Iterator[Row | TraceError | Skip]:
+    """A Row per record of a native file, or the TraceError of a bad record; a bad header is raised."""
     it = iter(rows)
     first = next(it, None)
     if first is None:
         return
     block_size = _parse_header(RowReader(first[1], file, first[0]))
-    first_t = 0.0
-    prev_t = 0.0
-    for index, (line, obj) in enumerate(it):
+    for line, obj in it:
         r = RowReader(obj, file, line)
-        for key in obj:
-            if key not in _RECORD_KEYS:
-                raise r.error(
-                    "unknown field (expected t, input_tokens, output_tokens, hash_ids, session, turn)", key
-                )
-        t = r.number("t", minimum=0)
-        if index == 0:
-            first_t = t
-        elif t < prev_t:
-            raise r.error(f"timestamp goes backwards ({show_number(t)} < {show_number(prev_t)})", "t")
-        prev_t = t
-        input_tokens = r.integer("input_tokens", minimum=1)
-        yield RequestSpec(
-            index=index,
-            arrival_s=t - first_t,
-            input_tokens=input_tokens,
-            output_tokens=r.integer("output_tokens", minimum=1),
-            block_size=block_size,
-            hash_ids=r.hash_ids(
-                "hash_ids", input_tokens=input_tokens, input_key="input_tokens", block_size=block_size
-            ),
-            session=r.string("session", default=""),
-            turn=r.integer("turn", minimum=0, default=0),
-            line=line,
-        )
+        try:
+            yield _row(r, obj, block_size)
+        except TraceError as err:
+            yield err
+
+
+def _row(r: RowReader, obj: dict[str, Any], block_size: int) -> Row:
+    for key in obj:
+        if key not in _RECORD_KEYS:
+            raise r.error(f"unknown field (expected {', '.join(sorted(_RECORD_KEYS))})", key)
+    if "prompt" in obj and not isinstance(obj["prompt"], str | list):
+        raise r.error("expected a string or an array", "prompt")
+    r.string("api", default="")
+    input_tokens = r.integer("input_tokens", minimum=1)
+    return Row(
+        line=r.line,
+        t_s=r.number("t", minimum=0),
+        input_tokens=input_tokens,
+        output_tokens=r.integer("output_tokens", minimum=1),
+        block_size=block_size,
+        hash_ids=r.hash_ids(
+            "hash_ids", input_tokens=input_tokens, input_key="input_tokens", block_size=block_size
+        ),
+        session=r.string("session", default=""),
+        turn=r.integer("turn", minimum=0, default=0),
+        images=r.integer("images", minimum=0, default=0),
+        sampling=_sampling(r),
+    )
+
+
+def _sampling(r: RowReader) -> tuple[tuple[str, float], ...]:
+    value = r.row.get("sampling")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise r.error("expected an object of sampling parameters", "sampling")
+    out: list[tuple[str, float]] = []
+    for name, v in value.items():
+        if not isinstance(v, int | float) or (isinstance(v, float) and not math.isfinite(v)):
+            raise r.error(f"expected a number or boolean, got {v!r:.40}", f"sampling.{name}")
+        out.append((str(name), float(v)))
+    return tuple(out)
 
 
 def _parse_header(r: RowReader) -> int:
@@ -118,6 +156,10 @@ def record(spec: RequestSpec) -> dict[str, Any]:
         row["session"] = spec.session
     if spec.turn:
         row["turn"] = spec.turn
+    if spec.images:
+        row["images"] = spec.images
+    if spec.sampling:
+        row["sampling"] = dict(spec.sampling)
     return row
 
 

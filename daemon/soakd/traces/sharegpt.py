@@ -1,0 +1,218 @@
+"""Read ShareGPT-style conversations and vLLM-bench prompt files: traffic with text but no times.
+
+Accepted layouts (the first non-blank byte tells an array from JSON lines):
+
+- A JSON array of conversations, as in ShareGPT_V3 and `vllm bench serve --dataset-name sharegpt`:
+  `[{"id": "x", "conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}]`
+  (`from`/`value` or `role`/`content`; human|user, gpt|assistant|chatgpt|bard|bing, system). Streamed
+  with ijson: the V3 file is ~670 MB and is never held whole.
+- JSON lines, one conversation object per line (same keys), or one vLLM-bench custom row per line:
+  `{"prompt": "...", "output_tokens": 128}` (`output_tokens` optional: trace.default_output_tokens).
+
+Every assistant reply is a turn: its prompt is the whole conversation before it (so a later turn's prompt
+extends the earlier one's, and the loader gives it the earlier prompt's prefix blocks), its output the
+reply's length. Token counts come from a Hugging Face tokenizer when `trace.tokenizer` names one, else
+they are estimated at 4 characters per token, and the trace summary says which.
+
+Times: conversations start at the arrivals of `[trace.arrivals]` (seeded); a later turn follows the one
+before by an exponential think time (mean `trace.arrivals.think_time`). Replay then runs turns closed
+loop (a turn is sent after the previous one finishes plus that gap). The rows come out sorted by time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from soakd.config import ArrivalConfig
+from soakd.errors import TraceError
+from soakd.traces.arrivals import arrival_stream, think_times
+from soakd.traces.model import Row, Skip
+
+NAME = "sharegpt"
+TIME_KEY = "conversations"
+CHARS_PER_TOKEN = 4
+_USER = frozenset({"human", "user"})
+_ASSISTANT = frozenset({"gpt", "assistant", "chatgpt", "bard", "bing", "model"})
+_SYSTEM = frozenset({"system"})
+
+Counter = Callable[[str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    arrivals: ArrivalConfig
+    seed: int
+    default_output_tokens: int
+    count: Counter
+
+
+def estimate_tokens(text: str) -> int:
+    """Tokens in `text` at 4 characters per token (what tokenizers average on English prose)."""
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+
+
+def tokenizer_counter(path: str) -> Counter:
+    """A counter using the Hugging Face tokenizer at `path` (transformers comes with vLLM)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TraceError("trace.tokenizer needs the transformers package (installed with vLLM)") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise TraceError(f"cannot load tokenizer {path!r}: {str(err).splitlines()[0][:120]}") from None
+
+    def count(text: str) -> int:
+        return max(1, len(tok.encode(text, add_special_tokens=False)))
+
+    return count
+
+
+def looks_like(first: Any) -> bool:
+    """Whether a first item (array element or JSON line) is a conversation or a vLLM-bench prompt row."""
+    return isinstance(first, dict) and (
+        "conversations" in first or "conversation" in first or "prompt" in first
+    )
+
+
+def first_item(fh: IO[bytes]) -> tuple[bool, Any]:
+    """(is an array, its first item or first line's object) for detection; None when there is none."""
+    head = fh.read(1 << 16)
+    stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if stripped.startswith(b"["):
+        import ijson
+
+        fh.seek(0)
+        try:
+            return True, next(ijson.items(fh, "item"), None)
+        except ijson.JSONError:
+            return True, None
+    line = stripped.split(b"\n", 1)[0]
+    try:
+        return False, json.loads(line)
+    except ValueError:
+        return False, None
+
+
+def read(fh: IO[bytes], file: str, opts: Options) -> Iterator[Row | TraceError | Skip]:
+    """Rows (sorted by their generated times) of a conversation file, TraceErrors for bad items."""
+    # peek, not read + seek: the loader's digesting reader cannot seek.
+    head = fh.peek(1 << 12) if hasattr(fh, "peek") else b""
+    is_array = head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+    items = _array_items(fh, file) if is_array else _line_items(fh, file)
+    starts = arrival_stream(opts.arrivals, opts.seed)
+    thinks = think_times(opts.arrivals, opts.seed)
+    # Turns are generated per conversation but must come out in time order: a heap holds the later
+    # turns of conversations still running, released once the next conversation starts after them.
+    heap: list[tuple[float, int, Row]] = []
+    order = 0
+    for n, (line, where, obj) in enumerate(items):
+        if isinstance(obj, TraceError):
+            yield obj
+            continue
+        try:
+            turns = _turns(obj, file, line, where, opts)
+        except TraceError as err:
+            yield err
+            continue
+        if not turns:
+            yield Skip(line, "no assistant reply")
+            continue
+        start = next(starts)
+        while heap and heap[0][0] <= start:
+            yield heapq.heappop(heap)[2]
+        t = start
+        session = str(obj.get("id", f"conv-{n}")) if len(turns) > 1 else ""
+        for turn, (input_tokens, output_tokens) in enumerate(turns):
+            if turn:
+                t += next(thinks)
+            row = Row(line, t, input_tokens, output_tokens, 0, session=session, turn=turn)
+            heapq.heappush(heap, (t, order, row))
+            order += 1
+    while heap:
+        yield heapq.heappop(heap)[2]
+
+
+_Item = tuple[int, str, "dict[str, Any] | TraceError"]
+
+
+def _array_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
+    import ijson
+
+    try:
+        for i, obj in enumerate(ijson.items(fh, "item", use_float=True)):
+            where = f"[{i}]"
+            if not isinstance(obj, dict):
+                yield 0, where, TraceError("expected a conversation object", file=file, key=where)
+                continue
+            yield 0, where, obj
+    except ijson.JSONError as err:
+        raise TraceError(f"not JSON: {str(err)[:120]}", file=file) from None
+
+
+def _line_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
+    for line, raw in enumerate(fh, start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8-sig" if line == 1 else "utf-8"))
+        except UnicodeDecodeError:
+            yield line, "", TraceError("not UTF-8 text", file=file, line=line)
+            continue
+        except json.JSONDecodeError as err:
+            yield line, "", TraceError(f"not JSON: {err.msg} at column {err.colno}", file=file, line=line)
+            continue
+        if not isinstance(obj, dict):
+            yield line, "", TraceError("expected a JSON object", file=file, line=line)
+            continue
+        yield line, "", obj
+
+
+def _turns(obj: dict[str, Any], file: str, line: int, where: str, opts: Options) -> list[tuple[int, int]]:
+    """(input tokens, output tokens) of each assistant turn of one conversation or prompt row."""
+
+    def error(reason: str, key: str) -> TraceError:
+        return TraceError(reason, file=file, line=line or None, key=f"{where}.{key}" if where else key)
+
+    if "prompt" in obj and "conversations" not in obj and "conversation" not in obj:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise error("expected a non-empty string", "prompt")
+        out = obj.get("output_tokens", opts.default_output_tokens)
+        if isinstance(out, bool) or not isinstance(out, int) or out < 1:
+            raise error("expected an integer >= 1", "output_tokens")
+        return [(opts.count(prompt), out)]
+    key = "conversations" if "conversations" in obj else "conversation"
+    messages = obj.get(key)
+    if not isinstance(messages, list):
+        raise error("expected an array of messages", key)
+    context = 0
+    pending_user = False
+    turns: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise error("expected a message object", f"{key}[{i}]")
+        role = message.get("from", message.get("role"))
+        text = message.get("value", message.get("content"))
+        if not isinstance(role, str):
+            raise error("expected a string (from or role)", f"{key}[{i}].from")
+        if not isinstance(text, str):
+            raise error("expected a string (value or content)", f"{key}[{i}].value")
+        role = role.lower()
+        if role in _ASSISTANT:
+            tokens = opts.count(text) if text else 0
+            if pending_user and tokens:
+                turns.append((context, tokens))
+            context += tokens
+            pending_user = False
+        elif role in _USER or role in _SYSTEM:
+            context += opts.count(text) if text else 0
+            pending_user = pending_user or role in _USER
+        else:
+            raise error(f"unknown role {role[:20]!r}", f"{key}[{i}].from")
+    return [(max(1, c), o) for c, o in turns]
