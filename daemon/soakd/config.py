@@ -284,6 +284,14 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
         line = _find_line(text, loc) if text else None
         reason = _reason(first)
         raise ConfigError(reason, file=source, line=line, key=key) from None
+    if cfg.replay.end and cfg.replay.end <= cfg.replay.start:
+        line = _find_line(text, ["replay", "end"]) if text else None
+        raise ConfigError(
+            f"must be after replay.start ({cfg.replay.start:g} s), or 0 for the end of the trace",
+            file=source,
+            line=line,
+            key="replay.end",
+        )
     cfg._base_dir = base_dir
     cfg._source = source
     return cfg

@@ -116,3 +116,14 @@ def test_run_name_must_be_a_plain_word() -> None:
     with pytest.raises(ConfigError) as info:
         config.load(None, {"run.name": "a/b"})
     assert info.value.key == "run.name"
+
+
+def test_replay_window_end_must_follow_start(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[replay]\nstart = "10m"\nend = "5m"\n')
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    assert str(info.value) == (
+        f"{path}:3: replay.end: must be after replay.start (600 s), or 0 for the end of the trace"
+    )
+    assert config.load(path, {"replay.end": "20m"}).replay.end == 1200.0

@@ -450,10 +450,12 @@ def _rate_scaled(specs: Iterator[RequestSpec], scale: float, seed: int) -> Itera
     salt = seed.to_bytes(16, "little", signed=True)
     a, b = itertools.tee(specs)
     next(b, None)
+    gap = 0.0
     for spec, after in itertools.zip_longest(a, b):
         key = (spec.session or f"#{spec.index}").encode()
         copies = whole + (_unit(salt, key, -1) < frac)
-        gap = after.arrival_s - spec.arrival_s if after is not None else 0.0
+        if after is not None:  # the last request's copies spread over the gap before it
+            gap = after.arrival_s - spec.arrival_s
         out = [
             replace(
                 spec,
@@ -484,8 +486,7 @@ class _Tally:
         self.blocks: set[int] = set()
         self.last_arrival = 0.0
         self.block_size = 0
-        self.sessions: set[str] = set()
-        self.turns_max = 0
+        self.session_turns: dict[str, int] = {}
 
     def add(self, spec: RequestSpec) -> None:
         if self.requests == 0:
@@ -496,9 +497,8 @@ class _Tally:
         self.total_blocks += len(spec.hash_ids)
         self.blocks.update(spec.hash_ids)
         self.last_arrival = spec.arrival_s
-        if spec.session and spec.turn > 0:
-            self.sessions.add(spec.session)
-            self.turns_max = max(self.turns_max, spec.turn + 1)
+        if spec.session:
+            self.session_turns[spec.session] = self.session_turns.get(spec.session, 0) + 1
 
     def summary(
         self,
@@ -524,8 +524,8 @@ class _Tally:
             block_size=self.block_size,
             unique_blocks=unique,
             block_reuse_ratio=1.0 - unique / self.total_blocks if self.total_blocks else 0.0,
-            sessions=len(self.sessions),
-            turns_max=self.turns_max,
+            sessions=sum(1 for n in self.session_turns.values() if n > 1),
+            turns_max=max(self.session_turns.values(), default=0),
             bad_rows=bad_rows,
             skipped_rows=dict(skipped or {}),
             sorted_on_read=sorted_on_read,

@@ -72,8 +72,8 @@ class TraceSummary:
     block_size: int
     unique_blocks: int
     block_reuse_ratio: float  # 1 - unique_blocks / total_blocks (0 when no blocks)
-    sessions: int = 0  # distinct multi-turn sessions
-    turns_max: int = 0  # most turns seen in one session
+    sessions: int = 0  # sessions with more than one request
+    turns_max: int = 0  # most requests seen in one session
     bad_rows: int = 0  # rows left out by skip_bad_rows
     skipped_rows: dict[str, int] = field(default_factory=dict)  # rows the format leaves out, by reason
     sorted_on_read: bool = False  # the file's timestamps went backwards and were sorted on request
