@@ -280,6 +280,7 @@ class Soak:
                     drain_timeout_s=cfg.replay.drain_timeout,
                     duration_s=cfg.run.duration,
                     seed=cfg.run.seed,
+                    sessions=cfg.replay.sessions,
                 )
                 notify("READY=1\nSTATUS=replaying")
                 t_run0 = self._clock.monotonic()
@@ -427,6 +428,7 @@ class Soak:
             max_model_len=max_model_len,
             drain_timeout_s=self.cfg.engine.start_timeout,
             seed=self.cfg.run.seed,
+            sessions="open",  # all at once: warm-up only needs the kernels compiled
         )
         self._replayer = warm  # so a stop signal during warm-up ends it
         t0 = time.monotonic()

@@ -230,3 +230,77 @@ async def test_a_record_that_cannot_be_written_is_counted_once_and_reported() ->
     stats = await rep.run()
     assert stats.completed == 3 and stats.failed == 0  # counted once, as what it was
     assert stats.records_lost == 1 and len(written) == 2
+
+
+# --- multi-turn sessions ------------------------------------------------------------------------------
+
+
+class TimedEngine(FakeEngine):
+    """A FakeEngine that notes when each request was sent (virtual time)."""
+
+    def __init__(self, clock: FakeClock, **kw: float) -> None:
+        super().__init__(clock, **kw)  # type: ignore[arg-type]
+        self.sent: dict[str, float] = {}
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        self.sent[request.request_id] = self.clock.monotonic()
+        async for n in super().generate(request):
+            yield n
+
+
+def _session_specs() -> list[RequestSpec]:
+    return [
+        RequestSpec(0, 0.0, 20, 6, 16, session="a", turn=0),
+        RequestSpec(1, 1.0, 30, 6, 16, session="a", turn=1),
+        RequestSpec(2, 1.2, 20, 6, 16),
+        RequestSpec(3, 1.5, 40, 6, 16, session="a", turn=2),
+    ]
+
+
+async def test_later_turns_wait_for_the_previous_turn_plus_the_recorded_gap() -> None:
+    clock = FakeClock()
+    engine = TimedEngine(clock, step_s=0.5, chunk=2)  # 6 tokens: 1.5 s per request
+    rep, records = make(engine, _session_specs(), clock)
+    stats = await rep.run()
+    t0 = 0.0
+    sent = {k.split("-")[2]: v - t0 for k, v in engine.sent.items()}
+    # Turn 0 at 0, done at 1.5; turn 1 at 1.5 + (1.0 - 0.0); done at 4.0; turn 2 at 4.0 + (1.5 - 1.0).
+    assert sent["0"] == pytest.approx(0.0)
+    assert sent["1"] == pytest.approx(2.5)
+    assert sent["3"] == pytest.approx(4.5)
+    # The request without a session stays open loop, at its own time.
+    assert sent["2"] == pytest.approx(1.2)
+    assert stats.session_turns == 2 and stats.completed == 4
+    by = {r.index: r for r in records}
+    assert [by[i].turn for i in range(4)] == [0, 1, 0, 2]
+    # Lateness is against the closed-loop due time, so a faithful chain is on time.
+    assert by[1].lateness_s == pytest.approx(0.0) and by[3].lateness_s == pytest.approx(0.0)
+
+
+async def test_open_sessions_send_every_turn_at_its_recorded_time() -> None:
+    clock = FakeClock()
+    engine = TimedEngine(clock, step_s=0.5, chunk=2)
+    rep, _ = make(engine, _session_specs(), clock)
+    rep._closed_sessions = False
+    await rep.run()
+    sent = sorted(engine.sent.values())
+    assert sent == pytest.approx([0.0, 1.0, 1.2, 1.5])
+
+
+async def test_turns_due_after_the_end_are_cut_not_failed() -> None:
+    clock = FakeClock()
+    engine = TimedEngine(clock, step_s=0.5, chunk=2)
+    rep, records = make(engine, _session_specs(), clock, duration=3.0)
+    stats = await rep.run()
+    assert stats.session_turns_cut == 1
+    assert stats.scheduled == 3 and stats.failed == 0 and len(records) == 3
+    assert 3 not in {r.index for r in records}
+
+
+async def test_a_failed_turn_still_releases_the_next_one() -> None:
+    clock = FakeClock()
+    engine = TimedEngine(clock, step_s=0.5, chunk=2, fail_on={0})  # type: ignore[arg-type]
+    rep, _ = make(engine, _session_specs(), clock)
+    stats = await rep.run()
+    assert stats.failed == 1 and stats.completed == 3
+    assert engine.sent["t-0-1"] == pytest.approx(1.0)  # turn 0 failed at once: next after the 1.0 s gap

@@ -15,6 +15,10 @@ class GenerationRequest:
     prompt_ids: Sequence[int]
     max_tokens: int
     seed: int = 0
+    temperature: float | None = None
+    """Recorded with the request in the trace; None: the engine's configured temperature."""
+    top_p: float | None = None
+    """Recorded with the request in the trace; None: 1.0."""
 
 
 @dataclass(frozen=True, slots=True)

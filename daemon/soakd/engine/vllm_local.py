@@ -192,7 +192,8 @@ class VllmLocalEngine:
             # Output lengths follow the trace: no early stop on EOS.
             min_tokens=request.max_tokens,
             ignore_eos=True,
-            temperature=self._cfg.temperature,
+            temperature=self._cfg.temperature if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed,
             output_kind=RequestOutputKind.DELTA,
         )

@@ -1,11 +1,20 @@
-"""Drive the engine with a paced trace: admission, prompt synthesis, and one record per request."""
+"""Drive the engine with a paced trace: admission, prompt synthesis, and one record per request.
+
+Requests are sent open loop at their due times, except the later turns of a multi-turn session (with
+`sessions="closed"`): a turn is sent when the previous turn of its session has finished plus the gap
+the trace recorded between the two turns' arrivals (scaled by the replay speed), as a user answers
+after reading the reply. Sessions therefore stretch when the engine is slow instead of piling up
+turns whose context does not exist yet, and open loop still holds across sessions.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -34,6 +43,8 @@ class RequestRecord:
     """Wall time the trace said the request should be sent."""
     lateness_s: float
     """How late the pacer handed the request on, against its due time (harness fidelity)."""
+    turn: int = 0
+    """Turn within the session (0 when the request has no session)."""
     queue_s: float = 0.0
     """Time waiting for admission (the concurrency ceiling)."""
     ttft_s: float | None = None
@@ -66,6 +77,7 @@ class RequestRecord:
         fields: dict[str, float | int | str] = {
             "index": self.index,
             "loop": self.loop,
+            "turn": self.turn,
             "lateness_s": self.lateness_s,
             "queue_s": self.queue_s,
             "input_tokens": self.input_tokens,
@@ -78,6 +90,8 @@ class RequestRecord:
             value = getattr(self, name)
             if value is not None:
                 fields[name] = float(value)
+        if self.session:
+            fields["session"] = self.session
         if self.error:
             fields["error"] = self.error
         return Sample("requests", fields, time_ns, tags={"status": status})
@@ -103,6 +117,10 @@ class ReplayStats:
     """Requests whose prompt was clipped to fit the engine's context."""
     lateness_max_s: float = 0.0
     """Worst pacer lateness seen."""
+    session_turns: int = 0
+    """Later turns sent closed loop, after their session's previous turn finished."""
+    session_turns_cut: int = 0
+    """Later turns that would have been due after the end of the run (not sent, not counted)."""
     records_lost: int = 0
     """Records that could not be written (e.g. the spool's disk was full); logged, never silent."""
     errors: dict[str, int] = field(default_factory=dict)
@@ -114,6 +132,16 @@ class ReplayStats:
 
 
 RecordSink = Callable[[RequestRecord], None]
+
+_MAX_SESSIONS = 100_000  # session tails remembered; an evicted session's next turn goes open loop
+
+
+@dataclass(slots=True)
+class _Tail:
+    """The latest turn of a session: when it was due, and when it finished (a future until it has)."""
+
+    due_s: float
+    done: asyncio.Future[float]
 
 
 class Replayer:
@@ -134,6 +162,7 @@ class Replayer:
         drain_timeout_s: float,
         duration_s: float | None = None,
         seed: int = 0,
+        sessions: str = "closed",
     ) -> None:
         self._engine = engine
         self._scheduled = scheduled
@@ -147,6 +176,10 @@ class Replayer:
         self._drain_timeout_s = drain_timeout_s
         self._duration_s = duration_s
         self._seed = seed
+        self._closed_sessions = sessions == "closed"
+        self._sessions: OrderedDict[str, _Tail] = OrderedDict()
+        self._t0 = 0.0
+        self._wall0 = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
         self.stats = ReplayStats()
@@ -163,8 +196,8 @@ class Replayer:
         return len(self._tasks)
 
     async def run(self) -> ReplayStats:
-        t0 = self._clock.monotonic()
-        wall0 = self._clock.wall_ns()
+        t0 = self._t0 = self._clock.monotonic()
+        wall0 = self._wall0 = self._clock.wall_ns()
         stop_wait = asyncio.create_task(self._stop.wait())
         try:
             for item in self._iterate():
@@ -200,28 +233,78 @@ class Replayer:
             log.error("replay_ended_early", reason=reason)
         self._stop.set()
 
-    def _dispatch(self, item: Scheduled, deadline: float, due_wall_ns: int) -> None:
+    def _record(self, item: Scheduled, deadline: float, due_wall_ns: int) -> RequestRecord:
+        """The record of a request that has come due (counted as scheduled), with its lateness."""
         stats = self.stats
         stats.scheduled += 1
         lateness = max(0.0, self._clock.monotonic() - deadline)
         stats.lateness_max_s = max(stats.lateness_max_s, lateness)
-        record = RequestRecord(
-            request_id=f"{self._run_tag}-{item.loop}-{item.spec.index}",
-            index=item.spec.index,
+        spec = item.spec
+        suffix = f"-{spec.copy}" if spec.copy else ""
+        return RequestRecord(
+            request_id=f"{self._run_tag}-{item.loop}-{spec.index}{suffix}",
+            index=spec.index,
             loop=item.loop,
-            session=item.spec.session,
+            session=spec.session,
+            turn=spec.turn,
             due_wall_ns=due_wall_ns,
             lateness_s=lateness,
-            input_tokens_trace=item.spec.input_tokens,
-            output_tokens_expected=item.spec.output_tokens,
+            input_tokens_trace=spec.input_tokens,
+            output_tokens_expected=spec.output_tokens,
         )
+
+    def _dispatch(self, item: Scheduled, deadline: float, due_wall_ns: int) -> None:
+        done: asyncio.Future[float] | None = None
+        if self._closed_sessions and item.spec.session:
+            key = f"{item.loop}/{item.spec.session}"
+            tail = self._sessions.get(key)
+            done = asyncio.get_running_loop().create_future()
+            self._sessions[key] = _Tail(item.due_s, done)
+            self._sessions.move_to_end(key)
+            if len(self._sessions) > _MAX_SESSIONS:
+                self._sessions.popitem(last=False)
+            if tail is not None:
+                self._start(self._chained(item, tail, done), done)
+                return
+        record = self._record(item, deadline, due_wall_ns)
         if len(self._tasks) >= self._max_pending:
             # Open loop: the trace does not wait for a slow engine, but memory must stay bounded.
             self._finish(record, "shed")
+            if done is not None:
+                done.set_result(self._clock.monotonic())
             return
-        task = asyncio.create_task(self._one(item, record))
+        self._start(self._one(item, record), done)
+
+    def _start(self, work: Coroutine[Any, Any, None], done: asyncio.Future[float] | None) -> None:
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if done is not None:
+            # Whatever ends the request (done, failed, aborted), its session's next turn may go.
+            clock = self._clock
+            task.add_done_callback(lambda _: done.done() or done.set_result(clock.monotonic()))
+
+    async def _chained(self, item: Scheduled, prev: _Tail, done: asyncio.Future[float]) -> None:
+        """A later turn: wait for the previous turn to finish, then for the recorded gap."""
+        gap = max(0.0, item.due_s - prev.due_s)
+        finished = await asyncio.shield(prev.done)
+        deadline = finished + gap
+        end = self._t0 + self._duration_s if self._duration_s is not None else None
+        if self._stop.is_set() or (end is not None and deadline >= end):
+            self.stats.session_turns_cut += 1
+            return
+        if self._clock.monotonic() < deadline:
+            sleeper = asyncio.create_task(self._clock.sleep_until(deadline))
+            stopper = asyncio.create_task(self._stop.wait())
+            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            sleeper.cancel()
+            stopper.cancel()
+            if self._stop.is_set():
+                self.stats.session_turns_cut += 1
+                return
+        self.stats.session_turns += 1
+        record = self._record(item, deadline, self._wall0 + int((deadline - self._t0) * 1e9))
+        await self._one(item, record)
 
     async def _one(self, item: Scheduled, record: RequestRecord) -> None:
         clock = self._clock
@@ -252,7 +335,8 @@ class Replayer:
         spec = item.spec
         out_tokens = min(spec.output_tokens, self._max_model_len - 1)
         record.output_tokens_expected = out_tokens
-        ids = self._prompts.prompt_ids(spec, salt=item.loop)
+        # Each loop and each rate-scale copy is its own traffic: salted apart, prefixes shared within.
+        ids = self._prompts.prompt_ids(spec, salt=item.loop + (spec.copy << 32))
         room = self._max_model_len - out_tokens
         if len(ids) > room:
             ids = ids[:room]
@@ -263,6 +347,8 @@ class Replayer:
             prompt_ids=ids,
             max_tokens=out_tokens,
             seed=self._seed + spec.index,
+            temperature=_sampling(spec.sampling, "temperature"),
+            top_p=_sampling(spec.sampling, "top_p"),
         )
         clock = self._clock
         self.stats.dispatched += 1
@@ -327,3 +413,11 @@ class Replayer:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*still, return_exceptions=True)
+
+
+def _sampling(params: tuple[tuple[str, float], ...], name: str) -> float | None:
+    """A recorded sampling parameter of a request, or None when the trace has none."""
+    for key, value in params:
+        if key == name:
+            return value
+    return None

@@ -1,0 +1,126 @@
+"""Multi-turn replay on a real vLLM CPU engine: closed-loop turns whose prompts carry the conversation,
+and the engine's prefix cache hitting on them.
+
+The trace is ShareGPT-style conversations with no block ids and no two conversations alike, so every
+prefix-cache hit the engine reports comes from soakd giving a later turn the earlier turn's prompt as
+its prefix. Runs the CLI as a separate process; about 1.5 minutes (engine start + 40 s replay).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from soakd.sinks.spool import iter_samples
+
+pytestmark = pytest.mark.integration
+
+CONVERSATIONS = 12
+TURNS = 3
+USER_CHARS = 600  # 150 tokens at the estimate of 4 characters per token
+REPLY_CHARS = 96  # 24 tokens
+
+
+def write_conversations(path: Path) -> None:
+    rows = []
+    for c in range(CONVERSATIONS):
+        msgs = []
+        for t in range(TURNS):
+            msgs.append({"from": "human", "value": f"c{c}t{t} " + "x" * (USER_CHARS - 6)})
+            msgs.append({"from": "gpt", "value": "y" * REPLY_CHARS})
+        rows.append({"id": f"conv{c}", "conversations": msgs})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def test_multi_turn_sessions_hit_the_prefix_cache(tmp_path: Path, tiny_model: Path) -> None:
+    write_conversations(tmp_path / "conv.jsonl")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        f"""
+[run]
+name = "multiturn"
+duration = "40s"
+[trace]
+path = "conv.jsonl"
+format = "sharegpt"
+[trace.arrivals]
+process = "constant"
+rate_rps = 0.5
+think_time = "1s"
+[replay]
+loop = false
+warmup_requests = 2
+[engine]
+model = "{tiny_model}"
+max_model_len = 1024
+[engine.speculative]
+enabled = false
+[telemetry]
+collectors = ["engine"]
+[criteria]
+ttft_p99_ms = false
+tpot_p99_ms = false
+min_completed_ratio = false
+""",
+        encoding="utf-8",
+    )
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--json", "--no-progress"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode in (0, 1), err[-3000:]
+    summary = json.loads(out)
+    run_dir = Path(summary["run_dir"])
+    assert summary["replay"]["session_turns"] > 0
+
+    requests = [s for s in iter_samples(run_dir / "spool") if s.measurement == "requests"]
+    assert requests and all("error" not in s.fields for s in requests)
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["trace"]["format"] == "sharegpt" and meta["trace"]["sessions"] == CONVERSATIONS
+
+    sessions: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for s in requests:
+        f = s.fields
+        sessions[str(f["session"])].append(
+            (int(f["turn"]), int(f["due_ns"]), s.time_ns, int(f["input_tokens"]))
+        )
+    assert len(sessions) >= CONVERSATIONS - 2  # the last conversations may start too late to be seen
+    reusable = 0
+    for turns in sessions.values():
+        turns.sort()
+        assert [t[0] for t in turns] == list(range(len(turns)))
+        for prev, nxt in itertools.pairwise(turns):
+            # Closed loop: a turn is due only once the previous one finished (its record is written
+            # then) plus the think time; and its prompt is longer, carrying the conversation so far.
+            assert nxt[1] >= prev[2] - 1_000_000, (prev, nxt)
+            assert nxt[3] > prev[3]
+            reusable += prev[3]
+    assert summary["replay"]["session_turns"] == sum(len(t) - 1 for t in sessions.values()) > 0
+
+    # The engine's prefix cache hit, and only later turns could have made it hit: no two conversations
+    # share text, and the warm-up requests use their own salt.
+    engine = [s for s in iter_samples(run_dir / "spool") if s.measurement == "engine"]
+    hits = sum(int(s.fields.get("prefix_hits", 0)) for s in engine)
+    assert hits > 0
+    # Each later turn repeats the whole previous prompt; rounding to whole KV blocks loses part of one.
+    assert hits >= 0.5 * reusable, (hits, reusable)
