@@ -282,7 +282,12 @@ class Replayer:
         if done is not None:
             # Whatever ends the request (done, failed, aborted), its session's next turn may go.
             clock = self._clock
-            task.add_done_callback(lambda _: done.done() or done.set_result(clock.monotonic()))
+
+            def release(_: asyncio.Task[None]) -> None:
+                if not done.done():
+                    done.set_result(clock.monotonic())
+
+            task.add_done_callback(release)
 
     async def _chained(self, item: Scheduled, prev: _Tail, done: asyncio.Future[float]) -> None:
         """A later turn: wait for the previous turn to finish, then for the recorded gap."""
