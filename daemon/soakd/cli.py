@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _trace_reading_flags(run)
 
     rep = sub.add_parser("report", help="re-judge a finished run from its spool")
     rep.add_argument("run", help="run directory or run id")
@@ -82,11 +83,83 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--trace")
     chk.add_argument("--json", action="store_true")
 
+    _trace_parser(sub)
+
     model = sub.add_parser("model", help="model helpers")
     msub = model.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
     tiny = msub.add_parser("tiny", help="build the tiny random-weight test model (no download)")
     tiny.add_argument("dir", type=Path)
     return p
+
+
+_FORMATS = ["auto", "native", "mooncake", "bailian", "azure", "burstgpt", "sharegpt"]
+
+
+def _trace_reading_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--skip-bad-rows", action="store_true", help="count and leave out bad rows instead of stopping"
+    )
+    p.add_argument("--sort", action="store_true", help="sort a trace whose timestamps go backwards")
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="config file (its [trace] and [replay] sections apply)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        type=_override,
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. trace.arrivals.rate_rps=5",
+    )
+
+
+def _trace_parser(sub: Any) -> None:
+    tr = sub.add_parser("trace", help="inspect, convert, generate and record traces")
+    tsub = tr.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
+
+    ins = tsub.add_parser("inspect", help="requests, rate over time, length percentiles, reuse, sessions")
+    ins.add_argument("file")
+    ins.add_argument("--format", choices=_FORMATS, default=None)
+    ins.add_argument("--buckets", type=int, default=24, help="time buckets for the rate over time")
+    ins.add_argument("--json", action="store_true")
+    _trace_reading_flags(ins)
+    _config_flags(ins)
+
+    conv = tsub.add_parser(
+        "convert", help="any format -> soakd's native JSONL (with --set replay.* transforms)"
+    )
+    conv.add_argument("file")
+    conv.add_argument("out", type=Path)
+    conv.add_argument("--format", choices=_FORMATS, default=None)
+    conv.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _trace_reading_flags(conv)
+    _config_flags(conv)
+
+    syn = tsub.add_parser("synth", help="generate a native trace ([trace.synthetic] and [trace.arrivals])")
+    syn.add_argument("out", type=Path)
+    syn.add_argument("--duration", help="length of the trace, e.g. 10m")
+    syn.add_argument("--rate", type=float, help="mean arrivals per second")
+    syn.add_argument("--process", choices=["poisson", "gamma", "constant"])
+    syn.add_argument("--burstiness", type=float, help="gamma shape: < 1 burstier, > 1 smoother")
+    syn.add_argument("--diurnal-amplitude", type=float, help="0..1 swing of the rate over --diurnal-period")
+    syn.add_argument("--diurnal-period", help="e.g. 24h")
+    syn.add_argument("--sessions", type=float, help="share of arrivals that start a multi-turn conversation")
+    syn.add_argument("--seed", type=int)
+    syn.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    _config_flags(syn)
+
+    rec = tsub.add_parser("record", help="an OpenAI-compatible proxy that records real traffic as a trace")
+    rec.add_argument("out", type=Path)
+    rec.add_argument(
+        "--listen", default="127.0.0.1:8001", help="HOST:PORT to listen on (loopback by default)"
+    )
+    rec.add_argument("--upstream", required=True, help="base URL of the server to pass requests to")
+    rec.add_argument("--block-size", type=int, default=16, help="tokens per prefix block hash")
+    rec.add_argument("--record-prompts", action="store_true", help="also store prompt text in the trace")
+    rec.add_argument("--allow-remote", action="store_true", help="allow listening on a non-loopback address")
+    rec.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
 def _load_config(path: Path | None, overrides: dict[str, Any]) -> Any:
@@ -106,6 +179,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides["trace.path"] = str(Path(args.trace).resolve())
     if args.duration:
         overrides["run.duration"] = args.duration
+    _reading_overrides(args, overrides)
     cfg = _load_config(args.config, overrides)
     show = not args.no_progress and sys.stderr.isatty()
     progress = Progress(enabled=show)
@@ -212,6 +286,121 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK if all(r.ok for r in results) else EXIT_FAIL
 
 
+def _reading_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    if args.skip_bad_rows:
+        overrides["trace.skip_bad_rows"] = True
+    if args.sort:
+        overrides["trace.sort"] = True
+
+
+def _refuse_existing(out: Path, force: bool) -> None:
+    if out.exists() and not force:
+        raise UsageError(f"{out} exists (use --force to replace it)")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out.parent} is not a directory")
+
+
+def _open_cli_trace(args: argparse.Namespace) -> Any:
+    from soakd.traces import open_trace
+
+    overrides = dict(args.overrides)
+    overrides["trace.path"] = str(Path(args.file).resolve())
+    if args.format:
+        overrides["trace.format"] = args.format
+    _reading_overrides(args, overrides)
+    cfg = _load_config(args.config, overrides)
+    return open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    handlers = {
+        "inspect": _trace_inspect,
+        "convert": _trace_convert,
+        "synth": _trace_synth,
+        "record": _trace_record,
+    }
+    return handlers[args.trace_command](args)
+
+
+def _trace_inspect(args: argparse.Namespace) -> int:
+    from soakd.traces.inspect import inspect_lines, inspect_trace
+
+    if args.buckets < 1:
+        raise UsageError("--buckets must be >= 1")
+    doc = inspect_trace(_open_cli_trace(args), args.buckets)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print("\n".join(inspect_lines(doc)))
+    return EXIT_OK
+
+
+def _trace_convert(args: argparse.Namespace) -> int:
+    from soakd.traces.native import write_native
+
+    _refuse_existing(args.out, args.force)
+    trace = _open_cli_trace(args)
+    write_native(args.out, trace, trace.summary.block_size)
+    s = trace.summary
+    print(
+        f"{s.requests} requests ({s.format}) written to {args.out} as soakd-trace, block size {s.block_size}"
+    )
+    return EXIT_OK
+
+
+def _trace_synth(args: argparse.Namespace) -> int:
+    from soakd.traces import open_trace
+    from soakd.traces.native import write_native
+
+    _refuse_existing(args.out, args.force)
+    overrides = dict(args.overrides)
+    overrides["trace.format"] = "synthetic"
+    flags = {
+        "duration": "trace.synthetic.duration",
+        "rate": "trace.arrivals.rate_rps",
+        "process": "trace.arrivals.process",
+        "burstiness": "trace.arrivals.burstiness",
+        "diurnal_amplitude": "trace.arrivals.diurnal_amplitude",
+        "diurnal_period": "trace.arrivals.diurnal_period",
+        "sessions": "trace.synthetic.session_share",
+        "seed": "run.seed",
+    }
+    for flag, key in flags.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[key] = value
+    cfg = _load_config(args.config, overrides)
+    trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
+    write_native(args.out, trace, trace.summary.block_size)
+    s = trace.summary
+    print(f"{s.requests} requests over {s.span_s:.1f} s ({s.sessions} multi-turn sessions) -> {args.out}")
+    return EXIT_OK
+
+
+def _trace_record(args: argparse.Namespace) -> int:
+    from soakd.traces.record import run_recorder
+
+    host, sep, port = args.listen.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise UsageError(f"--listen: expected HOST:PORT, got {args.listen!r}")
+    if not args.upstream.startswith(("http://", "https://")):
+        raise UsageError(f"--upstream: expected an http:// or https:// URL, got {args.upstream!r}")
+    if args.block_size < 1:
+        raise UsageError("--block-size must be >= 1")
+    _refuse_existing(args.out, args.force)
+    stats = run_recorder(
+        host.strip("[]"),
+        int(port),
+        args.upstream,
+        args.out,
+        block_size=args.block_size,
+        record_prompts=args.record_prompts,
+        allow_remote=args.allow_remote,
+    )
+    print(f"recorded {stats} to {args.out}")
+    return EXIT_OK
+
+
 def _cmd_model(args: argparse.Namespace) -> int:
     from soakd.tinymodel import build_tiny_model
 
@@ -232,7 +421,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         configure(args.log_level, journald_prefix="JOURNAL_STREAM" in os.environ)
-        handlers = {"run": _cmd_run, "report": _cmd_report, "check": _cmd_check, "model": _cmd_model}
+        handlers = {
+            "run": _cmd_run,
+            "report": _cmd_report,
+            "check": _cmd_check,
+            "model": _cmd_model,
+            "trace": _cmd_trace,
+        }
         return handlers[args.command](args)
     except InputError as err:
         print(f"soakd: error: {err}", file=sys.stderr)
