@@ -26,6 +26,7 @@ from soakd.collectors.base import Collector
 from soakd.collectors.engine import EngineCollector
 from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.host import HostCollector
+from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
 from soakd.config import Config
 from soakd.engine.base import Engine
@@ -459,7 +460,10 @@ class Soak:
 
     def _make_collectors(self, engine: Engine, engine_collector: EngineCollector) -> list[Collector]:
         names = self.cfg.telemetry.collectors
-        out: list[Collector] = []
+        # The replay's own series is always on: it is how a run shows it kept up with the trace.
+        out: list[Collector] = [
+            ReplayCollector(lambda: self._replayer if self._progress_start is not None else None)
+        ]
         if "host" in names:
             out.append(HostCollector(engine.process_ids, self.run_dir))
         if "engine" in names:

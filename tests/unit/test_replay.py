@@ -304,3 +304,26 @@ async def test_a_failed_turn_still_releases_the_next_one() -> None:
     stats = await rep.run()
     assert stats.failed == 1 and stats.completed == 3
     assert engine.sent["t-0-1"] == pytest.approx(1.0)  # turn 0 failed at once: next after the 1.0 s gap
+
+
+async def test_snapshot_shows_the_backlog_when_the_engine_cannot_keep_up() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock, step_s=0.5, chunk=2)  # 6 tokens: 1.5 s each, one at a time
+    rep, records = make(engine, [spec(i, i * 0.1) for i in range(6)], clock, limit=1)
+    snaps: list[dict[str, float | int]] = []
+
+    async def probe() -> None:
+        await clock.sleep_until(0.55)
+        snaps.append(rep.snapshot())
+        await clock.sleep_until(0.56)
+        snaps.append(rep.snapshot())
+
+    await asyncio.gather(rep.run(), probe())
+    first, second = snaps
+    assert first["scheduled"] == 6 and first["in_engine"] == 1 and first["ceiling"] == 1
+    assert first["waiting_admission"] == 5 and first["pending"] == 6
+    # The pacer kept the trace's clock: the backlog is in admission, not in lateness.
+    assert first["lateness_max_s"] == pytest.approx(0.0) and first["dispatched_interval"] == 6
+    # Lateness is per interval: nothing was dispatched between the two snapshots.
+    assert "lateness_max_s" not in second
+    assert max(r.queue_s for r in records) == pytest.approx(5 * 1.5 - 0.5)

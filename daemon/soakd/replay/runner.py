@@ -181,6 +181,11 @@ class Replayer:
         self._t0 = 0.0
         self._wall0 = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._waiting_admission = 0
+        self._waiting_turn = 0
+        self._late_sum = 0.0
+        self._late_n = 0
+        self._late_max = 0.0
         self._stop = asyncio.Event()
         self.stats = ReplayStats()
         self.fatal = ""
@@ -194,6 +199,36 @@ class Replayer:
     def pending(self) -> int:
         """Requests sent or waiting for admission and not finished."""
         return len(self._tasks)
+
+    def snapshot(self) -> dict[str, float | int]:
+        """Replay state now, and lateness since the last snapshot: the `replay` series.
+
+        When the engine cannot keep up, this is where it shows: requests waiting for admission grow
+        and so do queue times, while the pacer keeps the trace's clock (lateness stays small) instead
+        of silently stretching the trace.
+        """
+        st = self.stats
+        fields: dict[str, float | int] = {
+            "scheduled": st.scheduled,
+            "completed": st.completed,
+            "failed": st.failed,
+            "shed": st.shed,
+            "output_tokens": st.output_tokens,
+            "pending": len(self._tasks),
+            "waiting_admission": self._waiting_admission,
+            "waiting_turn": self._waiting_turn,
+            "in_engine": self._gate.in_flight,
+            "ceiling": self._gate.limit,
+            "session_turns": st.session_turns,
+        }
+        if self._late_n:
+            fields["lateness_mean_s"] = self._late_sum / self._late_n
+            fields["lateness_max_s"] = self._late_max
+            fields["dispatched_interval"] = self._late_n
+        self._late_sum = 0.0
+        self._late_n = 0
+        self._late_max = 0.0
+        return fields
 
     async def run(self) -> ReplayStats:
         t0 = self._t0 = self._clock.monotonic()
@@ -239,6 +274,9 @@ class Replayer:
         stats.scheduled += 1
         lateness = max(0.0, self._clock.monotonic() - deadline)
         stats.lateness_max_s = max(stats.lateness_max_s, lateness)
+        self._late_sum += lateness
+        self._late_n += 1
+        self._late_max = max(self._late_max, lateness)
         spec = item.spec
         suffix = f"-{spec.copy}" if spec.copy else ""
         return RequestRecord(
@@ -292,7 +330,11 @@ class Replayer:
     async def _chained(self, item: Scheduled, prev: _Tail, done: asyncio.Future[float]) -> None:
         """A later turn: wait for the previous turn to finish, then for the recorded gap."""
         gap = max(0.0, item.due_s - prev.due_s)
-        finished = await asyncio.shield(prev.done)
+        self._waiting_turn += 1
+        try:
+            finished = await asyncio.shield(prev.done)
+        finally:
+            self._waiting_turn -= 1
         deadline = finished + gap
         end = self._t0 + self._duration_s if self._duration_s is not None else None
         if self._stop.is_set() or (end is not None and deadline >= end):
@@ -314,11 +356,14 @@ class Replayer:
     async def _one(self, item: Scheduled, record: RequestRecord) -> None:
         clock = self._clock
         t_wait = clock.monotonic()
+        self._waiting_admission += 1
         try:
             await self._gate.acquire()
         except asyncio.CancelledError:
             self._finish(record, "aborted: replay ended before admission")
             raise
+        finally:
+            self._waiting_admission -= 1
         try:
             record.queue_s = clock.monotonic() - t_wait
             await self._send(item, record)
