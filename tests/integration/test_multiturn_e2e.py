@@ -2,8 +2,9 @@
 and the engine's prefix cache hitting on them.
 
 The trace is ShareGPT-style conversations with no block ids and no two conversations alike, so every
-prefix-cache hit the engine reports comes from soakd giving a later turn the earlier turn's prompt as
-its prefix. Runs the CLI as a separate process; about 1.5 minutes (engine start + 40 s replay).
+prefix-cache hit the engine reports comes from soakd giving a later turn the earlier turn's prompt and
+the engine's answer to it as its prefix, as a chat client does. Runs the CLI as a separate process;
+about 1.5 minutes (engine start + 40 s replay).
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ min_completed_ratio = false
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["trace"]["format"] == "sharegpt" and meta["trace"]["sessions"] == CONVERSATIONS
 
-    sessions: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    sessions: dict[str, list[tuple[int, int, int, int, int]]] = defaultdict(list)
     for s in requests:
         f = s.fields
         sessions[str(f["session"])].append(
-            (int(f["turn"]), int(f["due_ns"]), s.time_ns, int(f["input_tokens"]))
+            (int(f["turn"]), int(f["due_ns"]), s.time_ns, int(f["input_tokens"]), int(f["output_tokens"]))
         )
     assert len(sessions) >= CONVERSATIONS - 2  # the last conversations may start too late to be seen
     reusable = 0
@@ -114,7 +115,8 @@ min_completed_ratio = false
             # then) plus the think time; and its prompt is longer, carrying the conversation so far.
             assert nxt[1] >= prev[2] - 1_000_000, (prev, nxt)
             assert nxt[3] > prev[3]
-            reusable += prev[3]
+            # The next prompt repeats this turn's prompt and the engine's own answer to it.
+            reusable += prev[3] + prev[4]
     assert summary["replay"]["session_turns"] == sum(len(t) - 1 for t in sessions.values()) > 0
 
     # The engine's prefix cache hit, and only later turns could have made it hit: no two conversations
@@ -122,5 +124,7 @@ min_completed_ratio = false
     engine = [s for s in iter_samples(run_dir / "spool") if s.measurement == "engine"]
     hits = sum(int(s.fields.get("prefix_hits", 0)) for s in engine)
     assert hits > 0
-    # Each later turn repeats the whole previous prompt; rounding to whole KV blocks loses part of one.
+    # Each later turn repeats the previous prompt and answer; rounding to whole KV blocks loses part
+    # of one block per turn.
+    print(f"prefix hits {hits} tokens of {reusable} repeated")
     assert hits >= 0.5 * reusable, (hits, reusable)

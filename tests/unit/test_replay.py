@@ -327,3 +327,31 @@ async def test_snapshot_shows_the_backlog_when_the_engine_cannot_keep_up() -> No
     # Lateness is per interval: nothing was dispatched between the two snapshots.
     assert "lateness_max_s" not in second
     assert max(r.queue_s for r in records) == pytest.approx(5 * 1.5 - 0.5)
+
+
+class EchoIdsEngine(TimedEngine):
+    """Reports generated token ids (97, 98, ...) as a real engine does."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        made = 0
+        async for n in super().generate(request):
+            if request.output_ids is not None:
+                request.output_ids.extend(97 + (made + k) % 3 for k in range(n))
+            made += n
+            yield n
+
+
+async def test_a_later_turn_replays_the_previous_prompt_and_the_engines_answer() -> None:
+    clock = FakeClock()
+    engine = EchoIdsEngine(clock, step_s=0.5, chunk=2)
+    rep, _ = make(engine, _session_specs(), clock)
+    await rep.run()
+    by_id = {r.request_id: r for r in engine.requests}
+    turn0, turn1, turn2 = by_id["t-0-0"], by_id["t-0-1"], by_id["t-0-3"]
+    answer = [97, 98, 99, 97, 98, 99]
+    assert list(turn1.prompt_ids[:26]) == list(turn0.prompt_ids) + answer
+    assert len(turn1.prompt_ids) == 30  # the trace's length is kept
+    assert list(turn2.prompt_ids[:36]) == list(turn1.prompt_ids) + answer
+    # The request without a session asks for no ids; history is dropped once superseded.
+    assert by_id["t-0-2"].output_ids is None
+    assert rep._history_tokens == 40 + 6  # only the last turn's prompt and answer are kept

@@ -19,6 +19,9 @@ class GenerationRequest:
     """Recorded with the request in the trace; None: the engine's configured temperature."""
     top_p: float | None = None
     """Recorded with the request in the trace; None: 1.0."""
+    output_ids: list[int] | None = None
+    """When a list, the engine appends the generated token ids to it (a session's next turn replays
+    the conversation with them); engines that cannot report ids leave it empty."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -200,7 +200,11 @@ class VllmLocalEngine:
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
         try:
             async for out in self._llm.generate(prompt, params, request_id=request.request_id):
-                n = sum(len(c.token_ids) for c in out.outputs)
+                n = 0
+                for c in out.outputs:
+                    n += len(c.token_ids)
+                    if request.output_ids is not None:
+                        request.output_ids.extend(c.token_ids)
                 if n:
                     yield n
         except _engine_dead_error() as err:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import structlog
 
 from soakd.engine.base import Engine, GenerationRequest
@@ -136,12 +138,19 @@ RecordSink = Callable[[RequestRecord], None]
 _MAX_SESSIONS = 100_000  # session tails remembered; an evicted session's next turn goes open loop
 
 
+# Token ids of finished turns kept for their session's next turn, across all sessions (int32: 4 bytes
+# each, so 64 MiB); past it the oldest sessions' histories are dropped and their next turn is synthesized.
+_HISTORY_TOKENS = 16 * 1024 * 1024
+
+
 @dataclass(slots=True)
 class _Tail:
-    """The latest turn of a session: when it was due, and when it finished (a future until it has)."""
+    """The latest turn of a session: when it was due, when it finished (a future until it has), and
+    the tokens the conversation holds after it (its prompt and the engine's answer), once it finished."""
 
     due_s: float
     done: asyncio.Future[float]
+    history: npt.NDArray[np.int32] | None = None
 
 
 class Replayer:
@@ -178,6 +187,7 @@ class Replayer:
         self._seed = seed
         self._closed_sessions = sessions == "closed"
         self._sessions: OrderedDict[str, _Tail] = OrderedDict()
+        self._history_tokens = 0
         self._t0 = 0.0
         self._wall0 = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -295,15 +305,24 @@ class Replayer:
         done: asyncio.Future[float] | None = None
         if self._closed_sessions and item.spec.session:
             key = f"{item.loop}/{item.spec.session}"
-            tail = self._sessions.get(key)
+            prev = self._sessions.get(key)
             done = asyncio.get_running_loop().create_future()
-            self._sessions[key] = _Tail(item.due_s, done)
+            tail = _Tail(item.due_s, done)
+            self._sessions[key] = tail
             self._sessions.move_to_end(key)
             if len(self._sessions) > _MAX_SESSIONS:
-                self._sessions.popitem(last=False)
-            if tail is not None:
-                self._start(self._chained(item, tail, done), done)
+                _, evicted = self._sessions.popitem(last=False)
+                self._drop_history(evicted)
+            if prev is not None:
+                self._start(self._chained(item, prev, tail), done)
                 return
+            record = self._record(item, deadline, due_wall_ns)
+            if len(self._tasks) >= self._max_pending:
+                self._finish(record, "shed")
+                done.set_result(self._clock.monotonic())
+                return
+            self._start(self._one(item, record, tail=tail), done)
+            return
         record = self._record(item, deadline, due_wall_ns)
         if len(self._tasks) >= self._max_pending:
             # Open loop: the trace does not wait for a slow engine, but memory must stay bounded.
@@ -327,7 +346,23 @@ class Replayer:
 
             task.add_done_callback(release)
 
-    async def _chained(self, item: Scheduled, prev: _Tail, done: asyncio.Future[float]) -> None:
+    def _drop_history(self, tail: _Tail) -> None:
+        if tail.history is not None:
+            self._history_tokens -= len(tail.history)
+            tail.history = None
+
+    def _keep_history(self, tail: _Tail, history: npt.NDArray[np.int32]) -> None:
+        """Keep a finished turn's tokens for the next turn, within the global token budget."""
+        self._drop_history(tail)
+        tail.history = history
+        self._history_tokens += len(history)
+        for other in self._sessions.values():  # oldest first
+            if self._history_tokens <= _HISTORY_TOKENS:
+                break
+            if other is not tail:
+                self._drop_history(other)
+
+    async def _chained(self, item: Scheduled, prev: _Tail, tail: _Tail) -> None:
         """A later turn: wait for the previous turn to finish, then for the recorded gap."""
         gap = max(0.0, item.due_s - prev.due_s)
         self._waiting_turn += 1
@@ -351,9 +386,18 @@ class Replayer:
                 return
         self.stats.session_turns += 1
         record = self._record(item, deadline, self._wall0 + int((deadline - self._t0) * 1e9))
-        await self._one(item, record)
+        history = prev.history
+        self._drop_history(prev)  # this turn's own history supersedes it
+        await self._one(item, record, tail=tail, history=history)
 
-    async def _one(self, item: Scheduled, record: RequestRecord) -> None:
+    async def _one(
+        self,
+        item: Scheduled,
+        record: RequestRecord,
+        *,
+        tail: _Tail | None = None,
+        history: npt.NDArray[np.int32] | None = None,
+    ) -> None:
         clock = self._clock
         t_wait = clock.monotonic()
         self._waiting_admission += 1
@@ -366,7 +410,7 @@ class Replayer:
             self._waiting_admission -= 1
         try:
             record.queue_s = clock.monotonic() - t_wait
-            await self._send(item, record)
+            await self._send(item, record, tail, history)
         except asyncio.CancelledError:
             self._finish(record, "aborted: replay ended")
             raise
@@ -381,12 +425,24 @@ class Replayer:
         finally:
             await self._gate.release()
 
-    async def _send(self, item: Scheduled, record: RequestRecord) -> None:
+    async def _send(
+        self,
+        item: Scheduled,
+        record: RequestRecord,
+        tail: _Tail | None,
+        history: npt.NDArray[np.int32] | None,
+    ) -> None:
         spec = item.spec
         out_tokens = min(spec.output_tokens, self._max_model_len - 1)
         record.output_tokens_expected = out_tokens
         # Each loop and each rate-scale copy is its own traffic: salted apart, prefixes shared within.
         ids = self._prompts.prompt_ids(spec, salt=item.loop + (spec.copy << 32))
+        if history is not None:
+            # A later turn carries the conversation as it really went: the previous prompt and the
+            # answer the engine gave, whose KV blocks the prefix cache holds, as in a live chat. The
+            # trace's length is kept; only the part the history covers is replaced.
+            n = min(len(history), len(ids))
+            ids[:n] = history[:n].tolist()
         room = self._max_model_len - out_tokens
         if len(ids) > room:
             ids = ids[:room]
@@ -399,6 +455,8 @@ class Replayer:
             seed=self._seed + spec.index,
             temperature=_sampling(spec.sampling, "temperature"),
             top_p=_sampling(spec.sampling, "top_p"),
+            # Only a session turn needs its answer's tokens (for the next turn's prompt).
+            output_ids=[] if tail is not None else None,
         )
         clock = self._clock
         self.stats.dispatched += 1
@@ -419,6 +477,10 @@ class Replayer:
             received += n
             self.stats.output_tokens += n
         record.output_tokens = received
+        if tail is not None and request.output_ids and len(request.output_ids) == received:
+            # An engine that does not report token ids leaves the list empty: the next turn is then
+            # synthesized from the trace alone.
+            self._keep_history(tail, np.array(ids + request.output_ids, dtype=np.int32))
         if first is not None:
             record.ttft_s = first - sent
             record.e2e_s = last - sent
