@@ -77,3 +77,30 @@ def test_an_interrupted_run_never_passes_the_duration_criterion() -> None:
     results = evaluate(cfg, s, ran_s=130, planned_s=120, interrupted=True)
     dur = next(r for r in results if r.name == "duration_completed_s")
     assert not dur.passed and dur.detail == "stopped before the end"
+
+
+def test_quantiles_stay_exact_then_bounded_and_within_the_error() -> None:
+    import numpy as np
+
+    from soakd.report.criteria import Quantiles
+
+    rng = np.random.default_rng(5)
+    values = rng.lognormal(-3.0, 1.0, size=200_000)  # latencies around 50 ms with a long tail
+    small = Quantiles()
+    for v in values[:1000]:
+        small.add(float(v))
+    # Under the exact limit: numpy's own percentile.
+    assert small.percentile(99) == float(np.percentile(values[:1000], 99))
+    big = Quantiles()
+    for v in values:
+        big.add(float(v))
+    assert len(big) == 200_000 and big.max == float(values.max())
+    for q in (50, 90, 99, 99.9):
+        true = float(np.percentile(values, q))
+        assert abs(big.percentile(q) - true) / true < 0.005, q  # type: ignore[operator]
+    # Bounded: the histogram, not the values.
+    assert big._exact is None and big._counts is not None and big._counts.nbytes < 64_000
+    zero = Quantiles(exact_limit=2)
+    for v in (0.0, 0.0, 0.0, 1e-9):
+        zero.add(v)
+    assert zero.percentile(50) == 0.0 and zero.percentile(100) == 1e-9

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,80 @@ def _pct(values: npt.NDArray[np.float64], q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
+class Quantiles:
+    """Percentiles of a stream of non-negative values in bounded memory.
+
+    The first `exact_limit` values are kept as they are (exact percentiles, as numpy computes them);
+    past that the values move into a log-bucketed histogram whose buckets are `1 + rel_error` wide
+    (from 1 microsecond up; smaller values share the lowest bucket), so a percentile is within
+    `rel_error / 2` of the true one and memory stays ~100 KB however long the soak. Keeping every
+    sample, as k6 does, grows a multi-hour run's memory without end; so does a plain array (8 bytes per
+    request, 32 MB per million requests for four latencies).
+    """
+
+    __slots__ = ("_counts", "_exact", "_floor", "_limit", "_log_step", "_max", "_min", "_n")
+
+    def __init__(self, exact_limit: int = 8192, rel_error: float = 0.005, floor: float = 1e-6) -> None:
+        self._exact: array[float] | None = array("d")
+        self._counts: npt.NDArray[np.int64] | None = None
+        self._n = 0
+        self._max = -math.inf
+        self._min = math.inf
+        self._log_step = math.log1p(rel_error)
+        self._floor = floor
+        self._limit = exact_limit
+
+    def __len__(self) -> int:
+        return self._n
+
+    def add(self, value: float) -> None:
+        self._n += 1
+        self._max = max(self._max, value)
+        self._min = min(self._min, value)
+        if self._exact is not None:
+            self._exact.append(value)
+            if len(self._exact) > self._limit:
+                self._to_histogram()
+            return
+        assert self._counts is not None
+        self._counts[self._bucket(value)] += 1
+
+    def _bucket(self, value: float) -> int:
+        if value <= self._floor:
+            return 0
+        # Values beyond the last bucket (over ~4 days in seconds) share it; max stays exact.
+        return min(int(math.log(value / self._floor) / self._log_step) + 1, _BUCKETS - 1)
+
+    def _to_histogram(self) -> None:
+        assert self._exact is not None
+        self._counts = np.zeros(_BUCKETS, dtype=np.int64)
+        for value in self._exact:
+            self._counts[self._bucket(value)] += 1
+        self._exact = None
+
+    def percentile(self, q: float) -> float | None:
+        if self._n == 0:
+            return None
+        if self._exact is not None:
+            return _pct(np.frombuffer(self._exact, dtype=np.float64), q)
+        assert self._counts is not None
+        rank = max(1, math.ceil(q / 100.0 * self._n))
+        if rank >= self._n:
+            return self._max
+        index = int(np.searchsorted(np.cumsum(self._counts), rank))
+        # Bucket i >= 1 holds [floor * (1+e)^(i-1), floor * (1+e)^i): its geometric middle is within
+        # half a bucket of every value in it.
+        value = self._floor * math.exp((index - 0.5) * self._log_step) if index else self._min
+        return min(max(value, self._min), self._max)
+
+    @property
+    def max(self) -> float | None:
+        return self._max if self._n else None
+
+
+_BUCKETS = 6000  # (1 + 0.005) ** 6000 ~ 1e13: 1 us .. ~4 months
+
+
 @dataclass(slots=True)
 class LatencyStats:
     """Percentiles of one latency, in milliseconds."""
@@ -29,14 +104,22 @@ class LatencyStats:
     max_ms: float | None
 
     @classmethod
-    def of(cls, seconds: Sequence[float]) -> LatencyStats:
-        ms = np.asarray(seconds, dtype=float) * 1000.0
+    def of(cls, seconds: Sequence[float] | Quantiles) -> LatencyStats:
+        if not isinstance(seconds, Quantiles):
+            q = Quantiles(exact_limit=len(seconds))
+            for v in seconds:
+                q.add(float(v))
+            seconds = q
+
+        def ms(value: float | None) -> float | None:
+            return value * 1000.0 if value is not None else None
+
         return cls(
-            count=len(ms),
-            p50_ms=_pct(ms, 50),
-            p90_ms=_pct(ms, 90),
-            p99_ms=_pct(ms, 99),
-            max_ms=float(ms.max()) if len(ms) else None,
+            count=len(seconds),
+            p50_ms=ms(seconds.percentile(50)),
+            p90_ms=ms(seconds.percentile(90)),
+            p99_ms=ms(seconds.percentile(99)),
+            max_ms=ms(seconds.max),
         )
 
 
@@ -79,15 +162,16 @@ class RequestFolder:
 
     `soakd run` feeds it as records are written, so the verdict needs no re-read of a night's spool at
     shutdown (when systemd's stop timeout is running); `soakd report` feeds it from the spool. Both
-    go through this one fold, so they agree. Latencies are kept as float arrays (8 bytes each).
+    go through this one fold, so they agree. Latencies go into bounded `Quantiles` (exact for the first
+    8192 values, then within 0.25%), so a night's memory does not grow with the number of requests.
     """
 
     def __init__(self) -> None:
         self._s = RequestSummary()
-        self._ttft = array("d")
-        self._tpot = array("d")
-        self._e2e = array("d")
-        self._late = array("d")
+        self._ttft = Quantiles()
+        self._tpot = Quantiles()
+        self._e2e = Quantiles()
+        self._late = Quantiles()
 
     def add(self, sample: Sample) -> None:
         if sample.measurement != "requests":
@@ -98,7 +182,7 @@ class RequestFolder:
         s.first_ns = sample.time_ns if s.first_ns is None else min(s.first_ns, sample.time_ns)
         s.last_ns = sample.time_ns if s.last_ns is None else max(s.last_ns, sample.time_ns)
         status = sample.tags.get("status", "error")
-        self._late.append(_num(f.get("lateness_s")) or 0.0)
+        self._late.add(_num(f.get("lateness_s")) or 0.0)
         if status == "shed":
             s.shed += 1
             return
@@ -107,7 +191,7 @@ class RequestFolder:
             for name, dest in (("ttft_s", self._ttft), ("tpot_s", self._tpot), ("e2e_s", self._e2e)):
                 value = _num(f.get(name))
                 if value is not None:
-                    dest.append(value)
+                    dest.add(value)
         else:
             s.failed += 1
             kind = str(f.get("error", "unknown")).split(":", 1)[0]
