@@ -355,3 +355,24 @@ async def test_a_later_turn_replays_the_previous_prompt_and_the_engines_answer()
     # The request without a session asks for no ids; history is dropped once superseded.
     assert by_id["t-0-2"].output_ids is None
     assert rep._history_tokens == 40 + 6  # only the last turn's prompt and answer are kept
+
+
+async def test_system_clock_never_wakes_early_and_survives_cancelled_sleepers() -> None:
+    clock = SystemClock()
+    start = clock.monotonic()
+    # Sleepers cancelled inside the alarm thread's window must not disturb the others.
+    doomed = [asyncio.create_task(clock.sleep_until(start + 0.003 + i * 1e-4)) for i in range(5)]
+    await asyncio.sleep(0.0015)
+    for task in doomed:
+        task.cancel()
+    deadlines = [start + 0.004 + i * 0.0007 for i in range(20)]
+    woke: list[float] = []
+
+    async def sleeper(d: float) -> None:
+        await clock.sleep_until(d)
+        woke.append(clock.monotonic() - d)
+
+    await asyncio.gather(*(sleeper(d) for d in reversed(deadlines)))
+    assert len(woke) == 20 and min(woke) >= 0.0
+    assert all(t.cancelled() for t in doomed)
+    await clock.sleep_until(clock.monotonic() - 1.0)  # a past deadline returns at once

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
+import threading
 import time
 from typing import Protocol
 
@@ -24,8 +26,62 @@ class Clock(Protocol):
         ...
 
 
+class _Alarm:
+    """One thread that wakes event-loop futures at precise monotonic deadlines.
+
+    asyncio's selector rounds its timeout up to whole milliseconds (epoll_wait takes milliseconds), so
+    a replay paced by `asyncio.sleep` alone is up to ~1 ms late on every request. A thread's timed
+    condition wait has microsecond resolution; the thread wakes the loop through its self-pipe
+    (`call_soon_threadsafe`), which epoll sees at once. Only the last couple of milliseconds before a
+    deadline go through here; longer waits stay plain `asyncio.sleep`.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+
+    def wait_until(self, deadline: float) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._heap, (deadline, self._seq, loop, fut))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="soakd-pacer", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                deadline = self._heap[0][0]
+                delay = deadline - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue  # re-check: an earlier deadline may have arrived meanwhile
+                _, _, loop, fut = heapq.heappop(self._heap)
+            with contextlib.suppress(RuntimeError):  # the loop was closed meanwhile
+                loop.call_soon_threadsafe(_wake, fut)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # a cancelled sleeper
+        fut.set_result(None)
+
+
+_ALARM = _Alarm()
+# The share of a wait left to the alarm thread: more than the selector's 1 ms rounding plus a timer tick.
+_FINE_S = 0.002
+
+
 class SystemClock:
-    """The real clock. Sleeps to an absolute deadline, so pacing never accumulates drift."""
+    """The real clock. Sleeps to an absolute deadline, so pacing never accumulates drift, and wakes
+    within tens of microseconds of it (see _Alarm) instead of asyncio's millisecond granularity."""
 
     def monotonic(self) -> float:
         return time.monotonic()
@@ -35,8 +91,12 @@ class SystemClock:
 
     async def sleep_until(self, deadline: float) -> None:
         delay = deadline - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        if delay <= 0:
+            return
+        if delay > _FINE_S:
+            await asyncio.sleep(delay - _FINE_S)
+        if deadline > time.monotonic():
+            await _ALARM.wait_until(deadline)
 
 
 class FakeClock:
