@@ -36,14 +36,15 @@ async def run_checks(cfg: Config) -> list[CheckResult]:
     A bad trace raises TraceError (bad input, exit 2) like `soakd run` would.
     """
     out = [CheckResult("config", True, f"{cfg.source} is valid")]
-    trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed)
+    trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
     s = trace.summary
     out.append(
         CheckResult(
             "trace",
             True,
             f"{s.path} ({s.format}): {s.requests} requests over {s.span_s:.1f} s, "
-            f"block reuse {s.block_reuse_ratio:.0%}",
+            f"block reuse {s.block_reuse_ratio:.0%}, {s.sessions} multi-turn sessions"
+            + (f", {s.bad_rows} bad rows skipped" if s.bad_rows else ""),
         )
     )
     try:
