@@ -88,3 +88,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "config.json").is_file()
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Server]:
+    """vLLM's OpenAI-compatible api_server (CPU build) serving the tiny model as "tiny" on loopback.
+
+    Started once per session (about 40 s on two cores), stopped by its process group at the end.
+    """
+    from servers import start_vllm
+
+    server = start_vllm(tiny_model, tmp_path_factory.mktemp("vllm"))
+    try:
+        yield server
+    finally:
+        server.stop()

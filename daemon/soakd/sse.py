@@ -1,0 +1,54 @@
+"""Split a server-sent-events byte stream into events, as OpenAI-compatible servers stream responses."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# An event ends at a blank line; servers end lines with \n or \r\n.
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+_DATA = b"data:"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event: its bytes as received (to pass on unchanged) and its `data` payload."""
+
+    raw: bytes
+    """The event including its terminating blank line."""
+    data: bytes | None
+    """The `data:` lines joined with newlines; None when the event has none (a comment, a keep-alive)."""
+
+
+class EventSplitter:
+    """Feed it the body in chunks of any size; it hands back each event once it is complete."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        self._buf += chunk
+        events: list[Event] = []
+        start = 0
+        while True:
+            match = _EVENT_END.search(self._buf, start)
+            if match is None:
+                break
+            events.append(_event(self._buf[start : match.end()]))
+            start = match.end()
+        self._buf = self._buf[start:]
+        return events
+
+    def close(self) -> list[Event]:
+        """The unterminated rest, if any, as a last event (a server that closed without a blank line)."""
+        rest, self._buf = self._buf, b""
+        return [_event(rest)] if rest.strip() else []
+
+
+def _event(raw: bytes) -> Event:
+    parts: list[bytes] = []
+    for line in raw.splitlines():
+        if line.startswith(_DATA):
+            value = line[len(_DATA) :]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return Event(raw=raw, data=b"\n".join(parts) if parts else None)
