@@ -159,7 +159,6 @@ def _trace_parser(sub: Any) -> None:
     rec.add_argument("--block-size", type=int, default=16, help="tokens per prefix block hash")
     rec.add_argument("--record-prompts", action="store_true", help="also store prompt text in the trace")
     rec.add_argument("--allow-remote", action="store_true", help="allow listening on a non-loopback address")
-    rec.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
 def _load_config(path: Path | None, overrides: dict[str, Any]) -> Any:
@@ -387,7 +386,13 @@ def _trace_record(args: argparse.Namespace) -> int:
         raise UsageError(f"--upstream: expected an http:// or https:// URL, got {args.upstream!r}")
     if args.block_size < 1:
         raise UsageError("--block-size must be >= 1")
-    _refuse_existing(args.out, args.force)
+    # The recorder itself refuses an existing OUT: a recording is never overwritten.
+
+    def ready(port: int) -> None:
+        print(
+            f"recording to {args.out}: listening on {host}:{port}, forwarding to {args.upstream}", flush=True
+        )
+
     stats = run_recorder(
         host.strip("[]"),
         int(port),
@@ -396,8 +401,12 @@ def _trace_record(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         record_prompts=args.record_prompts,
         allow_remote=args.allow_remote,
+        ready=ready,
     )
-    print(f"recorded {stats} to {args.out}")
+    print(
+        f"{stats.recorded} of {stats.requests} requests recorded to {args.out} "
+        f"({stats.failed} failed, {stats.untokenized} without prefix hashes, {stats.unusable} unusable)"
+    )
     return EXIT_OK
 
 

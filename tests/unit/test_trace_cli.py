@@ -121,3 +121,14 @@ def test_record_arguments_are_checked_before_listening(
     code, _, err = run(["trace", "record", str(out), "--upstream", "ftp://x"], capsys)
     assert code == 2 and "--upstream" in err
     assert not out.exists()
+
+
+def test_record_never_overwrites_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rec.jsonl"
+    out.write_text("precious\n")
+    argv = ["trace", "record", str(out), "--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:0"]
+    code, _, err = run(argv, capsys)
+    assert code == 2 and err.strip() == f"soakd: error: {out}: exists; recording never overwrites a trace"
+    assert out.read_text() == "precious\n"
+    code, _, err = run([*argv[:-1], "0.0.0.0:0"], capsys)
+    assert code == 2 and "Traceback" not in err
