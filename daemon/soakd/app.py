@@ -102,7 +102,16 @@ ProgressFn = Callable[[float, float, ReplayStats], None]
 
 
 def resolve_model(cfg: Config) -> str:
-    """The model vLLM loads: a local folder, or `hf:NAME` passed through as a hub name."""
+    """The model vLLM loads: a local folder, or `hf:NAME` passed through as a hub name.
+
+    For `engine.kind = "openai"` the server has its model already: the URL is what must be given.
+    """
+    if cfg.engine.kind == "openai":
+        if not cfg.engine.url:
+            raise ConfigError(
+                'engine.kind = "openai" needs the server\'s base URL', file=cfg.source, key="engine.url"
+            )
+        return cfg.engine.served_model
     model = cfg.engine.model
     if model.startswith("hf:"):
         return model[3:]
@@ -123,6 +132,10 @@ def new_run_id(name: str, now: datetime | None = None) -> str:
 
 
 def make_engine(cfg: Config, model: str, collector: EngineCollector) -> Engine:
+    if cfg.engine.kind == "openai":
+        from soakd.engine.openai_http import OpenAIEngine
+
+        return OpenAIEngine(cfg.engine, collector.push)
     from soakd.engine.vllm_local import VllmLocalEngine
 
     return VllmLocalEngine(cfg.engine, model, collector.push)
