@@ -135,6 +135,9 @@ class ReplayStats:
 
 RecordSink = Callable[[RequestRecord], None]
 
+# A request's prompt is built this long before it is due, then the request waits for its exact time:
+# building a long prompt (up to a millisecond or two) must not make it late.
+_LEAD_S = 0.005
 _MAX_SESSIONS = 100_000  # session tails remembered; an evicted session's next turn goes open loop
 
 
@@ -247,8 +250,8 @@ class Replayer:
         try:
             for item in self._iterate():
                 deadline = t0 + item.due_s
-                if self._clock.monotonic() < deadline:
-                    sleeper = asyncio.create_task(self._clock.sleep_until(deadline))
+                if self._clock.monotonic() < deadline - _LEAD_S:
+                    sleeper = asyncio.create_task(self._clock.sleep_until(deadline - _LEAD_S))
                     await asyncio.wait({sleeper, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                     if not sleeper.done():
                         sleeper.cancel()
@@ -316,21 +319,32 @@ class Replayer:
             if prev is not None:
                 self._start(self._chained(item, prev, tail), done)
                 return
-            record = self._record(item, deadline, due_wall_ns)
-            if len(self._tasks) >= self._max_pending:
-                self._finish(record, "shed")
-                done.set_result(self._clock.monotonic())
-                return
-            self._start(self._one(item, record, tail=tail), done)
-            return
-        record = self._record(item, deadline, due_wall_ns)
+        else:
+            tail = None
         if len(self._tasks) >= self._max_pending:
             # Open loop: the trace does not wait for a slow engine, but memory must stay bounded.
-            self._finish(record, "shed")
+            self._finish(self._record(item, deadline, due_wall_ns), "shed")
             if done is not None:
                 done.set_result(self._clock.monotonic())
             return
-        self._start(self._one(item, record), done)
+        self._start(self._timed(item, deadline, due_wall_ns, tail), done)
+
+    async def _timed(
+        self,
+        item: Scheduled,
+        deadline: float,
+        due_wall_ns: int,
+        tail: _Tail | None,
+        history: npt.NDArray[np.int32] | None = None,
+    ) -> None:
+        """Build the prompt ahead, wait for the exact due time, then go through admission and send."""
+        try:
+            ids = self._prepare(item, history)
+            await self._clock.sleep_until(deadline)
+        except asyncio.CancelledError:
+            self._finish(self._record(item, deadline, due_wall_ns), "aborted: replay ended before admission")
+            raise
+        await self._one(item, self._record(item, deadline, due_wall_ns), ids, tail)
 
     def _start(self, work: Coroutine[Any, Any, None], done: asyncio.Future[float] | None) -> None:
         task = asyncio.create_task(work)
@@ -375,8 +389,9 @@ class Replayer:
         if self._stop.is_set() or (end is not None and deadline >= end):
             self.stats.session_turns_cut += 1
             return
-        if self._clock.monotonic() < deadline:
-            sleeper = asyncio.create_task(self._clock.sleep_until(deadline))
+        wake = deadline - _LEAD_S
+        if self._clock.monotonic() < wake:
+            sleeper = asyncio.create_task(self._clock.sleep_until(wake))
             stopper = asyncio.create_task(self._stop.wait())
             await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
             sleeper.cancel()
@@ -385,19 +400,12 @@ class Replayer:
                 self.stats.session_turns_cut += 1
                 return
         self.stats.session_turns += 1
-        record = self._record(item, deadline, self._wall0 + int((deadline - self._t0) * 1e9))
         history = prev.history
         self._drop_history(prev)  # this turn's own history supersedes it
-        await self._one(item, record, tail=tail, history=history)
+        due_wall_ns = self._wall0 + int((deadline - self._t0) * 1e9)
+        await self._timed(item, deadline, due_wall_ns, tail, history)
 
-    async def _one(
-        self,
-        item: Scheduled,
-        record: RequestRecord,
-        *,
-        tail: _Tail | None = None,
-        history: npt.NDArray[np.int32] | None = None,
-    ) -> None:
+    async def _one(self, item: Scheduled, record: RequestRecord, ids: list[int], tail: _Tail | None) -> None:
         clock = self._clock
         t_wait = clock.monotonic()
         self._waiting_admission += 1
@@ -410,7 +418,7 @@ class Replayer:
             self._waiting_admission -= 1
         try:
             record.queue_s = clock.monotonic() - t_wait
-            await self._send(item, record, tail, history)
+            await self._send(item, record, ids, tail)
         except asyncio.CancelledError:
             self._finish(record, "aborted: replay ended")
             raise
@@ -425,16 +433,10 @@ class Replayer:
         finally:
             await self._gate.release()
 
-    async def _send(
-        self,
-        item: Scheduled,
-        record: RequestRecord,
-        tail: _Tail | None,
-        history: npt.NDArray[np.int32] | None,
-    ) -> None:
+    def _prepare(self, item: Scheduled, history: npt.NDArray[np.int32] | None) -> list[int]:
+        """The prompt token ids of a request, clipped to leave room for its output."""
         spec = item.spec
         out_tokens = min(spec.output_tokens, self._max_model_len - 1)
-        record.output_tokens_expected = out_tokens
         # Each loop and each rate-scale copy is its own traffic: salted apart, prefixes shared within.
         ids = self._prompts.prompt_ids(spec, salt=item.loop + (spec.copy << 32))
         if history is not None:
@@ -447,6 +449,12 @@ class Replayer:
         if len(ids) > room:
             ids = ids[:room]
             self.stats.clipped += 1
+        return ids
+
+    async def _send(self, item: Scheduled, record: RequestRecord, ids: list[int], tail: _Tail | None) -> None:
+        spec = item.spec
+        out_tokens = min(spec.output_tokens, self._max_model_len - 1)
+        record.output_tokens_expected = out_tokens
         record.input_tokens = len(ids)
         request = GenerationRequest(
             request_id=record.request_id,
