@@ -21,8 +21,11 @@ class Clock(Protocol):
         """Nanoseconds since the Unix epoch (for sample timestamps)."""
         ...
 
-    async def sleep_until(self, deadline: float) -> None:
-        """Return at (or as soon as possible after) the monotonic time `deadline`."""
+    async def sleep_until(self, deadline: float, precise: bool = True) -> None:
+        """Return at (or as soon as possible after) the monotonic time `deadline`.
+
+        `precise=False`: a millisecond or so late is fine (a wake-up ahead of the real deadline).
+        """
         ...
 
 
@@ -89,9 +92,12 @@ class SystemClock:
     def wall_ns(self) -> int:
         return time.time_ns()
 
-    async def sleep_until(self, deadline: float) -> None:
+    async def sleep_until(self, deadline: float, precise: bool = True) -> None:
         delay = deadline - time.monotonic()
         if delay <= 0:
+            return
+        if not precise:
+            await asyncio.sleep(delay)
             return
         if delay > _FINE_S:
             await asyncio.sleep(delay - _FINE_S)
@@ -123,7 +129,7 @@ class FakeClock:
     def wall_ns(self) -> int:
         return self._wall0 + int(self.now * 1e9)
 
-    async def sleep_until(self, deadline: float) -> None:
+    async def sleep_until(self, deadline: float, precise: bool = True) -> None:
         if deadline <= self.now:
             await asyncio.sleep(0)
             return

@@ -251,13 +251,18 @@ class Replayer:
             for item in self._iterate():
                 deadline = t0 + item.due_s
                 if self._clock.monotonic() < deadline - _LEAD_S:
-                    sleeper = asyncio.create_task(self._clock.sleep_until(deadline - _LEAD_S))
+                    wake = self._clock.sleep_until(deadline - _LEAD_S, precise=False)
+                    sleeper = asyncio.create_task(wake)
                     await asyncio.wait({sleeper, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                     if not sleeper.done():
                         sleeper.cancel()
                 if self._stop.is_set():
                     break
-                self._dispatch(item, deadline, wall0 + int(item.due_s * 1e9))
+                # The pacer builds the prompt ahead, then waits for the exact due time itself: one
+                # precise wake per request, and building it is never lateness.
+                ids = None if self._chains(item) else self._prepare(item, None)
+                await self._clock.sleep_until(deadline)
+                self._dispatch(item, deadline, wall0 + int(item.due_s * 1e9), ids)
             if self._duration_s is not None and not self._stop.is_set():
                 # The soak lasts its duration even when the last request is due earlier.
                 end = asyncio.create_task(self._clock.sleep_until(t0 + self._duration_s))
@@ -304,7 +309,15 @@ class Replayer:
             output_tokens_expected=spec.output_tokens,
         )
 
-    def _dispatch(self, item: Scheduled, deadline: float, due_wall_ns: int) -> None:
+    def _chains(self, item: Scheduled) -> bool:
+        """Whether the request is a later turn that waits for its session's previous turn."""
+        return (
+            self._closed_sessions
+            and bool(item.spec.session)
+            and f"{item.loop}/{item.spec.session}" in self._sessions
+        )
+
+    def _dispatch(self, item: Scheduled, deadline: float, due_wall_ns: int, ids: list[int] | None) -> None:
         done: asyncio.Future[float] | None = None
         if self._closed_sessions and item.spec.session:
             key = f"{item.loop}/{item.spec.session}"
@@ -327,7 +340,8 @@ class Replayer:
             if done is not None:
                 done.set_result(self._clock.monotonic())
             return
-        self._start(self._timed(item, deadline, due_wall_ns, tail), done)
+        assert ids is not None
+        self._start(self._one(item, self._record(item, deadline, due_wall_ns), ids, tail), done)
 
     async def _timed(
         self,
@@ -337,7 +351,7 @@ class Replayer:
         tail: _Tail | None,
         history: npt.NDArray[np.int32] | None = None,
     ) -> None:
-        """Build the prompt ahead, wait for the exact due time, then go through admission and send."""
+        """A later turn: build the prompt ahead, wait for the exact due time, then admission and send."""
         try:
             ids = self._prepare(item, history)
             await self._clock.sleep_until(deadline)
