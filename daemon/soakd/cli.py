@@ -57,15 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", type=Path, help="config file (default: built-in defaults)")
     run.add_argument("--trace", help="trace file (overrides trace.path)")
     run.add_argument("--duration", help="how long to replay, e.g. 10m, 8h (overrides run.duration)")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        type=_override,
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. replay.speed=2",
-    )
+    _set_flag(run, "replay.speed=2")
     run.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     _trace_reading_flags(run)
@@ -102,8 +94,7 @@ def _trace_reading_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sort", action="store_true", help="sort a trace whose timestamps go backwards")
 
 
-def _config_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, help="config file (its [trace] and [replay] sections apply)")
+def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
     p.add_argument(
         "--set",
         dest="overrides",
@@ -111,8 +102,13 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
         type=_override,
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. trace.arrivals.rate_rps=5",
+        help=f"override a config key, e.g. {example}",
     )
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="config file (its [trace] and [replay] sections apply)")
+    _set_flag(p, "trace.arrivals.rate_rps=5")
 
 
 def _trace_parser(sub: Any) -> None:

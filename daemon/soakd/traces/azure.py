@@ -17,13 +17,12 @@ The 2024 files hold tens of millions of rows: the reader streams and keeps nothi
 
 from __future__ import annotations
 
-import csv
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import IO
 
 from soakd.errors import TraceError
-from soakd.traces.model import CsvRow, Row, Skip
+from soakd.traces.model import Row, Skip, csv_rows
 
 NAME = "azure"
 TIME_KEY = "TIMESTAMP"
@@ -84,26 +83,10 @@ def _offset_s(text: str) -> int:
 
 def read(text: IO[str], file: str) -> Iterator[Row | TraceError | Skip]:
     """A Row per data row of an Azure CSV, or the TraceError of a bad row; a bad header is raised."""
-    reader = csv.reader(text)
-    header = next(reader, None)
-    if header is None:
-        return
-    columns = {name.strip(): i for i, name in enumerate(header)}
-    missing = [name for name in _REQUIRED if name not in columns]
-    if missing:
-        raise TraceError(
-            f"header lacks {', '.join(missing)} (expected TIMESTAMP,ContextTokens,GeneratedTokens"
-            "[,NumImages])",
-            file=file,
-            line=1,
-        )
+    columns, rows = csv_rows(text, file, _REQUIRED, "TIMESTAMP,ContextTokens,GeneratedTokens[,NumImages]")
     parse_time = TimestampParser()
     has_images = "NumImages" in columns
-    for cells in reader:
-        line = reader.line_num
-        if not cells or (len(cells) == 1 and not cells[0].strip()):
-            continue
-        r = CsvRow(cells, columns, file, line)
+    for line, r in rows:
         try:
             raw_time = r.text("TIMESTAMP")
             try:

@@ -15,13 +15,12 @@ Format: CSV with a header row; columns are found by name:
 
 from __future__ import annotations
 
-import csv
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import IO
 
 from soakd.errors import TraceError
-from soakd.traces.model import CsvRow, Row, Skip
+from soakd.traces.model import Row, Skip, csv_rows
 
 NAME = "burstgpt"
 TIME_KEY = "Timestamp"
@@ -37,25 +36,14 @@ def looks_like(header: list[str]) -> bool:
 
 def read(text: IO[str], file: str) -> Iterator[Row | TraceError | Skip]:
     """A Row per data row of a BurstGPT CSV, or the TraceError of a bad row; a bad header is raised."""
-    reader = csv.reader(text)
-    header = next(reader, None)
-    if header is None:
-        return
-    columns = {name.strip(): i for i, name in enumerate(header)}
-    missing = [name for name in _REQUIRED if name not in columns]
-    if missing:
-        raise TraceError(
-            f"header lacks {', '.join(missing)} (expected Timestamp,Model,Request tokens,"
-            "Response tokens,Total tokens,Log Type[,Session ID][,Elapsed time])",
-            file=file,
-            line=1,
-        )
+    _, rows = csv_rows(
+        text,
+        file,
+        _REQUIRED,
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type[,Session ID][,Elapsed time]",
+    )
     turns: OrderedDict[str, int] = OrderedDict()
-    for cells in reader:
-        line = reader.line_num
-        if not cells or (len(cells) == 1 and not cells[0].strip()):
-            continue
-        r = CsvRow(cells, columns, file, line)
+    for line, r in rows:
         try:
             t = r.number("Timestamp", minimum=0)
             input_tokens = r.integer("Request tokens", minimum=1)

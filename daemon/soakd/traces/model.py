@@ -7,9 +7,11 @@ with a `TraceError` naming file, 1-based line and field.
 
 from __future__ import annotations
 
+import csv
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from soakd.errors import TraceError
 
@@ -233,3 +235,29 @@ class CsvRow:
         if minimum is not None and value < minimum:
             raise self.error(f"must be >= {minimum:g}, got {value:g}", key)
         return value
+
+
+def csv_rows(
+    text: IO[str], file: str, required: tuple[str, ...], layout: str
+) -> tuple[dict[str, int], Iterator[tuple[int, CsvRow]]]:
+    """Column positions from a CSV's header row, and (line, row) for each non-blank data row.
+
+    A header missing a `required` column is raised as a TraceError on line 1 naming the `layout`
+    expected. A file with no header at all has no rows.
+    """
+    reader = csv.reader(text)
+    header = next(reader, None)
+    if header is None:
+        return {}, iter(())
+    columns = {name.strip(): i for i, name in enumerate(header)}
+    missing = [name for name in required if name not in columns]
+    if missing:
+        raise TraceError(f"header lacks {', '.join(missing)} (expected {layout})", file=file, line=1)
+
+    def rows() -> Iterator[tuple[int, CsvRow]]:
+        for cells in reader:
+            if not cells or (len(cells) == 1 and not cells[0].strip()):
+                continue
+            yield reader.line_num, CsvRow(cells, columns, file, reader.line_num)
+
+    return columns, rows()
