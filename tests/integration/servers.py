@@ -249,3 +249,28 @@ def start_vllm(model: Path, root: Path, *extra: str, port: int | None = None) ->
                     f"vllm not ready after {VLLM_START_TIMEOUT_S:.0f} s:\n{server.log_tail(60)}"
                 )
             time.sleep(0.25)  # poll interval
+
+
+def run_soakd(config: Path, cwd: Path, timeout_s: float = 600.0) -> tuple[int, str, str]:
+    """`python -m soakd run --config CONFIG --json --no-progress` as a user runs it: (exit code, stdout,
+    stderr). It gets its own process group, so the engine's children are stopped with it if it hangs."""
+    import signal
+    import sys
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "soakd", "run", "--config", str(config), "--json", "--no-progress"],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, err

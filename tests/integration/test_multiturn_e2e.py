@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from servers import run_soakd
 
 from soakd.sinks.spool import iter_samples
 
@@ -73,23 +70,8 @@ min_completed_ratio = false
 """,
         encoding="utf-8",
     )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--json", "--no-progress"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode in (0, 1), err[-3000:]
+    code, out, err = run_soakd(cfg, tmp_path)
+    assert code in (0, 1), err[-3000:]
     summary = json.loads(out)
     run_dir = Path(summary["run_dir"])
     assert summary["replay"]["session_turns"] > 0

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -19,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from servers import Server
+from servers import Server, run_soakd
 
 from soakd.metric import parse_line
 
@@ -120,31 +118,16 @@ tpot_p99_ms = 5000.0
 """,
         encoding="utf-8",
     )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--json", "--no-progress"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,  # its own process group, so the engine's children can be stopped too
-    )
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode in (0, 1), err[-3000:]
+    code, out, err = run_soakd(cfg, tmp_path)
+    assert code in (0, 1), err[-3000:]
     summary = json.loads(out)
     run_dir = Path(summary["run_dir"])
     run_id = summary["run_id"]
 
     # The verdict file exists and agrees with the exit code.
     verdict = json.loads((run_dir / "verdict.json").read_text())
-    assert verdict["exit_code"] == proc.returncode
-    assert verdict["verdict"] == ("PASS" if proc.returncode == 0 else "FAIL")
+    assert verdict["exit_code"] == code
+    assert verdict["verdict"] == ("PASS" if code == 0 else "FAIL")
 
     # Requests: trace schedule == spool records == InfluxDB points.
     want = expected_requests(times, DURATION_S)
@@ -204,7 +187,7 @@ tpot_p99_ms = 5000.0
         timeout=120,
         check=False,
     )
-    assert rep.returncode == proc.returncode, rep.stderr
+    assert rep.returncode == code, rep.stderr
     again = json.loads(rep.stdout)
     assert again["verdict"] == verdict["verdict"]
     assert again["requests"]["scheduled"] == want
