@@ -376,3 +376,15 @@ async def test_system_clock_never_wakes_early_and_survives_cancelled_sleepers() 
     assert len(woke) == 20 and min(woke) >= 0.0
     assert all(t.cancelled() for t in doomed)
     await clock.sleep_until(clock.monotonic() - 1.0)  # a past deadline returns at once
+
+
+async def test_a_request_without_a_possible_prompt_fails_alone() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock)
+    # hash_ids that do not cover the prompt: PromptSynth refuses it.
+    bad = RequestSpec(1, 0.2, 40, 6, 16, hash_ids=(1,))
+    rep, records = make(engine, [spec(0, 0.0), bad, spec(2, 0.4)], clock)
+    stats = await rep.run()
+    assert stats.completed == 2 and stats.failed == 1 and stats.scheduled == 3
+    by = {r.index: r for r in records}
+    assert by[1].error.startswith("prompt: request 1:")

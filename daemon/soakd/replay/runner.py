@@ -260,9 +260,15 @@ class Replayer:
                     break
                 # The pacer builds the prompt ahead, then waits for the exact due time itself: one
                 # precise wake per request, and building it is never lateness.
-                ids = None if self._chains(item) else self._prepare(item, None)
+                due_wall_ns = wall0 + int(item.due_s * 1e9)
+                try:
+                    ids = None if self._chains(item) else self._prepare(item, None)
+                except ValueError as err:
+                    # A spec no prompt can be made for is that request's failure, never the soak's.
+                    self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
+                    continue
                 await self._clock.sleep_until(deadline)
-                self._dispatch(item, deadline, wall0 + int(item.due_s * 1e9), ids)
+                self._dispatch(item, deadline, due_wall_ns, ids)
             if self._duration_s is not None and not self._stop.is_set():
                 # The soak lasts its duration even when the last request is due earlier.
                 end = asyncio.create_task(self._clock.sleep_until(t0 + self._duration_s))
@@ -358,6 +364,9 @@ class Replayer:
         except asyncio.CancelledError:
             self._finish(self._record(item, deadline, due_wall_ns), "aborted: replay ended before admission")
             raise
+        except ValueError as err:
+            self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
+            return
         await self._one(item, self._record(item, deadline, due_wall_ns), ids, tail)
 
     def _start(self, work: Coroutine[Any, Any, None], done: asyncio.Future[float] | None) -> None:
