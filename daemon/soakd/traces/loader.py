@@ -32,7 +32,15 @@ import structlog
 from soakd.config import ReplayConfig, TraceConfig
 from soakd.errors import TraceError
 from soakd.traces import azure, bailian, burstgpt, mooncake, native, sharegpt
-from soakd.traces.model import RequestSpec, Row, Skip, TraceSummary, blocks_needed, show_number
+from soakd.traces.model import (
+    RequestSpec,
+    Row,
+    Skip,
+    TraceSummary,
+    blocks_needed,
+    json_lines,
+    show_number,
+)
 from soakd.traces.synth import synthesize
 
 log = structlog.get_logger(__name__)
@@ -333,21 +341,10 @@ def _read(
 
 
 def _json_rows(fh: Iterable[bytes], name: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(1-based line, object) for each non-blank line; TraceError for text that is not a JSON object."""
-    for line, raw in enumerate(fh, start=1):
-        if not raw.strip():
-            continue
-        try:
-            # utf-8-sig on the first line: editors on Windows like to start files with a BOM.
-            text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
-        except UnicodeDecodeError:
-            raise TraceError("not UTF-8 text", file=name, line=line) from None
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise TraceError(f"not JSON: {err.msg} at column {err.colno}", file=name, line=line) from None
-        if not isinstance(obj, dict):
-            raise TraceError(f"expected a JSON object, got {type(obj).__name__}", file=name, line=line)
+    """(1-based line, object) for each non-blank line; a line that is not a JSON object is raised."""
+    for line, obj in json_lines(fh, name):
+        if isinstance(obj, TraceError):
+            raise obj
         yield line, obj
 
 

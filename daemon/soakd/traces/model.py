@@ -8,8 +8,9 @@ with a `TraceError` naming file, 1-based line and field.
 from __future__ import annotations
 
 import csv
+import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -261,3 +262,26 @@ def csv_rows(
             yield reader.line_num, CsvRow(cells, columns, file, reader.line_num)
 
     return columns, rows()
+
+
+def json_lines(fh: Iterable[bytes], file: str) -> Iterator[tuple[int, dict[str, Any] | TraceError]]:
+    """(1-based line, object) for each non-blank line, or the TraceError of a line that is not a JSON
+    object (the caller decides whether that ends the read)."""
+    for line, raw in enumerate(fh, start=1):
+        if not raw.strip():
+            continue
+        try:
+            # utf-8-sig on the first line: editors on Windows like to start files with a BOM.
+            text = raw.decode("utf-8-sig" if line == 1 else "utf-8")
+        except UnicodeDecodeError:
+            yield line, TraceError("not UTF-8 text", file=file, line=line)
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            yield line, TraceError(f"not JSON: {err.msg} at column {err.colno}", file=file, line=line)
+            continue
+        if not isinstance(obj, dict):
+            yield line, TraceError(f"expected a JSON object, got {type(obj).__name__}", file=file, line=line)
+            continue
+        yield line, obj

@@ -31,7 +31,7 @@ from typing import IO, Any
 from soakd.config import ArrivalConfig
 from soakd.errors import TraceError
 from soakd.traces.arrivals import arrival_stream, think_times
-from soakd.traces.model import Row, Skip
+from soakd.traces.model import Row, Skip, json_lines
 
 NAME = "sharegpt"
 TIME_KEY = "conversations"
@@ -156,20 +156,7 @@ def _array_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
 
 
 def _line_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
-    for line, raw in enumerate(fh, start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw.decode("utf-8-sig" if line == 1 else "utf-8"))
-        except UnicodeDecodeError:
-            yield line, "", TraceError("not UTF-8 text", file=file, line=line)
-            continue
-        except json.JSONDecodeError as err:
-            yield line, "", TraceError(f"not JSON: {err.msg} at column {err.colno}", file=file, line=line)
-            continue
-        if not isinstance(obj, dict):
-            yield line, "", TraceError("expected a JSON object", file=file, line=line)
-            continue
+    for line, obj in json_lines(fh, file):
         yield line, "", obj
 
 

@@ -20,6 +20,7 @@ time (mean `arrivals.think_time`) after the previous one. Turns after `duration`
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import numpy.typing as npt
@@ -85,19 +86,7 @@ def synthesize(cfg: SyntheticTraceConfig, arrivals: ArrivalConfig, seed: int) ->
             )
             out.append((t, i, turn, spec))
     out.sort(key=lambda item: item[:3])
-    return [
-        RequestSpec(
-            index=k,
-            arrival_s=s.arrival_s,
-            input_tokens=s.input_tokens,
-            output_tokens=s.output_tokens,
-            block_size=s.block_size,
-            hash_ids=s.hash_ids,
-            session=s.session,
-            turn=s.turn,
-        )
-        for k, (_, _, _, s) in enumerate(out)
-    ]
+    return [replace(s, index=k) for k, (_, _, _, s) in enumerate(out)]
 
 
 def _lengths(rng: np.random.Generator, mean: int, maximum: int, n: int) -> npt.NDArray[np.int64]:
