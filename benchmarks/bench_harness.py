@@ -63,7 +63,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -241,6 +241,36 @@ def _trace(rate: float, duration_s: float, seed: int) -> list[RequestSpec]:
     return [replace(s, output_tokens=OUT_TOKENS) for s in synthesize(cfg, arrivals, seed)]
 
 
+def _replayer(
+    engine: StreamingFakeEngine,
+    specs: list[RequestSpec],
+    speed: float,
+    duration_s: float,
+    prompts: PromptSynth,
+    gate: AdmissionGate,
+    clock: SystemClock,
+    on_record: Callable[[RequestRecord], None],
+    seed: int,
+) -> Replayer:
+    """The Replayer as `Soak.run` builds it, over `specs` looped for `duration_s`."""
+    span = specs[-1].arrival_s
+    return Replayer(
+        engine,
+        schedule(specs, span_s=span, requests=len(specs), speed=speed, duration_s=duration_s, loop=True),
+        prompts,
+        gate,
+        clock,
+        on_record,
+        run_tag="beef",
+        max_pending=MAX_PENDING,
+        max_model_len=MAX_MODEL_LEN,
+        drain_timeout_s=10.0,
+        duration_s=duration_s,
+        seed=seed,
+        sessions="closed",
+    )
+
+
 async def _periodic_jobs(
     spool: Spool,
     writer: SampleWriter,
@@ -272,7 +302,6 @@ async def _replay(
     max_concurrency: int = MAX_CONCURRENCY,
 ) -> Json:
     specs = _trace(rate, duration_s, seed)
-    span = specs[-1].arrival_s
     clock = SystemClock()
     engine = engine or StreamingFakeEngine()
     prompts = PromptSynth(VOCAB, seed, RESERVED)
@@ -301,21 +330,7 @@ async def _replay(
         if sent is not None:
             send_late.append(max(0.0, (sent - record.due_wall_ns) / 1e9))
 
-    replayer = Replayer(
-        engine,
-        schedule(specs, span_s=span, requests=len(specs), speed=1.0, duration_s=duration_s, loop=True),
-        prompts,
-        gate,
-        clock,
-        on_record,
-        run_tag="beef",
-        max_pending=MAX_PENDING,
-        max_model_len=MAX_MODEL_LEN,
-        drain_timeout_s=10.0,
-        duration_s=duration_s,
-        seed=seed,
-        sessions="closed",
-    )
+    replayer = _replayer(engine, specs, 1.0, duration_s, prompts, gate, clock, on_record, seed)
     replay_series = ReplayCollector(lambda: replayer)
     backlog = {"waiting_admission": 0, "in_engine": 0}
 
@@ -567,7 +582,6 @@ async def _replay_long(
     reaches each point."""
     target = points[-1]
     specs = _trace(rate, trace_s, seed)  # built before the baseline: the trace itself does not count
-    span = specs[-1].arrival_s
     duration_s = target / (rate * speed) * 3 + 60  # ample: the replay stops on the count, not the clock
     clock = SystemClock()
     engine = null_engine()
@@ -650,21 +664,7 @@ async def _replay_long(
             if not todo and replayer is not None:
                 replayer.stop()  # in-flight requests drain, as at the end of a run
 
-    replayer = Replayer(
-        engine,
-        schedule(specs, span_s=span, requests=len(specs), speed=speed, duration_s=duration_s, loop=True),
-        prompts,
-        gate,
-        clock,
-        on_record,
-        run_tag="beef",
-        max_pending=MAX_PENDING,
-        max_model_len=MAX_MODEL_LEN,
-        drain_timeout_s=10.0,
-        duration_s=duration_s,
-        seed=seed,
-        sessions="closed",
-    )
+    replayer = _replayer(engine, specs, speed, duration_s, prompts, gate, clock, on_record, seed)
     replay_series = ReplayCollector(lambda: replayer)
     backlog = {"waiting_admission": 0, "in_engine": 0}
 
