@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from soakd.metric import Sample
 
@@ -21,3 +21,15 @@ class Collector(Protocol):
     def collect(self, now_ns: int) -> Sequence[Sample]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RefreshingCollector(Collector, Protocol):
+    """A collector whose source needs I/O (an RPC into the engine's workers, an HTTP scrape).
+
+    The app awaits `refresh()` on the slow tier (`telemetry.slow_interval`); it does the I/O and keeps
+    what it read. `collect()` then hands out what the last refreshes gathered, without I/O, so the fast
+    tier never waits on a slow source. `refresh()` raises on failure like `collect()` does.
+    """
+
+    async def refresh(self) -> None: ...

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
-from soakd.collectors.base import Collector
+from soakd.collectors.base import Collector, RefreshingCollector
 from soakd.metric import Sample
 
 log = structlog.get_logger(__name__)
@@ -58,16 +59,7 @@ class CollectorRunner:
             # collector raises is logged with its name and counted, and the others still run.
             except Exception as err:  # noqa: BLE001
                 ok = False
-                health.failures += 1
-                health.last_error = f"{type(err).__name__}: {err}"[:200]
-                # Log the first failure and then every 100th, so a persistent fault cannot flood the journal.
-                if health.failures == 1 or health.failures % 100 == 0:
-                    log.warning(
-                        "collector_failed",
-                        collector=collector.name,
-                        error=health.last_error,
-                        failures=health.failures,
-                    )
+                self._failed(collector.name, err)
             duration = self._perf() - t0
             health.runs += 1
             health.last_duration_s = duration
@@ -81,6 +73,27 @@ class CollectorRunner:
                 )
             )
         self._emit(out)
+
+    async def refresh(self, timeout_s: float) -> None:
+        """The slow tier: await each refreshing collector's I/O, one after the other, each bounded by
+        `timeout_s`; a failure or a timeout is counted against that collector like a failed collect."""
+        for collector in self._collectors:
+            if not isinstance(collector, RefreshingCollector):
+                continue
+            try:
+                await asyncio.wait_for(collector.refresh(), timeout_s)
+            # Same containment boundary as run_once, for the I/O half of a slow collector.
+            except Exception as err:  # noqa: BLE001
+                self._failed(collector.name, err)
+
+    def _failed(self, name: str, err: BaseException) -> None:
+        health = self.health[name]
+        health.failures += 1
+        text = "timed out" if isinstance(err, TimeoutError) else f"{type(err).__name__}: {err}"
+        health.last_error = text[:200]
+        # Log the first failure and then every 100th, so a persistent fault cannot flood the journal.
+        if health.failures == 1 or health.failures % 100 == 0:
+            log.warning("collector_failed", collector=name, error=health.last_error, failures=health.failures)
 
     def close(self) -> None:
         for collector in self._collectors:
