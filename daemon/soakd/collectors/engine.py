@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 
+from soakd.collectors.spec import AcceptanceDrift
 from soakd.engine.stats import StepStats
-from soakd.metric import Sample
+from soakd.metric import FieldValue, Sample
+
+_MODES = ("NONE", "PIECEWISE", "FULL")
+# Distinct tokens-per-step values kept for the run's histogram; a step is at most
+# max_num_batched_tokens, so this only bounds a misconfigured engine.
+_HIST_MAX_KEYS = 1 << 16
+
+
+def quantile_of_counts(counts: dict[int, int], q: float) -> int:
+    """The q-quantile (0-1, nearest rank) of values given as {value: count}."""
+    total = sum(counts.values())
+    if total == 0:
+        raise ValueError("no values")
+    rank = max(1, round(q * total + 0.5 - 1e-9)) if q > 0 else 1
+    rank = min(rank, total)
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= rank:
+            return value
+    return max(counts)
 
 
 class EngineCollector:
@@ -18,8 +39,19 @@ class EngineCollector:
 
     name = "engine"
 
-    def __init__(self, config_id: str = "", cudagraphs: bool = False, active: bool = True) -> None:
+    def __init__(
+        self,
+        config_id: str = "",
+        cudagraphs: bool = False,
+        active: bool = True,
+        drift: AcceptanceDrift | None = None,
+    ) -> None:
         self._steps: deque[StepStats] = deque()
+        self.drift = drift
+        self.tokens_per_step: Counter[int] = Counter()
+        """Run-wide histogram of tokens scheduled per step (what graph capture sizes should cover)."""
+        self.cg_mode_steps: Counter[str] = Counter()
+        """Run-wide steps per CUDA-graph runtime mode."""
         self.config_id = config_id
         self.cudagraphs = cudagraphs
         self.active = active
@@ -52,18 +84,28 @@ class EngineCollector:
         spec = self._spec_fields(steps)
         if last is not None:
             # What the point's counts cover, so a dashboard computes rates as sum(x) / sum(interval_s).
-            fields["interval_s"] = (now_ns - last) / 1e9
+            interval_s = (now_ns - last) / 1e9
+            fields["interval_s"] = interval_s
             if spec:
-                spec["interval_s"] = fields["interval_s"]
+                spec["interval_s"] = interval_s
+                if self.drift is not None:
+                    spec.update(
+                        self.drift.update(
+                            interval_s,
+                            int(spec["accepted"]),
+                            int(spec["draft_tokens"]),
+                            int(spec["drafts"]),
+                        )
+                    )
         out = [Sample("engine", fields, now_ns, tags=dict(tags))]
         if spec:
             out.append(Sample("spec_decode", spec, now_ns, tags=dict(tags)))
         return out
 
-    def _engine_fields(self, steps: list[StepStats]) -> dict[str, float | int]:
+    def _engine_fields(self, steps: list[StepStats]) -> dict[str, FieldValue]:
         self.steps_total += len(steps)
         n = len(steps)
-        f: dict[str, float | int] = {"steps": n}
+        f: dict[str, FieldValue] = {"steps": n}
         sched = [s for s in steps if s.has_iteration or s.running or s.waiting]
         if sched:
             f["running_max"] = max(s.running for s in sched)
@@ -84,23 +126,77 @@ class EngineCollector:
         f["preempted"] = sum(s.preempted for s in steps)
         f["finished"] = sum(s.finished for s in steps)
         if n:
-            f["tokens_per_step_mean"] = (gen + f["prompt_tokens"]) / n
+            f["tokens_per_step_mean"] = (gen + sum(s.prompt_tokens for s in steps)) / n
+        f.update(self._batch_fields(steps))
         if self.cudagraphs:
-            cg = [s for s in steps if s.cg_mode is not None]
-            f["cg_steps"] = len(cg)
-            graph = [s for s in cg if s.cg_mode != "NONE"]
-            f["cg_graph_steps"] = len(graph)
-            padded = sum(s.cg_padded_tokens for s in graph)
-            f["cg_unpadded_tokens"] = sum(s.cg_unpadded_tokens for s in cg)
-            f["cg_padded_tokens"] = padded
-            f["cg_paddings"] = sum(s.cg_paddings for s in graph)
-            if cg:
-                f["cg_hit_rate"] = len(graph) / len(cg)
-            if padded:
-                f["cg_padding_waste"] = f["cg_paddings"] / padded
+            f.update(self._cudagraph_fields(steps))
         return f
 
-    def _spec_fields(self, steps: list[StepStats]) -> dict[str, float | int]:
+    def _batch_fields(self, steps: list[StepStats]) -> dict[str, FieldValue]:
+        """Tokens per step: the batch the engine really ran, and the histogram re-capture sizes need."""
+        interval: Counter[int] = Counter()
+        for s in steps:
+            # The graph stat counts the tokens the model ran; without it, the iteration's tokens.
+            tokens = s.cg_unpadded_tokens if s.cg_mode is not None else s.prompt_tokens + s.generation_tokens
+            if tokens > 0:
+                interval[tokens] += 1
+        if not interval:
+            return {}
+        for value, count in interval.items():
+            if value in self.tokens_per_step or len(self.tokens_per_step) < _HIST_MAX_KEYS:
+                self.tokens_per_step[value] += count
+        counts = dict(interval)
+        return {
+            "tokens_per_step_p50": quantile_of_counts(counts, 0.5),
+            "tokens_per_step_p90": quantile_of_counts(counts, 0.9),
+            "tokens_per_step_p99": quantile_of_counts(counts, 0.99),
+            "tokens_per_step_max": max(counts),
+        }
+
+    def _cudagraph_fields(self, steps: list[StepStats]) -> dict[str, FieldValue]:
+        f: dict[str, FieldValue] = {}
+        cg = [s for s in steps if s.cg_mode is not None]
+        f["cg_steps"] = len(cg)
+        graph = [s for s in cg if s.cg_mode != "NONE"]
+        f["cg_graph_steps"] = len(graph)
+        for mode in _MODES:
+            k = sum(1 for s in cg if s.cg_mode == mode)
+            f[f"cg_steps_{mode.lower()}"] = k
+            if k:
+                self.cg_mode_steps[mode] += k
+        padded = sum(s.cg_padded_tokens for s in graph)
+        unpadded = sum(s.cg_unpadded_tokens for s in cg)
+        graph_tokens = sum(s.cg_unpadded_tokens for s in graph)
+        paddings = sum(s.cg_paddings for s in graph)
+        f["cg_unpadded_tokens"] = unpadded
+        f["cg_graph_tokens"] = graph_tokens
+        f["cg_padded_tokens"] = padded
+        f["cg_paddings"] = paddings
+        if cg:
+            f["cg_hit_rate"] = len(graph) / len(cg)
+        if unpadded:
+            f["cg_token_hit_rate"] = graph_tokens / unpadded
+        if padded:
+            f["cg_padding_waste"] = paddings / padded
+        return f
+
+    def cudagraph_summary(self) -> dict[str, object]:
+        """Run totals for the summary; says "not applicable" outright where no graphs can run."""
+        if not self.cudagraphs:
+            return {
+                "applicable": False,
+                "reason": "the engine runs without CUDA graphs (CPU build or eager mode)",
+            }
+        total = sum(self.cg_mode_steps.values())
+        graph = total - self.cg_mode_steps.get("NONE", 0)
+        return {
+            "applicable": True,
+            "steps": total,
+            "steps_by_mode": dict(self.cg_mode_steps),
+            "hit_rate": graph / total if total else None,
+        }
+
+    def _spec_fields(self, steps: list[StepStats]) -> dict[str, FieldValue]:
         spec = [s for s in steps if s.has_spec]
         if not spec:
             return {}
@@ -109,7 +205,7 @@ class EngineCollector:
         accepted = sum(s.spec_accepted for s in spec)
         self.spec_drafts_total += drafts
         self.spec_accepted_total += accepted
-        f: dict[str, float | int] = {
+        f: dict[str, FieldValue] = {
             "steps": len(spec),
             "drafts": drafts,
             "draft_tokens": draft_tokens,
