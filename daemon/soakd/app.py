@@ -23,13 +23,15 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from soakd import __version__
 from soakd.collectors.base import Collector
-from soakd.collectors.engine import EngineCollector
+from soakd.collectors.engine import EngineCollector, quantile_of_counts
 from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.host import HostCollector
 from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
-from soakd.config import Config
-from soakd.engine.base import Engine
+from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
+from soakd.config import Config, EngineConfig
+from soakd.engine.base import SIGNALS, Engine, EngineInfo
+from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import ConfigError, EngineError
 from soakd.logs import bind
 from soakd.metric import FieldValue, Sample
@@ -131,11 +133,15 @@ def new_run_id(name: str, now: datetime | None = None) -> str:
     return f"{stamp}-{name}-{secrets.token_hex(2)}"
 
 
-def make_engine(cfg: Config, model: str, collector: EngineCollector) -> Engine:
+def make_engine(cfg: Config, model: str, collector: EngineCollector, log_dir: Path | None = None) -> Engine:
     if cfg.engine.kind == "openai":
         from soakd.engine.openai_http import OpenAIEngine
 
         return OpenAIEngine(cfg.engine, collector.push)
+    if cfg.engine.kind == "vllm-server":
+        from soakd.engine.vllm_server import VllmServerEngine
+
+        return VllmServerEngine(cfg.engine, model, collector.push, log_dir or cfg.resolve("."))
     from soakd.engine.vllm_local import VllmLocalEngine
 
     return VllmLocalEngine(cfg.engine, model, collector.push)
@@ -162,12 +168,14 @@ class Soak:
         *,
         progress: ProgressFn | None = None,
         clock: Clock | None = None,
-        engine_factory: Callable[[Config, str, EngineCollector], Engine] = make_engine,
+        engine_factory: Callable[[Config, str, EngineCollector], Engine] | None = None,
     ) -> None:
         self.cfg = cfg
         self._progress = progress
         self._clock = clock or SystemClock()
-        self._engine_factory = engine_factory
+        self._engine_factory = engine_factory or (
+            lambda c, m, col: make_engine(c, m, col, log_dir=self.run_dir)
+        )
         # Everything that can reject the input is checked here, before anything is written.
         self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
         self.model = resolve_model(cfg)
@@ -184,6 +192,9 @@ class Soak:
         self.scheduler_missed = 0
         self._progress_start: float | None = None
         self.scheduler_errors = 0
+        self._engines: list[EngineInfo] = []
+        self._supervisor: EngineSupervisor | None = None
+        self._rebuild_task: asyncio.Future[bool] | None = None
 
     def _write_meta(self, extra: dict[str, Any]) -> None:
         meta = {
@@ -226,11 +237,29 @@ class Soak:
         spool = Spool(self.run_dir / SPOOL_DIR, cfg.sinks.spool.segment_bytes, cfg.sinks.spool.fsync_interval)
         writer = SampleWriter(spool, {"run_id": self.run_id, "host": self.host})
         forwarder = self._make_forwarder(writer)
-        engine_collector = EngineCollector(active=False)
-        engine = self._engine_factory(cfg, self.model, engine_collector)
+        dcfg = cfg.telemetry.spec_drift
+        drift = AcceptanceDrift(
+            DriftSettings(dcfg.baseline, dcfg.window, dcfg.threshold, dcfg.min_draft_tokens),
+            on_event=writer.event,
+        )
+        engine_collector = EngineCollector(active=False, drift=drift)
+        profile = SpecProfile()
+
+        def build(ecfg: EngineConfig) -> Engine:
+            return self._engine_factory(cfg.model_copy(update={"engine": ecfg}), self.model, engine_collector)
+
+        def on_started(info: EngineInfo) -> None:
+            engine_collector.config_id = profile.config_id = info.config_id
+            engine_collector.cudagraphs = info.cudagraphs
+            self._engines.append(info)
+            self._write_meta({"engine": asdict(info), "engines": [asdict(i) for i in self._engines]})
+
+        engine = self._supervisor = EngineSupervisor(
+            build, cfg.engine, on_event=writer.event, on_started=on_started
+        )
         collectors = self._make_collectors(engine, engine_collector)
         runner = CollectorRunner(collectors, writer)
-        scheduler = self._make_scheduler(runner, spool, forwarder)
+        scheduler = self._make_scheduler(runner, spool, forwarder, engine)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -251,15 +280,13 @@ class Soak:
                 writer.event("engine_error", self.error)
             if started and not self.interrupted:
                 info = engine.info
-                engine_collector.config_id = info.config_id
-                engine_collector.cudagraphs = info.cudagraphs
                 writer.event(
                     "engine_start",
                     f"{info.kind} {info.version} started in {info.start_s:.1f} s",
                     start_s=info.start_s,
                     config=info.config_id,
                 )
-                self._write_meta({"engine": asdict(info)})
+                self._add_engine_collectors(runner, engine, info, engine_collector, profile)
                 prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
                 gate = AdmissionGate(cfg.replay.max_concurrency)
                 await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
@@ -295,11 +322,16 @@ class Soak:
                     duration_s=cfg.run.duration,
                     seed=cfg.run.seed,
                     sessions=cfg.replay.sessions,
+                    spec_sink=profile.add if "engine" in cfg.telemetry.collectors else None,
                 )
                 notify("READY=1\nSTATUS=replaying")
                 t_run0 = self._clock.monotonic()
                 self._progress_start = t_run0
-                stats = await self._replayer.run()
+                changes = asyncio.create_task(self._apply_changes(engine, t_run0))
+                try:
+                    stats = await self._replayer.run()
+                finally:
+                    await self._end_changes(changes)
                 t_run1 = self._clock.monotonic()
                 if self._replayer.fatal:
                     self.error = self._replayer.fatal
@@ -395,10 +427,95 @@ class Soak:
                 "drafts": engine_collector.spec_drafts_total,
                 "accepted": engine_collector.spec_accepted_total,
             },
+            "engine_telemetry": self._engine_telemetry(engine, engine_collector, profile, drift),
         }
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
         return RunResult(self.run_id, self.run_dir, verdict, summary_doc, self.error)
+
+    def _add_engine_collectors(
+        self,
+        runner: CollectorRunner,
+        engine: EngineSupervisor,
+        info: EngineInfo,
+        engine_collector: EngineCollector,
+        profile: SpecProfile,
+    ) -> None:
+        """Collectors whose source exists only once the engine runs, chosen by what it offers."""
+        names = self.cfg.telemetry.collectors
+        if "engine" in names:
+            runner.add(profile)
+        if "allocator" in names and "allocator" in info.signals:
+            from soakd.collectors.allocator import AllocatorCollector
+
+            runner.add(AllocatorCollector(engine.memory_stats, config_id=info.config_id))
+        if "metrics" in names and "metrics" in info.signals:
+            from soakd.collectors.prom import MetricsScraper
+
+            runner.add(
+                MetricsScraper(
+                    engine.metrics_text, per_step="per_step" in info.signals, config_id=info.config_id
+                )
+            )
+
+    async def _apply_changes(self, engine: EngineSupervisor, t0: float) -> None:
+        """The configured engine changes, each at its time into the replay."""
+        for change in sorted(self.cfg.engine.changes, key=lambda c: c.at):
+            await self._clock.sleep_until(t0 + change.at, precise=False)
+            if self._replayer is None or self.interrupted or self.error:
+                return
+            notify(f"STATUS=rebuilding the engine: {change.reason}")
+            # Shielded: the end of the replay waits for a rebuild under way instead of cutting it.
+            self._rebuild_task = asyncio.ensure_future(engine.rebuild(change))
+            await asyncio.shield(self._rebuild_task)
+
+    async def _end_changes(self, task: asyncio.Task[None]) -> None:
+        """Stop waiting for later changes; a rebuild under way is finished, never cut in half."""
+        if self._rebuild_task is not None and not self._rebuild_task.done():
+            await asyncio.wait({self._rebuild_task})
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    def _engine_telemetry(
+        self,
+        engine: EngineSupervisor,
+        engine_collector: EngineCollector,
+        profile: SpecProfile,
+        drift: AcceptanceDrift,
+    ) -> dict[str, Any]:
+        """What the engine's own telemetry covered, and what it could not see (for the report)."""
+        info = self._engines[-1] if self._engines else None
+        signals = list(info.signals) if info is not None else []
+        doc: dict[str, Any] = {
+            "signals": signals,
+            "missing": [text for name, text in SIGNALS.items() if name not in signals],
+            "cudagraphs": engine_collector.cudagraph_summary(),
+        }
+        if not self.cfg.engine.speculative.enabled or (
+            info is not None and info.speculative_tokens == 0 and "per_step" in signals
+        ):
+            doc["spec_decode"] = {"enabled": False, "note": "speculative decoding was off: no spec series"}
+        else:
+            drafts = engine_collector.spec_drafts_total
+            doc["spec_decode"] = {
+                "enabled": True,
+                "drafts": drafts,
+                "accepted": engine_collector.spec_accepted_total,
+                "drift": drift.summary(),
+                "profile": profile.summary(),
+            }
+        hist = dict(engine_collector.tokens_per_step)
+        if hist:
+            doc["tokens_per_step"] = {
+                "steps": sum(hist.values()),
+                "p50": quantile_of_counts(hist, 0.5),
+                "p90": quantile_of_counts(hist, 0.9),
+                "p99": quantile_of_counts(hist, 0.99),
+                "max": max(hist),
+            }
+        doc.update(engine.telemetry_summary())
+        return doc
 
     async def _guard(self, step: str, coro: Coroutine[Any, Any, Any]) -> None:
         """Await one shutdown step; log its failure and go on with the others."""
@@ -496,7 +613,11 @@ class Soak:
         return out
 
     def _make_scheduler(
-        self, runner: CollectorRunner, spool: Spool, forwarder: Forwarder | None
+        self,
+        runner: CollectorRunner,
+        spool: Spool,
+        forwarder: Forwarder | None,
+        engine: EngineSupervisor,
     ) -> AsyncIOScheduler:
         cfg = self.cfg
         scheduler = AsyncIOScheduler(
@@ -519,7 +640,17 @@ class Soak:
         async def flush() -> None:
             spool.flush(fsync=True)
 
+        async def slow() -> None:
+            await runner.refresh(timeout_s=cfg.telemetry.slow_interval)
+
+        async def check_engine() -> None:
+            engine.check()
+            if not engine.alive() and self._replayer is not None and not self._replayer.fatal:
+                self._replayer.fail("engine: no engine left to replay on")
+
         scheduler.add_job(collect, "interval", seconds=cfg.telemetry.interval, id="collect")
+        scheduler.add_job(slow, "interval", seconds=cfg.telemetry.slow_interval, id="slow")
+        scheduler.add_job(check_engine, "interval", seconds=1.0, id="engine_check")
         scheduler.add_job(flush, "interval", seconds=cfg.sinks.spool.fsync_interval, id="spool_flush")
         if forwarder is not None:
 

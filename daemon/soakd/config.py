@@ -117,10 +117,41 @@ class SpeculativeConfig(_Section):
     model: str = ""
 
 
+class ServerConfig(_Section):
+    """[engine.server]: the `vllm serve` process soakd launches (engine.kind = "vllm-server")."""
+
+    command: list[str] = Field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = Field(default=0, ge=0, le=65535)
+    extra_flags: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    stop_timeout: Duration = Field(default=30.0, gt=0)
+
+
+class RestartConfig(_Section):
+    """[engine.restart]: what happens when the engine dies mid-run."""
+
+    enabled: bool = True
+    max_restarts: int = Field(default=3, ge=0)
+
+
+class EngineChange(_Section):
+    """[[engine.changes]]: rebuild the engine with a changed configuration at a time into the replay."""
+
+    at: Duration = Field(gt=0)
+    mode: Literal["drain", "abort"] = "drain"
+    reason: str = "scheduled change"
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = None
+    num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
+    speculative_enabled: bool | None = None
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+
+
 class EngineConfig(_Section):
     """[engine]: the vLLM engine under test."""
 
-    kind: Literal["vllm-local", "openai"] = "vllm-local"
+    kind: Literal["vllm-local", "vllm-server", "openai"] = "vllm-local"
     url: str = ""
     api_key_env: str = "SOAKD_OPENAI_API_KEY"
     served_model: str = ""
@@ -134,9 +165,15 @@ class EngineConfig(_Section):
     enable_prefix_caching: bool = True
     temperature: float = Field(default=0.0, ge=0)
     cudagraph_metrics: bool = True
+    per_request_spec_metrics: bool = True
+    worker_extension: bool = True
     seed: int = 0
     start_timeout: Duration = Field(default=900.0, gt=0)
+    drain_timeout: Duration = Field(default=60.0, ge=0)
     speculative: SpeculativeConfig = SpeculativeConfig()
+    server: ServerConfig = ServerConfig()
+    restart: RestartConfig = RestartConfig()
+    changes: list[EngineChange] = Field(default_factory=list)
     extra_args: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -155,15 +192,26 @@ class ReplayConfig(_Section):
     drain_timeout: Duration = Field(default=60.0, ge=0)
 
 
-CollectorName = Literal["host", "engine", "gpu"]
-_ALL_COLLECTORS: tuple[CollectorName, ...] = ("host", "engine", "gpu")
+CollectorName = Literal["host", "engine", "gpu", "allocator", "metrics"]
+_ALL_COLLECTORS: tuple[CollectorName, ...] = ("host", "engine", "gpu", "allocator", "metrics")
+
+
+class SpecDriftConfig(_Section):
+    """[telemetry.spec_drift]: speculative acceptance against the run's first window."""
+
+    baseline: Duration = Field(default=300.0, gt=0)
+    window: Duration = Field(default=300.0, gt=0)
+    threshold: float = Field(default=0.2, gt=0, lt=1)
+    min_draft_tokens: int = Field(default=200, ge=1)
 
 
 class TelemetryConfig(_Section):
     """[telemetry]: which collectors run and how often."""
 
     interval: Duration = Field(default=1.0, gt=0)
+    slow_interval: Duration = Field(default=10.0, gt=0)
     collectors: list[CollectorName] = Field(default_factory=lambda: list(_ALL_COLLECTORS))
+    spec_drift: SpecDriftConfig = SpecDriftConfig()
 
 
 class SpoolConfig(_Section):

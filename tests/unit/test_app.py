@@ -8,6 +8,7 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from soakd.collectors.engine import EngineCollector
 from soakd.config import Config, load
 from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.stats import StepStats
+from soakd.errors import EngineError
 from soakd.metric import Sample
 from soakd.sinks.spool import Spool, iter_samples
 
@@ -61,6 +63,18 @@ class StubEngine:
 
     def process_ids(self) -> list[int]:
         return [os.getpid()]
+
+    def alive(self) -> bool:
+        return self.started and not self.stopped
+
+    async def memory_stats(self) -> list[Any]:
+        raise EngineError("no worker extension")
+
+    async def metrics_text(self) -> str:
+        raise EngineError("no /metrics")
+
+    def telemetry_summary(self) -> dict[str, object]:
+        return {}
 
     async def stop(self) -> None:
         self.stopped = True
@@ -193,7 +207,8 @@ async def test_engine_that_cannot_start_still_leaves_a_verdict(tmp_path: Path) -
 
 async def test_engine_death_ends_the_replay_early_with_every_request_recorded(tmp_path: Path) -> None:
     soak = Soak(
-        config(tmp_path, **{"run.duration": "30s"}), engine_factory=lambda c, m, col: DyingEngine(col)
+        config(tmp_path, **{"run.duration": "30s", "engine.restart.enabled": False}),
+        engine_factory=lambda c, m, col: DyingEngine(col),
     )
     result = await asyncio.wait_for(soak.run(), 20)
     assert result.error.startswith("engine: vLLM engine core died")
@@ -251,3 +266,60 @@ def test_the_openai_kind_needs_a_url_and_no_local_model(tmp_path: Path) -> None:
     )
     assert resolve_model(cfg) == "m"
     assert isinstance(make_engine(cfg, "m", EngineCollector(active=False)), OpenAIEngine)
+
+
+async def test_an_engine_that_dies_is_restarted_counted_and_the_run_completes(tmp_path: Path) -> None:
+    engines: list[StubEngine] = []
+
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+        # The first engine dies after ten requests; its replacement lives.
+        engines.append(DyingEngine(collector) if not engines else StubEngine(collector))
+        return engines[-1]
+
+    soak = Soak(config(tmp_path, **{"run.duration": "4s"}), engine_factory=factory)
+    result = await asyncio.wait_for(soak.run(), 30)
+    assert not result.error
+    assert len(engines) == 2 and engines[0].stopped and engines[1].stopped
+    events = list(iter_samples(result.run_dir / "spool", "events"))
+    restarts = [e for e in events if e.tags["kind"] == "engine_restart"]
+    assert len(restarts) == 1 and float(restarts[0].fields["downtime_s"]) >= 0
+    replay = result.summary["replay"]
+    requests = list(iter_samples(result.run_dir / "spool", "requests"))
+    ids = [(r.fields["loop"], r.fields["index"]) for r in requests]
+    assert len(requests) == replay["scheduled"] == replay["completed"] + replay["failed"] + replay["shed"]
+    assert len(ids) == len(set(ids))  # nobody counted twice
+    lost = [r for r in requests if str(r.fields.get("error", "")).startswith("engine died")]
+    lifecycle = result.summary["engine_telemetry"]["lifecycle"]
+    assert lifecycle["restarts"] == 1 and lifecycle["lost"] == len(lost) == replay["failed"]
+    assert replay["completed"] > 10  # the replay went on after the restart
+
+
+async def test_a_scheduled_rebuild_swaps_the_engine_with_exact_accounting(tmp_path: Path) -> None:
+    configs: list[Config] = []
+
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+        configs.append(cfg)
+        return StubEngine(collector)
+
+    over = {
+        "run.duration": "4s",
+        "engine.changes": [
+            {"at": "1.5s", "mode": "abort", "reason": "smaller batch", "max_num_seqs": 4,
+             "cudagraph_capture_sizes": [4, 1, 2]}
+        ],
+    }
+    soak = Soak(config(tmp_path, **over), engine_factory=factory)
+    result = await asyncio.wait_for(soak.run(), 30)
+    assert not result.error
+    assert [c.engine.max_num_seqs for c in configs] == [16, 4]
+    assert configs[1].engine.extra_args["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4]}
+    events = list(iter_samples(result.run_dir / "spool", "events"))
+    rebuild = [e for e in events if e.tags["kind"] == "engine_rebuild"]
+    assert len(rebuild) == 1 and rebuild[0].fields["ok"] == 1
+    requests = list(iter_samples(result.run_dir / "spool", "requests"))
+    replay = result.summary["replay"]
+    assert len(requests) == replay["scheduled"] == replay["completed"] + replay["failed"] + replay["shed"]
+    aborted = [r for r in requests if str(r.fields.get("error", "")).startswith("aborted: engine rebuild")]
+    assert len(aborted) == rebuild[0].fields["aborted"] == replay["failed"]
+    lifecycle = result.summary["engine_telemetry"]["lifecycle"]
+    assert lifecycle["rebuilds"] == 1 and len(lifecycle["configs"]) == 2

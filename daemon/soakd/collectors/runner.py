@@ -42,6 +42,11 @@ class CollectorRunner:
         self._perf = perf
         self.health: dict[str, CollectorHealth] = {c.name: CollectorHealth() for c in collectors}
 
+    def add(self, collector: Collector) -> None:
+        """A collector whose source exists only once the engine runs (allocator RPC, /metrics)."""
+        self._collectors.append(collector)
+        self.health[collector.name] = CollectorHealth()
+
     @property
     def names(self) -> list[str]:
         return [c.name for c in self._collectors]

@@ -4,7 +4,28 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+# Telemetry an engine can deliver (EngineInfo.signals); the report lists the ones a run lacked.
+SIGNALS: dict[str, str] = {
+    "per_step": "per-step engine stats (batch, KV cache, prefix cache, preemptions, tokens per step)",
+    "spec_per_pos": "speculative acceptance per draft position with exact per-position draft counts",
+    "spec_per_request": "speculative acceptance by output position and by turn (per-request, per-step)",
+    "cudagraphs": "CUDA-graph hit rate and padding (per-step graph stats)",
+    "allocator": "allocator fragmentation and worker memory (worker RPC)",
+    "metrics": "the server's own /metrics counters and latency histograms",
+}
+
+
+@dataclass(slots=True)
+class SpecSteps:
+    """Filled by the engine when a request finishes: its verify steps, in order (vLLM's per-request
+    "detailed" speculative metrics). Empty when the engine does not report them."""
+
+    accepted: list[int] = field(default_factory=list)
+    """Draft tokens accepted at each verify step."""
+    drafted: list[int] = field(default_factory=list)
+    """Draft tokens proposed at each verify step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +43,8 @@ class GenerationRequest:
     output_ids: list[int] | None = None
     """When a list, the engine appends the generated token ids to it (a session's next turn replays
     the conversation with them); engines that cannot report ids leave it empty."""
+    spec: SpecSteps | None = None
+    """When given, the engine fills it with the request's per-step acceptance, if it can."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +73,8 @@ class EngineInfo:
     """Seconds the engine took to start."""
     details: dict[str, str] = field(default_factory=dict)
     """Free-form facts for the run metadata (attention backend, device, ...)."""
+    signals: tuple[str, ...] = ()
+    """Which of SIGNALS this engine delivers."""
 
 
 class Engine(Protocol):
@@ -73,6 +98,23 @@ class Engine(Protocol):
 
     def process_ids(self) -> list[int]:
         """PIDs of the engine's processes (for RSS accounting); may be empty."""
+        ...
+
+    def alive(self) -> bool:
+        """False once the engine is known to be dead (a process gone, the engine core failed); cheap."""
+        ...
+
+    async def memory_stats(self) -> list[Any]:
+        """One dict of plain numbers per worker from soakd's worker extension; raises EngineError
+        when the engine has no such channel."""
+        ...
+
+    async def metrics_text(self) -> str:
+        """The server's Prometheus /metrics body; raises EngineError when there is none."""
+        ...
+
+    def telemetry_summary(self) -> dict[str, object]:
+        """How the engine's own telemetry fared (steps received and lost, stat-logger cost)."""
         ...
 
     async def stop(self) -> None:

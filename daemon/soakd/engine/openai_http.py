@@ -21,9 +21,9 @@ import aiohttp
 import structlog
 
 from soakd.config import EngineConfig
-from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
 from soakd.engine.stats import StepStats
-from soakd.engine.vllm_local import config_id
+from soakd.engine.vllm_local import config_id, copy_spec_steps
 from soakd.errors import EngineError
 from soakd.sse import EventSplitter
 
@@ -105,7 +105,8 @@ class OpenAIEngine:
         max_connections: int = 0,
     ) -> None:
         self._cfg = cfg
-        self._on_step = on_step  # server-side step stats are not collected yet
+        self._on_step = on_step  # attach mode: no per-step stats (the server has no soakd plugin)
+        self._dead = False
         self._url = base_url(cfg.url)
         # 0: no pool limit, so the pool never becomes a second, hidden concurrency ceiling behind
         # soakd's own admission gate.
@@ -210,6 +211,7 @@ class OpenAIEngine:
             max_model_len=int(max_len),
             start_s=health_s,
             details=details,
+            signals=("metrics",),
         )
 
     async def _vocabulary(self, details: dict[str, str], *, is_vllm: bool) -> tuple[int, tuple[int, ...]]:
@@ -338,6 +340,7 @@ class OpenAIEngine:
             )
         except aiohttp.ClientConnectorError as err:
             # Nothing listens any more: every later request would fail the same way.
+            self._dead = True
             raise EngineError(f"server unreachable: {err}"[:200]) from err
         except aiohttp.ClientError as err:
             raise await self._broken(err) from err
@@ -355,7 +358,7 @@ class OpenAIEngine:
                     if event.data.strip() == b"[DONE]":
                         finished = True
                         return
-                    n, seen = _new_tokens(event.data, seen, request.output_ids)
+                    n, seen = _new_tokens(event.data, seen, request.output_ids, request.spec)
                     if n:
                         yield n
             finished = True
@@ -380,6 +383,7 @@ class OpenAIEngine:
             async with self._require_session().get(self._url + "/health", timeout=_CONTROL_TIMEOUT) as resp:
                 await resp.read()
         except aiohttp.ClientConnectorError:
+            self._dead = True
             return EngineError(f"server unreachable after {message}"[:200])
         except (aiohttp.ClientError, TimeoutError):
             pass  # there, but slow or odd: judge this request alone
@@ -388,15 +392,50 @@ class OpenAIEngine:
     def process_ids(self) -> list[int]:
         return []  # the server is not a process of ours
 
+    def alive(self) -> bool:
+        return self._session is not None and not self._dead
+
+    async def memory_stats(self) -> list[Any]:
+        raise EngineError("an attached server has no soakd worker extension")
+
+    async def metrics_text(self) -> str:
+        session = self._require_session()
+        try:
+            async with session.get(self._url + "/metrics", timeout=_CONTROL_TIMEOUT) as resp:
+                text = await resp.text(errors="replace")
+                if resp.status != 200:
+                    raise EngineError(f"GET /metrics: {error_message(resp.status, text[:_BODY_CHARS])}")
+                return text
+        except (aiohttp.ClientError, TimeoutError) as err:
+            raise EngineError(f"GET /metrics: {type(err).__name__}: {err}"[:200]) from err
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> Any:
+        """POST a control endpoint (e.g. a dev-mode server's /collective_rpc) and return its JSON."""
+        session = self._require_session()
+        try:
+            async with session.post(self._url + path, json=body, timeout=_CONTROL_TIMEOUT) as resp:
+                text = await resp.text(errors="replace")
+                if resp.status != 200:
+                    raise EngineError(f"POST {path}: {error_message(resp.status, text[:_BODY_CHARS])}")
+                return json.loads(text)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            raise EngineError(f"POST {path}: {type(err).__name__}: {err}"[:200]) from err
+
+    def telemetry_summary(self) -> dict[str, object]:
+        return {}
+
     async def stop(self) -> None:
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
 
 
-def _new_tokens(data: bytes, seen: int, output_ids: list[int] | None) -> tuple[int, int]:
+def _new_tokens(
+    data: bytes, seen: int, output_ids: list[int] | None, spec: SpecSteps | None = None
+) -> tuple[int, int]:
     """(new completion tokens in this chunk, completion tokens so far) from one stream event's data;
-    the chunk's token ids are appended to `output_ids` when it is a list and the server sends them."""
+    the chunk's token ids are appended to `output_ids` when it is a list and the server sends them,
+    and the final chunk's per-request speculative metrics (vLLM, when enabled) go into `spec`."""
     try:
         chunk = json.loads(data)
     except ValueError as err:
@@ -414,6 +453,11 @@ def _new_tokens(data: bytes, seen: int, output_ids: list[int] | None) -> tuple[i
             ids = choice.get("token_ids") if isinstance(choice, dict) else None
             if isinstance(ids, list):
                 output_ids.extend(int(i) for i in ids)
+    if spec is not None:
+        metrics = chunk.get("metrics")
+        sd = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+        if isinstance(sd, dict):
+            copy_spec_steps(sd, spec)
     total = tokens_from_usage(chunk)
     if total is not None:
         return max(0, total - seen), max(seen, total)

@@ -120,3 +120,24 @@ def step_from_vllm(
         finished = getattr(iteration_stats, "finished_requests", None)
         step.finished = len(finished) if finished is not None else 0
     return step
+
+
+_WIRE_FIELDS: tuple[str, ...] = tuple(f for f in StepStats.__dataclass_fields__ if f != "engine_idx")
+
+
+def step_to_wire(step: StepStats) -> list[object]:
+    """A StepStats as a JSON-able list (field order fixed by `_WIRE_FIELDS`; compact and fast)."""
+    return [step.engine_idx, *(getattr(step, f) for f in _WIRE_FIELDS)]
+
+
+def step_from_wire(values: list[object]) -> StepStats:
+    """The inverse of `step_to_wire`; raises ValueError on a list of the wrong shape."""
+    if not isinstance(values, list) or len(values) != len(_WIRE_FIELDS) + 1:
+        raise ValueError("step stats of the wrong shape")
+    step = StepStats(time_ns=0, engine_idx=int(values[0]))  # type: ignore[call-overload]
+    for name, value in zip(_WIRE_FIELDS, values[1:], strict=True):
+        if name in ("spec_accepted_per_pos", "spec_draft_tokens_per_pos"):
+            setattr(step, name, tuple(int(v) for v in value))  # type: ignore[attr-defined]
+        else:
+            setattr(step, name, value)
+    return step

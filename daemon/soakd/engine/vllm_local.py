@@ -13,13 +13,14 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
 import structlog
 
 from soakd.config import EngineConfig
-from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
 from soakd.engine.stats import StepStats, step_from_vllm
 from soakd.errors import EngineError
 
@@ -44,6 +45,8 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
     }
     if cfg.cudagraph_metrics:
         kwargs["cudagraph_metrics"] = True
+    if cfg.worker_extension:
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
     spec = cfg.speculative
     if spec.enabled:
         spec_cfg: dict[str, Any] = {
@@ -56,8 +59,46 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
         if spec.model:
             spec_cfg["model"] = spec.model
         kwargs["speculative_config"] = spec_cfg
+        if cfg.per_request_spec_metrics:
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
     kwargs.update(cfg.extra_args)
     return kwargs
+
+
+# Options soakd adds for its own telemetry; a release that lacks one runs without that signal.
+OPTIONAL_ARGS = ("cudagraph_metrics", "per_request_spec_decode_metrics", "worker_extension_cls")
+WORKER_EXTENSION = "soakd.engine.worker_ext.SoakdWorkerExtension"
+
+
+@dataclass(slots=True)
+class RecordCost:
+    """Time soakd's stat logger spends in record(), per engine step (its overhead on the engine loop)."""
+
+    n: int = 0
+    total_ns: int = 0
+    max_ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.n += 1
+        self.total_ns += ns
+        self.max_ns = max(self.max_ns, ns)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "steps": self.n,
+            "record_us_mean": self.total_ns / self.n / 1e3 if self.n else None,
+            "record_us_max": self.max_ns / 1e3 if self.n else None,
+        }
+
+
+def copy_spec_steps(metrics: object, out: SpecSteps) -> None:
+    """Per-step acceptance from vLLM's per-request metrics (an object or its dict form) into `out`."""
+    get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
+    accepted = get("per_step_accepted", None) or []
+    drafted = get("per_step_drafted", None) or []
+    if len(accepted) == len(drafted):
+        out.accepted[:] = [int(a) for a in accepted]
+        out.drafted[:] = [int(d) for d in drafted]
 
 
 def config_id(kwargs: dict[str, Any]) -> str:
@@ -66,7 +107,7 @@ def config_id(kwargs: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:10]
 
 
-def _make_logger_factory(sink: StepSink) -> Callable[[Any, int], Any]:
+def _make_logger_factory(sink: StepSink, cost: RecordCost) -> Callable[[Any, int], Any]:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SoakdStatLogger(StatLoggerBase):
@@ -83,7 +124,9 @@ def _make_logger_factory(sink: StepSink) -> Callable[[Any, int], Any]:
             mm_cache_stats: Any = None,
             engine_idx: int = 0,
         ) -> None:
+            t0 = time.perf_counter_ns()
             sink(step_from_vllm(scheduler_stats, iteration_stats, time.time_ns(), engine_idx))
+            cost.add(time.perf_counter_ns() - t0)
 
         def log_engine_initialized(self) -> None:
             return None
@@ -117,6 +160,8 @@ class VllmLocalEngine:
         self._llm: Any = None
         self._info: EngineInfo | None = None
         self._sampling: Any = None
+        self._pids: list[int] = []
+        self.record_cost = RecordCost()
 
     @property
     def info(self) -> EngineInfo:
@@ -135,11 +180,11 @@ class VllmLocalEngine:
             # The CPU build sizes its KV cache from this variable, not gpu_memory_utilization.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self._cfg.cpu_kvcache_space_gib))
         fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
-        kwargs = {k: v for k, v in self._kwargs.items() if k != "cudagraph_metrics" or k in fields}
+        kwargs = {k: v for k, v in self._kwargs.items() if k not in OPTIONAL_ARGS or k in fields}
         t0 = time.monotonic()
         try:
             args = AsyncEngineArgs(**kwargs)
-            factory = _make_logger_factory(self._sink)
+            factory = _make_logger_factory(self._sink, self.record_cost)
             self._llm = await asyncio.wait_for(
                 asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory]),
                 timeout=self._cfg.start_timeout,
@@ -162,6 +207,17 @@ class VllmLocalEngine:
         spec = vcfg.speculative_config
         comp = vcfg.compilation_config
         cg_mode = str(getattr(comp, "cudagraph_mode", "NONE"))
+        cudagraphs = (not is_cpu) and "NONE" not in cg_mode.upper()
+        me = psutil.Process()
+        # The engine core and its workers: if one of them is gone, the engine is dead.
+        self._pids = [p.pid for p in me.children(recursive=True)]
+        signals = ["per_step", "spec_per_pos"]
+        if cudagraphs and "cudagraph_metrics" in kwargs:
+            signals.append("cudagraphs")
+        if "per_request_spec_decode_metrics" in kwargs:
+            signals.append("spec_per_request")
+        if "worker_extension_cls" in kwargs:
+            signals.append("allocator")
         self._info = EngineInfo(
             kind="vllm-local",
             version=str(vllm.__version__),
@@ -171,8 +227,9 @@ class VllmLocalEngine:
             reserved_ids=special,
             max_model_len=int(vcfg.model_config.max_model_len),
             speculative_tokens=int(spec.num_speculative_tokens) if spec is not None else 0,
-            cudagraphs=(not is_cpu) and "NONE" not in cg_mode.upper(),
+            cudagraphs=cudagraphs,
             start_s=start_s,
+            signals=tuple(signals),
             details={
                 "platform": "cpu" if is_cpu else str(current_platform.device_name),
                 "cudagraph_mode": cg_mode,
@@ -205,6 +262,9 @@ class VllmLocalEngine:
                     n += len(c.token_ids)
                     if request.output_ids is not None:
                         request.output_ids.extend(c.token_ids)
+                    metrics = getattr(c, "spec_decode_metrics", None)
+                    if metrics is not None and request.spec is not None:
+                        copy_spec_steps(metrics, request.spec)
                 if n:
                     yield n
         except _engine_dead_error() as err:
@@ -214,6 +274,31 @@ class VllmLocalEngine:
     def process_ids(self) -> list[int]:
         me = psutil.Process()
         return [me.pid] + [p.pid for p in me.children(recursive=True)]
+
+    def alive(self) -> bool:
+        if self._llm is None:
+            return False
+        if bool(getattr(self._llm, "errored", False)):
+            return False
+        for pid in self._pids:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    return False
+            except psutil.NoSuchProcess:
+                return False
+        return True
+
+    async def memory_stats(self) -> list[Any]:
+        if self._llm is None or "allocator" not in self.info.signals:
+            raise EngineError("no worker extension in this engine")
+        result = await self._llm.collective_rpc("soakd_memory_stats")
+        return list(result)
+
+    async def metrics_text(self) -> str:
+        raise EngineError("an in-process engine has no /metrics endpoint")
+
+    def telemetry_summary(self) -> dict[str, object]:
+        return {"stat_logger": self.record_cost.summary()}
 
     async def stop(self) -> None:
         if self._llm is not None:

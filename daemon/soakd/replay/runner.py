@@ -20,7 +20,8 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from soakd.engine.base import Engine, GenerationRequest
+from soakd.engine.base import Engine, GenerationRequest, SpecSteps
+from soakd.engine.supervisor import RequestAborted, RequestLost
 from soakd.errors import EngineError, SoakdError
 from soakd.metric import Sample
 from soakd.replay.admission import AdmissionGate
@@ -65,6 +66,10 @@ class RequestRecord:
     """Output tokens received."""
     output_tokens_expected: int = 0
     """Output tokens asked for."""
+    spec_accepted: int = 0
+    """Draft tokens the engine accepted for this request (per-request speculative metrics)."""
+    spec_drafted: int = 0
+    """Draft tokens proposed for this request; 0 when the engine does not report them."""
     error: str = ""
     """Empty when the request completed with every token asked for."""
     done: bool = False
@@ -94,6 +99,10 @@ class RequestRecord:
                 fields[name] = float(value)
         if self.session:
             fields["session"] = self.session
+        if self.spec_drafted:
+            fields["spec_accepted"] = self.spec_accepted
+            fields["spec_drafted"] = self.spec_drafted
+            fields["spec_acceptance_rate"] = self.spec_accepted / self.spec_drafted
         if self.error:
             fields["error"] = self.error
         return Sample("requests", fields, time_ns, tags={"status": status})
@@ -134,6 +143,8 @@ class ReplayStats:
 
 
 RecordSink = Callable[[RequestRecord], None]
+SpecSink = Callable[[list[int], list[int], int], None]
+"""Receives a finished request's per-step accepted and drafted counts, and its turn."""
 
 # A request's prompt is built this long before it is due, then the request waits for its exact time:
 # building a long prompt (up to a millisecond or two) must not make it late.
@@ -175,8 +186,10 @@ class Replayer:
         duration_s: float | None = None,
         seed: int = 0,
         sessions: str = "closed",
+        spec_sink: SpecSink | None = None,
     ) -> None:
         self._engine = engine
+        self._spec_sink = spec_sink
         self._scheduled = scheduled
         self._prompts = prompts
         self._gate = gate
@@ -285,6 +298,10 @@ class Replayer:
             yield from self._scheduled
         except SoakdError as err:
             self._end(f"trace: {err}")
+
+    def fail(self, reason: str) -> None:
+        """End the replay early for a reason found outside it (no engine left); drained as at the end."""
+        self._end(reason)
 
     def _end(self, reason: str) -> None:
         if not self.fatal:
@@ -445,6 +462,10 @@ class Replayer:
         except asyncio.CancelledError:
             self._finish(record, "aborted: replay ended")
             raise
+        except RequestAborted as err:
+            self._finish(record, f"aborted: {err}"[:200])
+        except RequestLost as err:
+            self._finish(record, str(err)[:200])
         except EngineError as err:
             # The engine itself is gone: every later request would fail too, so the soak ends here.
             self._finish(record, f"engine: {err}"[:200])
@@ -488,6 +509,7 @@ class Replayer:
             top_p=_sampling(spec.sampling, "top_p"),
             # Only a session turn needs its answer's tokens (for the next turn's prompt).
             output_ids=[] if tail is not None else None,
+            spec=SpecSteps() if self._spec_sink is not None else None,
         )
         clock = self._clock
         self.stats.dispatched += 1
@@ -508,6 +530,11 @@ class Replayer:
             received += n
             self.stats.output_tokens += n
         record.output_tokens = received
+        if request.spec is not None and request.spec.drafted:
+            record.spec_accepted = sum(request.spec.accepted)
+            record.spec_drafted = sum(request.spec.drafted)
+            if self._spec_sink is not None:
+                self._spec_sink(request.spec.accepted, request.spec.drafted, spec.turn)
         if tail is not None and request.output_ids and len(request.output_ids) == received:
             # An engine that does not report token ids leaves the list empty: the next turn is then
             # synthesized from the trace alone.

@@ -1,0 +1,102 @@
+"""soakd's stat logger for a vLLM server it launched: per-step stats to soakd over a Unix datagram socket.
+
+vLLM loads it from the `vllm.stat_logger_plugins` entry point in every process that builds an AsyncLLM
+(the API server; also soakd's own in-process engine). It does nothing unless SOAKD_STATS_SOCKET names
+soakd's socket, so installing soakd next to a production server costs one environment lookup.
+
+`record()` runs on the server's output loop once per engine step: it converts the step, sends one
+non-blocking datagram and returns. A datagram the socket cannot take is dropped and counted; the count
+and the sequence number travel with the next one, so soakd knows exactly how many steps it missed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from soakd.engine.channel import SOCKET_ENV
+from soakd.engine.stats import step_from_vllm, step_to_wire
+
+
+def engine_facts(vllm_config: Any) -> dict[str, object]:
+    """What soakd needs to know about the engine the server built (sent once, at start)."""
+    facts: dict[str, object] = {}
+    try:
+        import vllm
+        from vllm.platforms import current_platform
+
+        facts["version"] = str(vllm.__version__)
+        facts["cpu"] = bool(current_platform.is_cpu())
+        comp = vllm_config.compilation_config
+        facts["cudagraph_mode"] = str(getattr(comp, "cudagraph_mode", "NONE"))
+        sizes = getattr(comp, "cudagraph_capture_sizes", None) or []
+        facts["cudagraph_capture_sizes"] = [int(x) for x in sizes]
+        facts["max_num_seqs"] = int(vllm_config.scheduler_config.max_num_seqs)
+        spec = vllm_config.speculative_config
+        facts["speculative_tokens"] = int(spec.num_speculative_tokens) if spec is not None else 0
+        facts["enforce_eager"] = bool(vllm_config.model_config.enforce_eager)
+    # Facts are a courtesy: a release that moved one must not stop the server from starting.
+    except Exception as err:  # noqa: BLE001
+        facts["error"] = f"{type(err).__name__}: {err}"[:200]
+    return facts
+
+
+class SoakdStatLogger(StatLoggerBase):
+    """Sends each step's stats to soakd; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self._sock: socket.socket | None = None
+        self._seq = 0
+        self._dropped = 0
+        self._cost_ns = 0
+        path = os.environ.get(SOCKET_ENV, "")
+        if not path:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            return
+        self._sock = sock
+        self._send({"hello": engine_facts(vllm_config), "pid": os.getpid(), "engine": engine_index})
+
+    def _send(self, message: dict[str, object]) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send(json.dumps(message, separators=(",", ":")).encode())
+        except OSError:  # full buffer (BlockingIOError), soakd gone: count it, never block the server
+            self._dropped += 1
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if self._sock is None:
+            return
+        t0 = time.perf_counter_ns()
+        step = step_from_vllm(scheduler_stats, iteration_stats, time.time_ns(), engine_idx)
+        self._seq += 1
+        # The cost of the previous record() rides on this one: the logger's overhead, measured in place.
+        self._send(
+            {
+                "s": step_to_wire(step),
+                "q": self._seq,
+                "d": self._dropped,
+                "c": self._cost_ns,
+                "pid": os.getpid(),
+            }
+        )
+        self._cost_ns = time.perf_counter_ns() - t0
+
+    def log_engine_initialized(self) -> None:
+        return None
