@@ -26,6 +26,7 @@ from soakd.collectors.base import Collector
 from soakd.collectors.engine import EngineCollector, quantile_of_counts
 from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.host import HostCollector
+from soakd.collectors.prom import MetricsScraper
 from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
@@ -195,6 +196,8 @@ class Soak:
         self._engines: list[EngineInfo] = []
         self._supervisor: EngineSupervisor | None = None
         self._rebuild_task: asyncio.Future[bool] | None = None
+        self._scraper: MetricsScraper | None = None
+        self._writer_counts: dict[str, int] | None = None
 
     def _write_meta(self, extra: dict[str, Any]) -> None:
         meta = {
@@ -236,6 +239,7 @@ class Soak:
         self._write_meta({})
         spool = Spool(self.run_dir / SPOOL_DIR, cfg.sinks.spool.segment_bytes, cfg.sinks.spool.fsync_interval)
         writer = SampleWriter(spool, {"run_id": self.run_id, "host": self.host})
+        self._writer_counts = writer.counts
         forwarder = self._make_forwarder(writer)
         dcfg = cfg.telemetry.spec_drift
         drift = AcceptanceDrift(
@@ -292,6 +296,8 @@ class Soak:
                 await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
                 if "engine" in cfg.telemetry.collectors:
                     engine_collector.activate()
+                if self._scraper is not None:
+                    self._scraper.rebase()  # start-up and warm-up counts are not the soak's
             if started and not self.interrupted and not self.error:
                 summary = self.trace.summary
                 scheduled = schedule(
@@ -492,15 +498,25 @@ class Soak:
             "missing": [text for name, text in SIGNALS.items() if name not in signals],
             "cudagraphs": engine_collector.cudagraph_summary(),
         }
-        if not self.cfg.engine.speculative.enabled or (
-            info is not None and info.speculative_tokens == 0 and "per_step" in signals
-        ):
-            doc["spec_decode"] = {"enabled": False, "note": "speculative decoding was off: no spec series"}
+        points = self._writer_counts.get("spec_decode", 0) if self._writer_counts is not None else 0
+        if profile.requests and "spec_per_request" not in signals:
+            # An attached server that reports per-request acceptance (its own --per-request-... flag).
+            doc["missing"].remove(SIGNALS["spec_per_request"])
+        if self._scraper is not None:
+            doc["metrics_missing"] = self._scraper.missing()
+        # Known from the engine's own config where soakd sees it, else from what was written.
+        spec_on = info.speculative_tokens > 0 if info is not None and "per_step" in signals else points > 0
+        if not spec_on:
+            doc["spec_decode"] = {
+                "enabled": False,
+                "points": points,
+                "note": "speculative decoding was off: no acceptance series were written",
+            }
         else:
-            drafts = engine_collector.spec_drafts_total
             doc["spec_decode"] = {
                 "enabled": True,
-                "drafts": drafts,
+                "points": points,
+                "drafts": engine_collector.spec_drafts_total,
                 "accepted": engine_collector.spec_accepted_total,
                 "drift": drift.summary(),
                 "profile": profile.summary(),

@@ -109,6 +109,7 @@ class EngineSupervisor:
         self._failed = ""
         self._restart_task: asyncio.Task[None] | None = None
         self._lost_mark = 0
+        self._retired: list[dict[str, object]] = []
         self.stats = LifecycleStats()
         self.configs: list[dict[str, object]] = []
         """Each engine configuration the run used, with when it started (for the run metadata)."""
@@ -193,8 +194,20 @@ class EngineSupervisor:
         return await self._engine.metrics_text()
 
     def telemetry_summary(self) -> dict[str, object]:
-        inner = self._engine.telemetry_summary() if self._engine is not None else {}
-        return {**inner, "lifecycle": {**_asdict(self.stats), "configs": self.configs}}
+        """Each engine's own summary (one per start, oldest first) and the lifecycle counts."""
+        engines = list(self._retired)
+        if self._engine is not None:
+            engines.append(self._engine.telemetry_summary())
+        return {"engines": engines, "lifecycle": {**_asdict(self.stats), "configs": self.configs}}
+
+    async def _stop_engine(self, engine: Engine) -> None:
+        """Stop an engine, keeping its telemetry summary (taken before it goes). A failure is logged:
+        stopping a dead engine may raise anything, and the swap must go on."""
+        try:
+            self._retired.append(engine.telemetry_summary())
+            await engine.stop()
+        except Exception as err:  # noqa: BLE001
+            log.warning("engine_stop_failed", error=f"{type(err).__name__}: {err}"[:200])
 
     async def stop(self) -> None:
         if self._restart_task is not None and not self._restart_task.done():
@@ -203,7 +216,7 @@ class EngineSupervisor:
                 await self._restart_task
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            await engine.stop()
+            await self._stop_engine(engine)
 
     # -- death ---------------------------------------------------------------------------------
     def check(self) -> None:
@@ -236,8 +249,7 @@ class EngineSupervisor:
             lost = self.stats.lost - self._lost_mark
             old = self._engine
             if old is not None:
-                with contextlib.suppress(Exception):
-                    await old.stop()
+                await self._stop_engine(old)
             while True:
                 if self.stats.restarts >= self.cfg.restart.max_restarts:
                     self._fail(f"engine died ({reason}) and {self.stats.restarts} restarts are used up")
@@ -248,8 +260,7 @@ class EngineSupervisor:
                     await engine.start()
                 except EngineError as err:
                     log.error("engine_restart_failed", error=str(err), attempt=self.stats.restarts)
-                    with contextlib.suppress(Exception):
-                        await engine.stop()
+                    await self._stop_engine(engine)
                     continue
                 break
             downtime = self._now() - t0
@@ -291,8 +302,7 @@ class EngineSupervisor:
             self.stats.drained += drained
             self.stats.aborted += aborted
             new_cfg = apply_change(self.cfg, change)
-            with contextlib.suppress(Exception):
-                await self._engine.stop()
+            await self._stop_engine(self._engine)
             engine = self._factory(new_cfg)
             ok = True
             try:
@@ -302,8 +312,7 @@ class EngineSupervisor:
                 ok = False
                 self.stats.rebuild_failures += 1
                 log.error("engine_rebuild_failed", error=str(err))
-                with contextlib.suppress(Exception):
-                    await engine.stop()
+                await self._stop_engine(engine)
                 engine = self._factory(self.cfg)  # back to the configuration that ran
                 try:
                     await engine.start()

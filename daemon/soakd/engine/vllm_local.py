@@ -94,9 +94,10 @@ class RecordCost:
 def copy_spec_steps(metrics: object, out: SpecSteps) -> None:
     """Per-step acceptance from vLLM's per-request metrics (an object or its dict form) into `out`."""
     get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
-    accepted = get("per_step_accepted", None) or []
-    drafted = get("per_step_drafted", None) or []
-    if len(accepted) == len(drafted):
+    accepted = get("per_step_accepted", None)
+    drafted = get("per_step_drafted", None)
+    # The "summary" level has no per-step lists (None over HTTP, empty in-process): nothing to copy.
+    if accepted and drafted and len(accepted) == len(drafted):
         out.accepted[:] = [int(a) for a in accepted]
         out.drafted[:] = [int(d) for d in drafted]
 
