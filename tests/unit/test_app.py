@@ -304,8 +304,13 @@ async def test_a_scheduled_rebuild_swaps_the_engine_with_exact_accounting(tmp_pa
     over = {
         "run.duration": "4s",
         "engine.changes": [
-            {"at": "1.5s", "mode": "abort", "reason": "smaller batch", "max_num_seqs": 4,
-             "cudagraph_capture_sizes": [4, 1, 2]}
+            {
+                "at": "1.5s",
+                "mode": "abort",
+                "reason": "smaller batch",
+                "max_num_seqs": 4,
+                "cudagraph_capture_sizes": [4, 1, 2],
+            }
         ],
     }
     soak = Soak(config(tmp_path, **over), engine_factory=factory)

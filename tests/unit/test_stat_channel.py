@@ -47,9 +47,9 @@ async def test_channel_counts_steps_gaps_and_bad_datagrams() -> None:
     channel = StepChannel(got.append, clock_ns=lambda: 42)
     await channel.open()
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(channel.path)
-            s.send(json.dumps({"hello": {"cpu": True}, "pid": 7}).encode())
+            s.sendall(json.dumps({"hello": {"cpu": True}, "pid": 7}).encode() + b"\n")
             for seq in (1, 2, 5):  # 3 and 4 never arrive
                 msg = {
                     "s": step_to_wire(StepStats(time_ns=0, running=seq)),
@@ -57,8 +57,8 @@ async def test_channel_counts_steps_gaps_and_bad_datagrams() -> None:
                     "c": 1000 * seq,
                     "pid": 7,
                 }
-                s.send(json.dumps(msg).encode())
-            s.send(b"not json")
+                s.sendall(json.dumps(msg).encode() + b"\n")
+            s.sendall(b"not json\n")
         await _received(channel, 4)
     finally:
         channel.close()

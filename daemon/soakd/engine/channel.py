@@ -1,8 +1,8 @@
-"""The receiving end of the stat-logger plugin: a Unix datagram socket soakd owns for a server it launched.
+"""The receiving end of the stat-logger plugin: a Unix stream socket soakd owns for a server it launched.
 
-Each datagram is one engine step (or the plugin's hello with the engine's facts). Lost steps are not
-guessed at: the plugin numbers its datagrams and counts the ones it could not send, and this side
-counts gaps in the numbering, per sending process (a restarted server starts again at 1).
+Each line is one engine step (or the plugin's hello with the engine's facts). Lost steps are not
+guessed at: the plugin numbers its steps, and this side counts gaps in the numbering, per connection
+(a restarted server connects again and starts again at 1).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,9 +23,9 @@ from soakd.engine.stats import StepStats, step_from_wire
 log = structlog.get_logger(__name__)
 
 StepSink = Callable[[StepStats], None]
+_LINE_LIMIT = 1 << 20
 SOCKET_ENV = "SOAKD_STATS_SOCKET"
 """Names the socket in the server's environment; the plugin stays silent without it."""
-_RCVBUF = 4 * 1024 * 1024  # bursts of short steps must not overflow the socket while the loop is busy
 
 
 @dataclass(slots=True)
@@ -56,32 +55,41 @@ class StepChannel:
         self._dir = Path(tempfile.mkdtemp(prefix="soakd-"))
         # Unix socket paths are limited to ~107 bytes: a short private folder under the temp dir.
         self.path = str(self._dir / "steps.sock")
-        self._transport: asyncio.DatagramTransport | None = None
-        self._last_seq: dict[int, int] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._readers: set[asyncio.Task[None]] = set()
         self.stats = ChannelStats()
         self.hello = asyncio.Event()
 
     async def open(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
-        sock.bind(self.path)
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(lambda: _Protocol(self), sock=sock)
-        self._transport = transport
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=_LINE_LIMIT)
 
-    def receive(self, data: bytes) -> None:
-        """Decode one datagram; a bad one is counted, never raised into the event loop."""
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One server process's connection: its lines, in order, until it closes."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._readers.add(task)
+        last = [0]
+        try:
+            while line := await reader.readline():
+                self.receive(line, last)
+        except (ConnectionError, ValueError) as err:  # ValueError: a line over the limit
+            log.warning("step_channel_error", error=str(err))
+        finally:
+            writer.close()
+            if task is not None:
+                self._readers.discard(task)
+
+    def receive(self, data: bytes, last: list[int]) -> None:
+        """Decode one line; `last` holds the connection's last sequence number. A bad line is counted,
+        never raised into the event loop."""
         st = self.stats
         try:
             msg = json.loads(data)
             if not isinstance(msg, dict):
                 raise ValueError("not an object")
-            pid = int(msg.get("pid", 0))
             if "hello" in msg:
                 hello = msg["hello"]
                 st.hellos.append(hello if isinstance(hello, dict) else {})
-                self._last_seq[pid] = 0
                 self.hello.set()
                 return
             step = step_from_wire(msg["s"])
@@ -91,10 +99,9 @@ class StepChannel:
             st.malformed += 1
             return
         step.time_ns = self._clock_ns()
-        last = self._last_seq.get(pid, 0)
-        if seq > last + 1:
-            st.lost += seq - last - 1
-        self._last_seq[pid] = max(last, seq)
+        if seq > last[0] + 1:
+            st.lost += seq - last[0] - 1
+        last[0] = max(last[0], seq)
         st.steps += 1
         if cost > 0:
             st.record_ns_sum += cost
@@ -117,18 +124,9 @@ class StepChannel:
         }
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for task in list(self._readers):
+            task.cancel()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-class _Protocol(asyncio.DatagramProtocol):
-    def __init__(self, channel: StepChannel) -> None:
-        self._channel = channel
-
-    def datagram_received(self, data: bytes, addr: object) -> None:
-        self._channel.receive(data)
-
-    def error_received(self, exc: Exception) -> None:
-        log.warning("step_channel_error", error=str(exc))

@@ -412,8 +412,13 @@ class OpenAIEngine:
     async def post_json(self, path: str, body: dict[str, Any]) -> Any:
         """POST a control endpoint (e.g. a dev-mode server's /collective_rpc) and return its JSON."""
         session = self._require_session()
+        # Connection: close. After an error answer vLLM's dev routes re-raise and uvicorn drops the
+        # connection, which aiohttp may already have pooled: the next request (a completion) would fail.
+        headers = {"Connection": "close"}
         try:
-            async with session.post(self._url + path, json=body, timeout=_CONTROL_TIMEOUT) as resp:
+            async with session.post(
+                self._url + path, json=body, timeout=_CONTROL_TIMEOUT, headers=headers
+            ) as resp:
                 text = await resp.text(errors="replace")
                 if resp.status != 200:
                     raise EngineError(f"POST {path}: {error_message(resp.status, text[:_BODY_CHARS])}")

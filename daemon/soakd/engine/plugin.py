@@ -1,12 +1,14 @@
-"""soakd's stat logger for a vLLM server it launched: per-step stats to soakd over a Unix datagram socket.
+"""soakd's stat logger for a vLLM server it launched: per-step stats to soakd over a Unix stream socket.
 
 vLLM loads it from the `vllm.stat_logger_plugins` entry point in every process that builds an AsyncLLM
 (the API server; also soakd's own in-process engine). It does nothing unless SOAKD_STATS_SOCKET names
 soakd's socket, so installing soakd next to a production server costs one environment lookup.
 
-`record()` runs on the server's output loop once per engine step: it converts the step, sends one
-non-blocking datagram and returns. A datagram the socket cannot take is dropped and counted; the count
-and the sequence number travel with the next one, so soakd knows exactly how many steps it missed.
+`record()` runs on the server's output loop once per engine step: it converts the step, appends one
+JSON line to its buffer and writes what the socket takes without blocking. A stream socket, not
+datagrams: Linux queues only `net.unix.max_dgram_qlen` (often 10) datagrams, so a soakd busy for a few
+milliseconds lost steps; a stream buffers ~200 kB in the kernel plus this buffer. Past `_MAX_PENDING`
+a step is dropped and counted; sequence numbers let soakd count every step it missed.
 """
 
 from __future__ import annotations
@@ -46,33 +48,51 @@ def engine_facts(vllm_config: Any) -> dict[str, object]:
     return facts
 
 
+_MAX_PENDING = 16 * 1024 * 1024  # bytes of steps held while soakd does not read (~30 k steps)
+
+
 class SoakdStatLogger(StatLoggerBase):
     """Sends each step's stats to soakd; see the module docstring."""
 
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self._sock: socket.socket | None = None
+        self._out = bytearray()
         self._seq = 0
         self._dropped = 0
         self._cost_ns = 0
         path = os.environ.get(SOCKET_ENV, "")
         if not path:
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setblocking(False)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(path)
         except OSError:
             sock.close()
             return
+        sock.setblocking(False)
         self._sock = sock
         self._send({"hello": engine_facts(vllm_config), "pid": os.getpid(), "engine": engine_index})
 
     def _send(self, message: dict[str, object]) -> None:
-        assert self._sock is not None
+        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        if len(self._out) + len(data) > _MAX_PENDING:
+            self._dropped += 1  # soakd has not read for a long while: count it, never block the server
+            return
+        self._out += data
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._sock is None or not self._out:
+            return
         try:
-            self._sock.send(json.dumps(message, separators=(",", ":")).encode())
-        except OSError:  # full buffer (BlockingIOError), soakd gone: count it, never block the server
-            self._dropped += 1
+            sent = self._sock.send(self._out)
+        except BlockingIOError:
+            return
+        except OSError:  # soakd is gone: stop sending
+            self._sock.close()
+            self._sock = None
+            return
+        del self._out[:sent]
 
     def record(
         self,
@@ -97,6 +117,11 @@ class SoakdStatLogger(StatLoggerBase):
             }
         )
         self._cost_ns = time.perf_counter_ns() - t0
+
+    def log(self) -> None:
+        """vLLM calls this every few seconds (its stats-log interval): write out what an idle engine
+        left in the buffer."""
+        self._flush()
 
     def log_engine_initialized(self) -> None:
         return None
