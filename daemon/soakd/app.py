@@ -22,6 +22,7 @@ from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEv
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from soakd import __version__
+from soakd.collectors.allocator import AllocatorCollector
 from soakd.collectors.base import Collector
 from soakd.collectors.engine import EngineCollector, quantile_of_counts
 from soakd.collectors.gpu import probe_nvml
@@ -197,6 +198,7 @@ class Soak:
         self._supervisor: EngineSupervisor | None = None
         self._rebuild_task: asyncio.Future[bool] | None = None
         self._scraper: MetricsScraper | None = None
+        self._allocator: AllocatorCollector | None = None
         self._writer_counts: dict[str, int] | None = None
 
     def _write_meta(self, extra: dict[str, Any]) -> None:
@@ -253,7 +255,12 @@ class Soak:
             return self._engine_factory(cfg.model_copy(update={"engine": ecfg}), self.model, engine_collector)
 
         def on_started(info: EngineInfo) -> None:
+            # After a rebuild every engine series carries the new configuration's id.
             engine_collector.config_id = profile.config_id = info.config_id
+            if self._scraper is not None:
+                self._scraper.config_id = info.config_id
+            if self._allocator is not None:
+                self._allocator.config_id = info.config_id
             engine_collector.cudagraphs = info.cudagraphs
             self._engines.append(info)
             self._write_meta({"engine": asdict(info), "engines": [asdict(i) for i in self._engines]})
@@ -452,17 +459,13 @@ class Soak:
         if "engine" in names:
             runner.add(profile)
         if "allocator" in names and "allocator" in info.signals:
-            from soakd.collectors.allocator import AllocatorCollector
-
-            runner.add(AllocatorCollector(engine.memory_stats, config_id=info.config_id))
+            self._allocator = AllocatorCollector(engine.memory_stats, config_id=info.config_id)
+            runner.add(self._allocator)
         if "metrics" in names and "metrics" in info.signals:
-            from soakd.collectors.prom import MetricsScraper
-
-            runner.add(
-                MetricsScraper(
-                    engine.metrics_text, per_step="per_step" in info.signals, config_id=info.config_id
-                )
+            self._scraper = MetricsScraper(
+                engine.metrics_text, per_step="per_step" in info.signals, config_id=info.config_id
             )
+            runner.add(self._scraper)
 
     async def _apply_changes(self, engine: EngineSupervisor, t0: float) -> None:
         """The configured engine changes, each at its time into the replay."""
