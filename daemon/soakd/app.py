@@ -301,7 +301,8 @@ class Soak:
                 prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
                 gate = AdmissionGate(cfg.replay.max_concurrency)
                 await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
-                if "engine" in cfg.telemetry.collectors:
+                if "engine" in cfg.telemetry.collectors and "per_step" in info.signals:
+                    # Without a per-step source (attach mode) `engine` points come from /metrics.
                     engine_collector.activate()
                 if self._scraper is not None:
                     self._scraper.rebase()  # start-up and warm-up counts are not the soak's

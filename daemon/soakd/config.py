@@ -155,6 +155,7 @@ class EngineConfig(_Section):
     url: str = ""
     api_key_env: str = "SOAKD_OPENAI_API_KEY"
     served_model: str = ""
+    vocab_size: int = Field(default=0, ge=0)
     model: str = "models/tiny"
     dtype: str = "bfloat16"
     max_model_len: int = Field(default=2048, ge=16)

@@ -81,8 +81,9 @@ min_draft_tokens = 10
 
 def run_ok(config: Path) -> tuple[dict[str, Any], dict[str, list[Sample]]]:
     code, out, err = run_soakd(config, config.parent, timeout_s=900)
-    assert code == 0, err[-3000:]
+    assert out, err[-3000:]
     doc = json.loads(out)
+    assert code == 0, (doc["verdict_detail"]["criteria"], doc["error"], err[-2000:])
     by: dict[str, list[Sample]] = {}
     for s in iter_samples(Path(doc["run_dir"]) / "spool"):
         by.setdefault(s.measurement, []).append(s)

@@ -33,7 +33,16 @@ class StubEngine:
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo("stub", "1", "m", "cfg1", vocab_size=300, reserved_ids=(0,), max_model_len=4096)
+        return EngineInfo(
+            "stub",
+            "1",
+            "m",
+            "cfg1",
+            vocab_size=300,
+            reserved_ids=(0,),
+            max_model_len=4096,
+            signals=("per_step", "spec_per_pos"),
+        )
 
     async def start(self) -> None:
         self.collector.push(StepStats(time_ns=1, has_iteration=True, generation_tokens=99))  # warm-up noise

@@ -61,7 +61,7 @@ async def test_channel_counts_steps_gaps_and_bad_datagrams() -> None:
             s.sendall(b"not json\n")
         await _received(channel, 4)
     finally:
-        channel.close()
+        await channel.aclose()
     assert [s.running for s in got] == [1, 2, 5] and all(s.time_ns == 42 for s in got)
     assert channel.facts() == {"cpu": True}
     summary = channel.summary()
@@ -102,7 +102,7 @@ async def test_the_plugin_sends_each_step_to_the_socket_named_in_its_environment
             logger.record(sched, None)
         await _received(channel, 3)
     finally:
-        channel.close()
+        await channel.aclose()
     assert len(got) == 3 and got[0].running == 4 and got[0].spec_accepted_per_pos == (2, 1, 1)
     assert "error" in channel.facts()
     assert channel.stats.lost == 0 and channel.stats.record_n == 2  # the cost rides on the next step

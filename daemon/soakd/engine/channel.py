@@ -123,10 +123,13 @@ class StepChannel:
             "record_us_max": st.record_ns_max / 1e3 if st.record_n else None,
         }
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Stop listening, end the connections' readers and remove the socket's folder."""
         if self._server is not None:
             self._server.close()
             self._server = None
-        for task in list(self._readers):
+        readers = list(self._readers)
+        for task in readers:
             task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -116,6 +116,8 @@ class OpenAIEngine:
         self._model = ""
         self.on_send: SendHook | None = None
         """Called just before each completion request is issued (pacing measurements)."""
+        self.vocab_hint: Callable[[], int | None] | None = None
+        """Where the vocabulary size is known without probing (a server soakd launched tells it)."""
 
     @property
     def info(self) -> EngineInfo:
@@ -226,12 +228,20 @@ class OpenAIEngine:
         reserved: tuple[int, ...] = ()
         info = await self._get_json("/tokenizer_info")
         vocab: int | None = None
+        hint = self.vocab_hint() if self.vocab_hint is not None else None
+        if self._cfg.vocab_size or hint:
+            # Known without asking: probing sends ids past the model's embedding when its tokenizer is
+            # larger, and vLLM 0.26 then fails a device-side assert and the engine core dies.
+            vocab = self._cfg.vocab_size or hint
+            details["vocab_source"] = (
+                "engine.vocab_size" if self._cfg.vocab_size else "the engine's model config"
+            )
         if info is not None:
             added = info.get("added_tokens_decoder")
             if isinstance(added, dict):
                 reserved = tuple(sorted(int(k) for k in added if str(k).isdigit()))
             declared = info.get("vocab_size")
-            if isinstance(declared, int) and declared > 0:
+            if vocab is None and isinstance(declared, int) and declared > 0:
                 vocab = declared
                 details["vocab_source"] = "/tokenizer_info"
             details["reserved_ids_source"] = "/tokenizer_info added tokens"

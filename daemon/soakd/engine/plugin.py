@@ -42,6 +42,8 @@ def engine_facts(vllm_config: Any) -> dict[str, object]:
         spec = vllm_config.speculative_config
         facts["speculative_tokens"] = int(spec.num_speculative_tokens) if spec is not None else 0
         facts["enforce_eager"] = bool(vllm_config.model_config.enforce_eager)
+        facts["vocab_size"] = int(vllm_config.model_config.get_vocab_size())
+        facts["max_model_len"] = int(vllm_config.model_config.max_model_len)
     # Facts are a courtesy: a release that moved one must not stop the server from starting.
     except Exception as err:  # noqa: BLE001
         facts["error"] = f"{type(err).__name__}: {err}"[:200]

@@ -240,6 +240,21 @@ class EngineSupervisor:
 
     async def _restart(self, reason: str) -> None:
         t0 = self._now()
+        try:
+            await self._restart_locked(reason, t0)
+        except asyncio.CancelledError:
+            # The run ended while the engine was coming back: still an event, with the time it took.
+            self._event(
+                "engine_restart",
+                f"engine died ({reason}); the run ended before it was back",
+                reason=reason[:200],
+                downtime_s=self._now() - t0,
+                restarts=self.stats.restarts,
+                ok=0,
+            )
+            raise
+
+    async def _restart_locked(self, reason: str, t0: float) -> None:
         async with self._swap_lock:
             log.error("engine_died", reason=reason, in_flight=len(self._inflight))
             # Requests still reading from the dead engine fail now, with the reason (a dead engine
@@ -274,6 +289,7 @@ class EngineSupervisor:
                 lost=lost,
                 restarts=self.stats.restarts,
                 config=engine.info.config_id,
+                ok=1,
             )
 
     def _fail(self, reason: str) -> None:

@@ -183,6 +183,7 @@ class VllmLocalEngine:
         fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
         kwargs = {k: v for k, v in self._kwargs.items() if k not in OPTIONAL_ARGS or k in fields}
         t0 = time.monotonic()
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             args = AsyncEngineArgs(**kwargs)
             factory = _make_logger_factory(self._sink, self.record_cost)
@@ -209,9 +210,9 @@ class VllmLocalEngine:
         comp = vcfg.compilation_config
         cg_mode = str(getattr(comp, "cudagraph_mode", "NONE"))
         cudagraphs = (not is_cpu) and "NONE" not in cg_mode.upper()
-        me = psutil.Process()
-        # The engine core and its workers: if one of them is gone, the engine is dead.
-        self._pids = [p.pid for p in me.children(recursive=True)]
+        # This engine's core and workers: if one of them is gone, the engine is dead. Processes that
+        # were there before (a previous engine still exiting after a rebuild) are not this engine's.
+        self._pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
         signals = ["per_step", "spec_per_pos"]
         if cudagraphs and "cudagraph_metrics" in kwargs:
             signals.append("cudagraphs")

@@ -163,12 +163,13 @@ class VllmServerEngine:
                 proc = await asyncio.to_thread(spawn)
                 self._proc = proc
             except OSError as err:
-                self._channel.close()
+                await self._channel.aclose()
                 raise EngineError(f"cannot launch the server: {err}") from err
         log.info("engine_server_launched", pid=proc.pid, port=port, log=str(self._log_path))
         url = f"http://{cfg.server.host}:{port}"
         http_cfg = cfg.model_copy(update={"url": url, "kind": "openai"})
         self._http = OpenAIEngine(http_cfg)
+        self._http.vocab_hint = self._vocab_hint
         try:
             await self._start_http(self._http)
         except BaseException:
@@ -180,18 +181,28 @@ class VllmServerEngine:
         self._info = self._describe(self._http.info, time.monotonic() - t0)
         log.info("engine_started", start_s=round(self._info.start_s, 2), config_id=self._info.config_id)
 
+    def _vocab_hint(self) -> int | None:
+        """The model's vocabulary size from the plugin's hello (the engine's own model config)."""
+        value = self._channel.facts().get("vocab_size") if self._channel is not None else None
+        return value if isinstance(value, int) and value > 0 else None
+
     async def _start_http(self, http: OpenAIEngine) -> None:
         """Wait for health, unless the server process exits first (then say why, from its log)."""
         starting = asyncio.create_task(http.start())
-        while not starting.done():
-            await asyncio.wait({starting}, timeout=0.5)
-            if not starting.done() and self._proc is not None and self._proc.poll() is not None:
-                starting.cancel()
-                with contextlib.suppress(asyncio.CancelledError, EngineError):
-                    await starting
-                raise EngineError(
-                    f"the server exited with code {self._proc.returncode} while starting: {self._log_tail()}"
-                )
+        try:
+            while not starting.done():
+                await asyncio.wait({starting}, timeout=0.5)
+                if not starting.done() and self._proc is not None and self._proc.poll() is not None:
+                    raise EngineError(
+                        f"the server exited with code {self._proc.returncode} while starting: "
+                        f"{self._log_tail()}"
+                    )
+        except BaseException:
+            # Cancelled (the run is stopping) or the process is gone: the start must not go on
+            # using a session that stop() is about to close.
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            raise
         starting.result()
 
     def _log_tail(self) -> str:
@@ -288,7 +299,7 @@ class VllmServerEngine:
         if proc is not None and proc.poll() is None:
             await asyncio.to_thread(_stop_group, proc, self._cfg.server.stop_timeout)
         if self._channel is not None:
-            self._channel.close()
+            await self._channel.aclose()
 
 
 def _stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
