@@ -29,6 +29,7 @@ from soakd.collectors.engine import EngineCollector
 from soakd.config import Config, load, parse_duration
 from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.stats import StepStats
+from soakd.errors import EngineError
 from soakd.replay.clock import FakeClock
 from soakd.sinks.spool import iter_lines, iter_samples
 
@@ -73,10 +74,23 @@ class _StubEngine:
             max_model_len=4096,
             speculative_tokens=DRAFT_POSITIONS,
             cudagraphs=True,
+            signals=("per_step", "spec_per_pos", "cudagraphs"),
         )
 
     async def start(self) -> None:
         return None
+
+    def alive(self) -> bool:
+        return True
+
+    async def memory_stats(self) -> list[Any]:
+        raise EngineError("no worker extension")
+
+    async def metrics_text(self) -> str:
+        raise EngineError("no /metrics")
+
+    def telemetry_summary(self) -> dict[str, object]:
+        return {}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
         if int(request.request_id.rsplit("-", 1)[1]) % 5 == 4:
