@@ -9,11 +9,12 @@ from pathlib import Path
 from soakd.metric import Sample, parse_line
 
 DATA = Path(__file__).parents[1] / "data" / "h200" / "rebuild"
+SERVER = DATA.parent / "server"
 
 
-def samples() -> dict[str, list[Sample]]:
+def samples(folder: Path = DATA) -> dict[str, list[Sample]]:
     by: dict[str, list[Sample]] = {}
-    with gzip.open(DATA / "spool.lp.gz", "rt", encoding="utf-8") as fh:
+    with gzip.open(folder / "spool.lp.gz", "rt", encoding="utf-8") as fh:
         for line in fh:
             s = parse_line(line.rstrip("\n"))
             by.setdefault(s.measurement, []).append(s)
@@ -70,3 +71,23 @@ def test_requests_all_counted_once_across_the_rebuild() -> None:
     replay = summary["replay"]
     keys = [(s.fields["loop"], s.fields["index"], s.fields.get("session", "")) for s in by["requests"]]
     assert len(keys) == len(set(keys)) == replay["scheduled"] == replay["completed"] + replay["failed"]
+
+
+def test_server_mode_plugin_steps_all_arrived_and_match_the_servers_own_counters() -> None:
+    by = samples(SERVER)
+    summary = json.loads((SERVER / "summary.json").read_text())
+    tele = summary["engine_telemetry"]
+    (engine,) = tele["engines"]
+    logger = engine["stat_logger"]
+    assert logger["lost"] == 0 and logger["malformed"] == 0
+    # Every step the plugin sent is in the engine series (warm-up steps were dropped before it).
+    assert sum(int(s.fields["steps"]) for s in by["engine"]) == summary["engine_steps"] <= logger["steps"]
+    # The server's own /metrics agrees with the per-step stats: the scrapes cover all but the run's
+    # last few seconds, so their generated tokens are a large part of the steps' total, never more.
+    per_step = sum(int(s.fields["generation_tokens"]) for s in by["engine"])
+    scraped = sum(int(s.fields["generation_tokens"]) for s in by["vllm_metrics"])
+    assert 0.7 * per_step < scraped <= per_step
+    accepted = sum(int(s.fields["spec_decode_num_accepted_tokens"]) for s in by["vllm_metrics"])
+    assert 0 < accepted <= summary["spec_decode"]["accepted"]
+    assert "spec_per_request" not in tele["signals"]
+    assert any("output position" in m for m in tele["missing"])
