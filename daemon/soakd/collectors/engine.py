@@ -216,6 +216,8 @@ class EngineCollector:
         if drafts:
             # Tokens produced per draft step: the accepted ones plus the one the target model adds.
             f["mean_acceptance_length"] = 1.0 + accepted / drafts
+        # Requests drafting per step: how much of the batch speculation covers.
+        f["drafts_per_step"] = drafts / len(spec)
         k = max(len(s.spec_accepted_per_pos) for s in spec)
         for i in range(k):
             acc = sum(s.spec_accepted_per_pos[i] for s in spec if i < len(s.spec_accepted_per_pos))
