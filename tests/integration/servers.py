@@ -254,14 +254,13 @@ def start_vllm(
             time.sleep(0.25)  # poll interval
 
 
-def run_soakd(config: Path, cwd: Path, timeout_s: float = 600.0) -> tuple[int, str, str]:
-    """`python -m soakd run --config CONFIG --json --no-progress` as a user runs it: (exit code, stdout,
-    stderr). It gets its own process group, so the engine's children are stopped with it if it hangs."""
-    import signal
+def start_soakd(config: Path, cwd: Path) -> subprocess.Popen[str]:
+    """`python -m soakd run --config CONFIG --json --no-progress` as a user runs it, in its own process
+    group (so the engine's children can be stopped with it)."""
     import sys
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", "soakd", "run", "--config", str(config), "--json", "--no-progress"],
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -270,6 +269,13 @@ def run_soakd(config: Path, cwd: Path, timeout_s: float = 600.0) -> tuple[int, s
         env=env,
         start_new_session=True,
     )
+
+
+def finish_soakd(proc: subprocess.Popen[str], timeout_s: float = 600.0) -> tuple[int, str, str]:
+    """Wait for a soakd started by `start_soakd`: (exit code, stdout, stderr); its whole process group
+    is killed, by its pid, if it has not ended in time."""
+    import signal
+
     try:
         out, err = proc.communicate(timeout=timeout_s)
     finally:
@@ -277,3 +283,8 @@ def run_soakd(config: Path, cwd: Path, timeout_s: float = 600.0) -> tuple[int, s
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode, out, err
+
+
+def run_soakd(config: Path, cwd: Path, timeout_s: float = 600.0) -> tuple[int, str, str]:
+    """Run soakd to its end: (exit code, stdout, stderr)."""
+    return finish_soakd(start_soakd(config, cwd), timeout_s)

@@ -11,10 +11,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,7 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
-from servers import Server, run_soakd
+from servers import Server, finish_soakd, run_soakd, start_soakd
 
 from soakd.metric import Sample
 from soakd.sinks.spool import iter_samples
@@ -154,7 +151,9 @@ def test_attach_mode_names_the_signals_it_cannot_see(
 
 
 def test_rebuild_mid_run_with_other_capture_sizes_and_batch(tmp_path: Path, tiny_model: Path) -> None:
-    change = LIFECYCLE_CRITERIA + """
+    change = (
+        LIFECYCLE_CRITERIA
+        + """
 [[engine.changes]]
 at = "10s"
 mode = "drain"
@@ -162,6 +161,7 @@ reason = "smaller batch"
 max_num_seqs = 4
 cudagraph_capture_sizes = [1, 2, 4]
 """
+    )
     cfg = write_config(tmp_path / "rebuild.toml", tiny_model, change, duration="25s")
     doc, by = run_ok(cfg)
     events = [e for e in by["events"] if e.tags["kind"] == "engine_rebuild"]
@@ -200,21 +200,12 @@ def test_killing_the_worker_is_detected_restarted_and_counted(tmp_path: Path, ti
         extra=LIFECYCLE_CRITERIA,
         duration="40s",
     )
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--json", "--no-progress"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc = start_soakd(cfg, tmp_path)
+    killed = None
     try:
         root = psutil.Process(proc.pid)
         runs = tmp_path / "runs"
         deadline = time.monotonic() + 600
-        killed = None
         while time.monotonic() < deadline and proc.poll() is None:
             spool = list(runs.glob("*/spool/*.lp"))
             replaying = spool and any(b"\nrequests," in p.read_bytes() for p in spool)
@@ -225,13 +216,10 @@ def test_killing_the_worker_is_detected_restarted_and_counted(tmp_path: Path, ti
                 killed = worker.pid
                 break
             time.sleep(0.5)  # poll for the replay to begin
-        assert killed is not None, "the replay never started"
-        out, err = proc.communicate(timeout=600)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err[-3000:]
+        code, out, err = finish_soakd(proc, timeout_s=600 if killed else 1)
+    assert killed is not None, "the replay never started"
+    assert code == 0, err[-3000:]
     doc = json.loads(out)
     by: dict[str, list[Sample]] = {}
     for s in iter_samples(Path(doc["run_dir"]) / "spool"):

@@ -105,7 +105,7 @@ async def test_the_plugin_sends_each_step_to_the_socket_named_in_its_environment
         await channel.aclose()
     assert len(got) == 3 and got[0].running == 4 and got[0].spec_accepted_per_pos == (2, 1, 1)
     assert "error" in channel.facts()
-    assert channel.stats.lost == 0 and channel.stats.record_n == 2  # the cost rides on the next step
+    assert channel.stats.lost == 0 and channel.stats.cost.n == 2  # the cost rides on the next step
 
 
 def test_server_argv_carries_the_engine_config() -> None:

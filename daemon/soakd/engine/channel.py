@@ -18,7 +18,7 @@ from pathlib import Path
 
 import structlog
 
-from soakd.engine.stats import StepStats, step_from_wire
+from soakd.engine.stats import RecordCost, StepStats, step_from_wire
 
 log = structlog.get_logger(__name__)
 
@@ -38,10 +38,8 @@ class ChannelStats:
     """Steps the plugin numbered but soakd never received (socket full, soakd slow)."""
     malformed: int = 0
     """Datagrams that could not be decoded."""
-    record_ns_sum: int = 0
-    """Total time the plugin's record() took, over the steps it reported."""
-    record_ns_max: int = 0
-    record_n: int = 0
+    cost: RecordCost = field(default_factory=RecordCost)
+    """Time the plugin's record() took, per step it reported."""
     hellos: list[dict[str, object]] = field(default_factory=list)
     """The engine facts each server process sent at start (newest last)."""
 
@@ -104,9 +102,7 @@ class StepChannel:
         last[0] = max(last[0], seq)
         st.steps += 1
         if cost > 0:
-            st.record_ns_sum += cost
-            st.record_n += 1
-            st.record_ns_max = max(st.record_ns_max, cost)
+            st.cost.add(cost)
         self._sink(step)
 
     def facts(self) -> dict[str, object]:
@@ -115,12 +111,13 @@ class StepChannel:
 
     def summary(self) -> dict[str, object]:
         st = self.stats
+        cost = st.cost.summary()
         return {
             "steps": st.steps,
             "lost": st.lost,
             "malformed": st.malformed,
-            "record_us_mean": st.record_ns_sum / st.record_n / 1e3 if st.record_n else None,
-            "record_us_max": st.record_ns_max / 1e3 if st.record_n else None,
+            "record_us_mean": cost["record_us_mean"],
+            "record_us_max": cost["record_us_max"],
         }
 
     async def aclose(self) -> None:

@@ -141,3 +141,24 @@ def step_from_wire(values: list[object]) -> StepStats:
         else:
             setattr(step, name, value)
     return step
+
+
+@dataclass(slots=True)
+class RecordCost:
+    """Time soakd's stat logger spends in record(), per engine step (its overhead on the engine loop)."""
+
+    n: int = 0
+    total_ns: int = 0
+    max_ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.n += 1
+        self.total_ns += ns
+        self.max_ns = max(self.max_ns, ns)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "steps": self.n,
+            "record_us_mean": self.total_ns / self.n / 1e3 if self.n else None,
+            "record_us_max": self.max_ns / 1e3 if self.n else None,
+        }

@@ -13,7 +13,6 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -21,7 +20,7 @@ import structlog
 
 from soakd.config import EngineConfig
 from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
-from soakd.engine.stats import StepStats, step_from_vllm
+from soakd.engine.stats import RecordCost, StepStats, step_from_vllm
 from soakd.errors import EngineError
 
 log = structlog.get_logger(__name__)
@@ -68,27 +67,6 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
 # Options soakd adds for its own telemetry; a release that lacks one runs without that signal.
 OPTIONAL_ARGS = ("cudagraph_metrics", "per_request_spec_decode_metrics", "worker_extension_cls")
 WORKER_EXTENSION = "soakd.engine.worker_ext.SoakdWorkerExtension"
-
-
-@dataclass(slots=True)
-class RecordCost:
-    """Time soakd's stat logger spends in record(), per engine step (its overhead on the engine loop)."""
-
-    n: int = 0
-    total_ns: int = 0
-    max_ns: int = 0
-
-    def add(self, ns: int) -> None:
-        self.n += 1
-        self.total_ns += ns
-        self.max_ns = max(self.max_ns, ns)
-
-    def summary(self) -> dict[str, object]:
-        return {
-            "steps": self.n,
-            "record_us_mean": self.total_ns / self.n / 1e3 if self.n else None,
-            "record_us_max": self.max_ns / 1e3 if self.n else None,
-        }
 
 
 def copy_spec_steps(metrics: object, out: SpecSteps) -> None:
