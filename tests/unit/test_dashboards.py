@@ -3,9 +3,10 @@ measurement, field and tag a query reads is one soakd writes.
 
 No Grafana can be installed here, so the dashboard is checked structurally. The schema is not a hand
 list: a short soak runs through soakd's own wiring (`Soak` with a stub engine that reports speculative
-decoding at every draft position and CUDA-graph steps, the real host collector, the collector runner,
-the sample writer and the spool), and the points it spools are the schema. Where InfluxDB 1.x is
-installed, an integration test also runs every query on it against those points.
+decoding at every draft position and per request, CUDA-graph steps, allocator readings and a server's
+/metrics; the real host, engine, allocator and /metrics collectors, the collector runner and its
+scheduler, the sample writer and the spool), and the points it spools are the schema. Where InfluxDB 1.x
+is installed, an integration test also runs every query on it against those points.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -26,10 +28,12 @@ import pytest
 
 from soakd.app import Soak
 from soakd.collectors.engine import EngineCollector
+from soakd.collectors.spec import OUTPUT_EDGES, TURN_EDGES
 from soakd.config import Config, load, parse_duration
 from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.stats import StepStats
-from soakd.errors import EngineError
+from soakd.engine.worker_ext import cuda_fields
+from soakd.engine.worker_ext import memory_stats as worker_memory_stats
 from soakd.replay.clock import FakeClock
 from soakd.sinks.spool import iter_lines, iter_samples
 
@@ -37,6 +41,7 @@ yaml = pytest.importorskip("yaml")  # PyYAML comes with vLLM
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "dashboards" / "soak.json"
+VLLM_METRICS = ROOT / "tests" / "data" / "vllm_metrics"
 DATASOURCE_YAML = ROOT / "dashboards" / "provisioning" / "datasources" / "soakd.yaml"
 PROVIDER_YAML = ROOT / "dashboards" / "provisioning" / "dashboards" / "soakd.yaml"
 
@@ -46,6 +51,20 @@ STEP_S = 0.05  # virtual seconds per streamed delta of the stub engine
 # Host fields psutil provides only where the kernel reports them (no sensors in VMs and containers,
 # no cpufreq on some hypervisors): the dashboard may read them even when this machine writes none.
 HOST_OPTIONAL = {("host", "cpu_freq_mhz"), ("host", "temp_max_c")}
+# Acceptance by output position and by turn: the stub's outputs are a few tokens long and the synthetic
+# trace has no sessions, so only the first bucket of each is written; the others follow the same names
+# (soakd's own bucket edges), and the dashboard may read them.
+PROFILE_OPTIONAL = {
+    ("spec_profile", f"{kind}_{prefix}{lo}")
+    for prefix, edges in (("out", OUTPUT_EDGES), ("turn", TURN_EDGES))
+    for lo in edges[1:]
+    for kind in ("accepted", "drafted", "rate")
+}
+OPTIONAL = HOST_OPTIONAL | PROFILE_OPTIONAL
+# Real seconds each stub step blocks the event loop: soakd's scheduler (collection, the slow tier) runs
+# on real time while the replay runs on the fake clock, so without it the whole soak would pass in a
+# fraction of one telemetry interval and only the final collection would write anything.
+STEP_REAL_S = 0.003
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -54,13 +73,20 @@ HOST_OPTIONAL = {("host", "cpu_freq_mhz"), ("host", "temp_max_c")}
 
 class _StubEngine:
     """Streams tokens on the virtual clock and reports a step per delta with every stat soakd reads:
-    scheduler, prefix cache, speculative decoding at DRAFT_POSITIONS positions, CUDA graphs (graph and
-    NONE steps). Every fifth request fails, so `error` records are in the run too."""
+    scheduler, prefix cache, speculative decoding at DRAFT_POSITIONS positions and per request (each
+    request's verify steps, for acceptance by output position and turn), CUDA graphs (graph and NONE
+    steps). Its workers' allocator readings are one CUDA worker's (soakd's own `cuda_fields` of a
+    torch-like `memory_stats()`) and one CPU worker's (soakd's `memory_stats` of this process), so both
+    kinds of reading are in the run; its /metrics alternates between two real captures of a vLLM server
+    (the second after more requests; back to the first reads as a server restart). Every fifth request
+    fails, so `error` records are in the run too."""
 
     def __init__(self, collector: EngineCollector, clock: FakeClock) -> None:
         self.collector = collector
         self.clock = clock
         self.steps = 0
+        self.scrapes = 0
+        self.captures = [(VLLM_METRICS / f).read_text(encoding="utf-8") for f in ("before.txt", "after.txt")]
 
     @property
     def info(self) -> EngineInfo:
@@ -74,7 +100,7 @@ class _StubEngine:
             max_model_len=4096,
             speculative_tokens=DRAFT_POSITIONS,
             cudagraphs=True,
-            signals=("per_step", "spec_per_pos", "cudagraphs"),
+            signals=("per_step", "spec_per_pos", "cudagraphs", "allocator", "spec_per_request", "metrics"),
         )
 
     async def start(self) -> None:
@@ -84,10 +110,29 @@ class _StubEngine:
         return True
 
     async def memory_stats(self) -> list[Any]:
-        raise EngineError("no worker extension")
+        gib = 1 << 30
+        reserved = 6 * gib + self.steps * (1 << 20)
+        torch_stats = {
+            "allocated_bytes.all.current": 5 * gib,
+            "reserved_bytes.all.current": reserved,
+            "active_bytes.all.current": 5 * gib + (64 << 20),
+            "inactive_split_bytes.all.current": 96 << 20,
+            "allocated_bytes.all.peak": 5 * gib + (512 << 20),
+            "reserved_bytes.all.peak": reserved,
+            "num_alloc_retries": self.steps // 50,
+            "num_ooms": 0,
+            "num_device_alloc": 40,
+            "num_device_free": 2,
+        }
+        cuda: dict[str, int | float | str] = {"pid": os.getpid(), "rank": 0, "local_rank": 0}
+        cuda.update(cuda_fields(torch_stats, free_bytes=70 * gib, total_bytes=140 * gib))
+        cuda["source"] = "cuda_allocator"
+        cpu = worker_memory_stats(SimpleNamespace(device=SimpleNamespace(type="cpu"), rank=1, local_rank=1))
+        return [cuda, cpu]
 
     async def metrics_text(self) -> str:
-        raise EngineError("no /metrics")
+        self.scrapes += 1
+        return self.captures[self.scrapes % 2]
 
     def telemetry_summary(self) -> dict[str, object]:
         return {}
@@ -96,11 +141,19 @@ class _StubEngine:
         if int(request.request_id.rsplit("-", 1)[1]) % 5 == 4:
             raise RuntimeError("stub engine failure")
         left = request.max_tokens
+        first = True
         while left:
             await self.clock.sleep_until(self.clock.monotonic() + STEP_S)
+            # Blocks the loop on purpose: real time passes for the scheduler's jobs (see STEP_REAL_S).
+            time.sleep(STEP_REAL_S)  # noqa: ASYNC251
             n = min(DRAFT_POSITIONS, left)
             left -= n
             self.steps += 1
+            if request.spec is not None and not first:
+                # A verify step: DRAFT_POSITIONS drafted, n - 1 accepted plus the target model's token.
+                request.spec.accepted.append(n - 1)
+                request.spec.drafted.append(DRAFT_POSITIONS)
+            first = False
             self.collector.push(
                 StepStats(
                     time_ns=self.clock.wall_ns(),
@@ -167,7 +220,15 @@ def _soak_config(tmp: Path) -> Config:
             # One request at a time at ~5 per second against 20 arriving: some are shed.
             "replay.max_concurrency": 1,
             "replay.max_pending": 2,
-            "telemetry.collectors": ["host", "engine"],
+            "telemetry.collectors": ["host", "engine", "allocator", "metrics"],
+            # Real seconds (the scheduler's), short enough for several collections and slow-tier
+            # refreshes while the stub's steps pass (STEP_REAL_S each); the drift baseline is the first
+            # such stretch with any drafts, so the later intervals carry drift fields.
+            "telemetry.interval": "20ms",
+            "telemetry.slow_interval": "40ms",
+            "telemetry.spec_drift.baseline": "20ms",
+            "telemetry.spec_drift.window": "1s",
+            "telemetry.spec_drift.min_draft_tokens": 1,
         },
     )
 
@@ -207,9 +268,29 @@ def test_the_schema_soak_covers_what_the_dashboard_shows(schema: SoakSchema) -> 
     # Guards the fixture itself: without these the checks below would pass vacuously.
     assert schema.statuses == {"ok", "error", "shed"}
     measurements = {m for m, _ in schema.fields}
-    assert {"requests", "engine", "spec_decode", "host", "collector", "events", "run"} <= measurements
+    assert {
+        "requests",
+        "engine",
+        "spec_decode",
+        "spec_profile",
+        "allocator",
+        "vllm_metrics",
+        "host",
+        "collector",
+        "events",
+        "run",
+    } <= measurements
     assert ("engine", "cg_hit_rate") in schema.fields
+    assert ("engine", "interval_s") in schema.fields  # more than one collection ran
     assert ("spec_decode", f"accepted_pos{DRAFT_POSITIONS - 1}") in schema.fields
+    assert ("spec_decode", "acceptance_drift") in schema.fields  # a baseline was set and then compared
+    assert {("allocator", "fragmentation"), ("allocator", "rss_bytes")} <= schema.fields
+    assert ("allocator", "worker") in schema.tags
+    assert {("vllm_metrics", "ttft_count"), ("vllm_metrics", "counter_resets")} <= schema.fields
+    # The profile buckets the soak does not reach are named like the ones it does.
+    for prefix, edges in (("out", OUTPUT_EDGES), ("turn", TURN_EDGES)):
+        for kind in ("accepted", "drafted", "rate"):
+            assert ("spec_profile", f"{kind}_{prefix}{edges[0]}") in schema.fields
     for measurement in measurements:
         assert {(measurement, "run_id"), (measurement, "host")} <= schema.tags
 
@@ -293,13 +374,15 @@ def test_rows_and_panels_are_the_brief(dashboard: dict[str, Any]) -> None:
         "Throughput",
         "Engine",
         "Speculative decoding",
+        "Allocator",
+        "Server /metrics cross-check",
         "Host",
         "soakd health",
     ]
     assert all(by_row.values())
     assert {p["type"] for p in by_row["Overview"]} == {"stat"}
     assert [p["type"] for p in by_row["soakd health"]][-1] == "table"
-    assert {p["type"] for p in content_panels(dashboard)} == {"stat", "timeseries", "table"}
+    assert {p["type"] for p in content_panels(dashboard)} == {"stat", "timeseries", "table", "bargauge"}
 
 
 def test_every_panel_says_what_it_shows_and_has_a_unit(dashboard: dict[str, Any]) -> None:
@@ -323,7 +406,8 @@ def test_every_target_is_influxql_for_one_run(dashboard: dict[str, Any]) -> None
         if panel["type"] == "timeseries":
             assert "GROUP BY time($__interval)" in query and query.endswith("fill(null)"), where
         else:
-            # Stats and the events table read the whole range: a p99 per bucket is not the run's p99.
+            # Stats, bar gauges and the events table read the whole range: a p99 per bucket is not the
+            # run's p99.
             assert "GROUP BY time" not in query, where
     for panel in content_panels(dashboard):
         refs = [t["refId"] for t in panel["targets"]]
@@ -370,6 +454,13 @@ def test_acceptance_covers_the_default_number_of_draft_tokens(dashboard: dict[st
         assert f'sum(\\"accepted_pos{i}\\") / sum(\\"draft_tokens_pos{i}\\")' in text
 
 
+def test_acceptance_profile_covers_every_bucket_soakd_writes(dashboard: dict[str, Any]) -> None:
+    text = json.dumps(dashboard)
+    for prefix, edges in (("out", OUTPUT_EDGES), ("turn", TURN_EDGES)):
+        for lo in edges:
+            assert f'sum(\\"accepted_{prefix}{lo}\\") / sum(\\"drafted_{prefix}{lo}\\")' in text, (prefix, lo)
+
+
 def test_variables_and_annotations(dashboard: dict[str, Any]) -> None:
     ds = variable(dashboard, "datasource")
     assert ds["type"] == "datasource" and ds["query"] == "influxdb"
@@ -386,6 +477,9 @@ def test_variables_and_annotations(dashboard: dict[str, Any]) -> None:
         assert holder["query"] == anno["query"]
         assert holder["textColumn"] == "message" and holder["tagsColumn"] == "kind"
     assert 'FROM "events"' in anno["query"]
+    # No filter on the kind: every event is drawn, engine_rebuild, engine_restart, engine_failed,
+    # spec_drift and spec_drift_cleared included.
+    assert '"kind"' not in anno["query"].split(" WHERE ", 1)[1]
     assert '"run_id" =~ /^$run_id$/' in anno["query"] and "$timeFilter" in anno["query"]
 
 
@@ -460,7 +554,7 @@ def all_queries(dash: dict[str, Any]) -> list[tuple[str, str]]:
 def test_every_measurement_field_and_tag_a_query_reads_is_written_by_soakd(
     dashboard: dict[str, Any], schema: SoakSchema
 ) -> None:
-    fields = schema.fields | HOST_OPTIONAL
+    fields = schema.fields | OPTIONAL
     measurements = {m for m, _ in schema.fields}
     problems: list[str] = []
     read: set[tuple[str, str]] = set()
@@ -489,6 +583,20 @@ def test_every_measurement_field_and_tag_a_query_reads_is_written_by_soakd(
         ("engine", "generation_tokens"),
         ("engine", "kv_cache_usage_max"),
         ("spec_decode", "accepted"),
+        ("spec_decode", "acceptance_drift"),
+        ("spec_decode", "acceptance_length_drift"),
+        ("spec_decode", "window_acceptance_rate"),
+        ("spec_profile", "drafted_out0"),
+        ("spec_profile", "drafted_turn0"),
+        ("engine", "cg_steps_none"),
+        ("engine", "cg_graph_tokens"),
+        ("engine", "tokens_per_step_p99"),
+        ("allocator", "fragmentation"),
+        ("allocator", "reserved_bytes"),
+        ("allocator", "num_ooms"),
+        ("allocator", "rss_bytes"),
+        ("vllm_metrics", "ttft_sum_s"),
+        ("vllm_metrics", "counter_resets"),
         ("host", "engine_rss_bytes"),
         ("collector", "duration_s"),
         ("events", "message"),
@@ -578,7 +686,7 @@ def test_every_query_runs_on_influxdb_1x(
                     problems.append(f"{where}: {result['error']}\n  {q}")
                     continue
                 refs = references(query)
-                optional = {(refs.measurement, f) for f in refs.fields | refs.either} & HOST_OPTIONAL
+                optional = {(refs.measurement, f) for f in refs.fields | refs.either} & OPTIONAL
                 if _non_null_values(result) == 0 and not (optional - schema.fields):
                     problems.append(f"{where}: no data\n  {q}")
             assert not problems, "\n".join(problems)
