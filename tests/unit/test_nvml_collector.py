@@ -1,0 +1,464 @@
+"""The NVML collector over a real H200 recording (idle, a vLLM soak, then a matmul burn at the 700 W
+cap), and the live source over a fake pynvml module: unsupported readings, old drivers, 64-bit field
+values, counter resets, HwSlowdown blips; the recorder's round trip and atomicity."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from soakd.collectors.base import RefreshingCollector
+from soakd.collectors.nvml import (
+    GpuStatic,
+    LiveNvml,
+    NvmlCollector,
+    RecordedNvml,
+    decode_reasons,
+)
+from soakd.collectors.nvml_record import record
+from soakd.metric import Sample
+
+RECORDING = Path(__file__).resolve().parents[1] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+FIELD_74_GROWTH_NS = 25_349_273_696  # last slow line's field 74 minus the first's (0)
+
+
+class FakeClock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+# -- the real recording ----------------------------------------------------------------------------
+
+
+def _replay(interval_s: float = 5.0) -> list[Sample]:
+    clock = FakeClock()
+    source = RecordedNvml(RECORDING, clock)
+    col = NvmlCollector(source)
+    per_point = round(interval_s * 10)
+    points: list[Sample] = []
+    k = 0
+    while not source.finished:
+        clock.t = k * 0.1 + 0.05  # between recorded lines (t jitters by < 3 ms)
+        if source.finished:
+            break
+        col.sample_fast(clock.t)
+        if k % 10 == 0:
+            col.sample_slow()
+        k += 1
+        if k % per_point == 0:
+            points.extend(col.collect(int(clock.t * 1e9)))
+    points.extend(col.collect(int(clock.t * 1e9)))
+    return points
+
+
+@pytest.fixture(scope="module")
+def points() -> list[Sample]:
+    return _replay()
+
+
+def test_recorded_source_reads_header_and_lines() -> None:
+    clock = FakeClock(100.0)
+    src = RecordedNvml(RECORDING, clock)
+    assert src.gpu_count() == 1 and src.driver_version() == "580.159.04"
+    st = src.static(0)
+    assert st.name == "NVIDIA H200" and st.max_sm_mhz == 1980 and st.power_limit_mw == 700_000
+    assert st.mem_total == 150_754_820_096
+    assert src.fast(0)["reasons"] == 1 and src.slow(0)["fields"]["74"] == 0
+    clock.t += 180.0
+    assert src.fast(0)["reasons"] == 4
+    assert not src.finished
+    clock.t += 30.0
+    assert src.finished
+
+
+def test_burn_points_show_power_cap_and_clock_loss(points: list[Sample]) -> None:
+    assert all(p.measurement == "gpu" and p.tags == {"gpu": "0"} for p in points)
+    by_start = {round(float(p.time_ns) / 1e9 - 4.95): p.fields for p in points}
+    burn = [by_start[s] for s in (175, 180, 185, 190)]
+    for f in burn:
+        assert f["reason_sw_power_cap_share"] == pytest.approx(1.0)
+        assert f["reasons_or"] == 4
+        assert isinstance(f["sm_clock_ratio"], float) and f["sm_clock_ratio"] < 0.8
+        assert f["sm_clock_ratio_min"] <= f["sm_clock_ratio"]
+        assert f["power_w_max"] <= 710.0 and f["power_w_mean"] > 600.0
+        assert f["power_limit_w"] == 700.0
+        # The power-violation counter grows by about the interval's length while capped.
+        assert f["throttle_power_s"] == pytest.approx(5.0, abs=0.2)
+        assert f["samples"] == 50 and f["interval_s"] == pytest.approx(5.0)
+        assert f["hw_slowdown_blips"] == 0 and f["reason_hw_slowdown_share"] == 0.0
+    for start in (0, 20, 50):  # idle before the engine starts
+        f = by_start[start]
+        assert f["reason_gpu_idle_share"] == 1.0 and f["reason_sw_power_cap_share"] == 0.0
+        assert f["sm_mhz_max"] == 345 and f["throttle_power_s"] == 0.0
+        assert decode_reasons(int(f["reasons_or"])) == ["gpu_idle"]
+
+
+def test_throttle_power_deltas_sum_to_the_recorded_counter_growth(points: list[Sample]) -> None:
+    total = sum(float(p.fields.get("throttle_power_s", 0.0)) for p in points)
+    assert total == pytest.approx(FIELD_74_GROWTH_NS / 1e9, abs=1e-9)
+    assert sum(int(p.fields["counter_resets"]) for p in points if "counter_resets" in p.fields) == 0
+    energy = sum(float(p.fields.get("energy_j", 0.0)) for p in points)
+    assert energy > 25 * 600  # at least the burn's 25 s near 700 W
+
+
+def test_no_field_is_none_and_every_point_is_writable(points: list[Sample]) -> None:
+    for p in points:
+        assert all(v is not None for v in p.fields.values())
+        assert p.to_line() is not None
+    assert "hbm_temp_c_max" not in points[0].fields  # not in this recording: absent, not None
+
+
+def test_collector_is_a_refreshing_collector() -> None:
+    col = NvmlCollector(RecordedNvml(RECORDING, FakeClock()))
+    assert isinstance(col, RefreshingCollector) and col.name == "gpu"
+
+
+async def test_refresh_reads_the_slow_tier() -> None:
+    clock = FakeClock()
+    src = RecordedNvml(RECORDING, clock)
+    col = NvmlCollector(src)
+    await col.refresh()
+    clock.t = 180.05
+    col.sample_fast(clock.t)
+    await col.refresh()
+    (p,) = col.collect(1)
+    assert float(p.fields["throttle_power_s"]) > 1.0
+
+
+# -- a fake pynvml ---------------------------------------------------------------------------------
+
+
+class NVMLError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+@dataclass
+class FakeNvml:
+    """The pynvml functions LiveNvml calls, for one GPU, with scriptable readings."""
+
+    NVMLError = NVMLError
+    NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_CLOCK_SM = 1
+    NVML_CLOCK_MEM = 2
+    NVML_TEMPERATURE_GPU = 0
+    NVML_VOLATILE_ECC = 0
+    nvmlMemory_v2 = 0x02000028
+
+    reasons: list[int] = field(default_factory=lambda: [0])
+    counters: list[dict[int, int]] = field(default_factory=lambda: [{}])
+    unsupported: set[str] = field(default_factory=set)
+    calls: list[str] = field(default_factory=list)
+
+    def _fail(self, what: str) -> None:
+        if what in self.unsupported:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
+        return f"h{i}"
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "470.1"
+
+    def nvmlDeviceGetName(self, h: str) -> str:
+        return "Fake GPU"
+
+    def nvmlDeviceGetUUID(self, h: str) -> str:
+        return "GPU-0000"
+
+    def nvmlDeviceGetMaxClockInfo(self, h: str, kind: int) -> int:
+        return 2000 if kind == self.NVML_CLOCK_SM else 3000
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: str) -> int:
+        return 300_000
+
+    def nvmlDeviceGetMemoryInfo(self, h: str, version: int = 1) -> Any:
+        return SimpleNamespace(total=80 << 30, used=1 << 30, free=79 << 30, reserved=0)
+
+    def nvmlDeviceGetUtilizationRates(self, h: str) -> Any:
+        return SimpleNamespace(gpu=50, memory=20)
+
+    def nvmlDeviceGetClockInfo(self, h: str, kind: int) -> int:
+        return 1500 if kind == self.NVML_CLOCK_SM else 3000
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: str) -> int:
+        self.calls.append("throttle_reasons")
+        return self.reasons.pop(0) if len(self.reasons) > 1 else self.reasons[0]
+
+    def nvmlDeviceGetPowerUsage(self, h: str) -> int:
+        self._fail("power")
+        return 250_000
+
+    def nvmlDeviceGetTemperature(self, h: str, sensor: int) -> int:
+        return 60
+
+    def nvmlDeviceGetPerformanceState(self, h: str) -> int:
+        return 0
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: str) -> int:
+        self._fail("energy")
+        return 1_000_000
+
+    def nvmlDeviceGetMarginTemperature(self, h: str) -> int:
+        return 30
+
+    def nvmlDeviceGetTotalEccErrors(self, h: str, kind: int, counter: int) -> int:
+        self._fail("ecc")
+        return 0
+
+    def nvmlDeviceGetRemappedRows(self, h: str) -> tuple[int, int, int, int]:
+        return (0, 0, 0, 0)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: str) -> list[Any]:
+        return [SimpleNamespace(pid=42, usedGpuMemory=5 << 30), SimpleNamespace(pid=7, usedGpuMemory=1)]
+
+    def nvmlDeviceGetFieldValues(self, h: str, ids: list[int]) -> list[Any]:
+        if 82 in ids:  # the fast tier's HBM temperature: does not advance the counters script
+            current = self.counters[0]
+        else:
+            current = self.counters.pop(0) if len(self.counters) > 1 else self.counters[0]
+        out = []
+        for fid in ids:
+            if fid == 82:
+                out.append(_field(fid, 1, 55))  # unsigned int
+            elif fid in current:
+                out.append(_field(fid, 3, current[fid]))  # unsigned long long
+            else:
+                out.append(_field(fid, 3, 0, ret=self.NVML_ERROR_NOT_SUPPORTED))
+        return out
+
+
+class NewFakeNvml(FakeNvml):
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: str) -> int:
+        self.calls.append("event_reasons")
+        return self.reasons.pop(0) if len(self.reasons) > 1 else self.reasons[0]
+
+
+def _field(fid: int, value_type: int, value: int, ret: int = 0) -> Any:
+    # A C union: the 32-bit members hold the low bits of the 64-bit one.
+    union = SimpleNamespace(
+        ullVal=value, uiVal=value & 0xFFFFFFFF, ulVal=value, sllVal=value, siVal=value & 0x7FFFFFFF, usVal=0
+    )
+    return SimpleNamespace(fieldId=fid, nvmlReturn=ret, valueType=value_type, value=union, dVal=0.0)
+
+
+def test_not_supported_reading_is_absent_and_logged_once() -> None:
+    nv = NewFakeNvml(unsupported={"power", "ecc"})
+    with capture_logs() as logs:
+        src = LiveNvml(nv)
+        col = NvmlCollector(src)
+        for k in range(5):
+            col.sample_fast(k * 0.1)
+            col.sample_slow()
+        (p,) = col.collect(1_000)
+    assert src.fast(0)["power_mw"] is None
+    assert "power_w_mean" not in p.fields and "power_w_max" not in p.fields
+    assert "ecc_corrected" not in p.fields and "ecc_uncorrected" not in p.fields
+    assert p.fields["sm_mhz_mean"] == 1500.0 and p.fields["sm_clock_ratio"] == 0.75
+    assert p.fields["hbm_temp_c_max"] == 55 and p.fields["thermal_margin_c"] == 30.0
+    assert p.fields["mem_total_bytes"] == 80 << 30 and p.fields["power_limit_w"] == 300.0
+    assert all(v is not None for v in p.fields.values())
+    power = [e for e in logs if e.get("reading") == "power"]
+    assert len(power) == 1 and power[0]["not_supported"] is True and power[0]["gpu"] == 0
+    assert len([e for e in logs if e.get("reading") == "ecc_corrected"]) == 1
+    # Field 75 etc. are not reported by this fake: each logged once, then silent.
+    assert len([e for e in logs if e.get("reading") == "field_75"]) == 1
+
+
+def test_old_driver_falls_back_to_throttle_reasons() -> None:
+    nv = FakeNvml(reasons=[4])
+    assert not hasattr(nv, "nvmlDeviceGetCurrentClocksEventReasons")
+    src = LiveNvml(nv)
+    assert src.fast(0)["reasons"] == 4
+    assert nv.calls == ["throttle_reasons"]
+
+
+def test_new_binding_over_old_library_falls_back_too() -> None:
+    class MissingSymbol(NewFakeNvml):
+        def nvmlDeviceGetCurrentClocksEventReasons(self, h: str) -> int:
+            self.calls.append("event_reasons")
+            raise NVMLError(13)  # NVML_ERROR_FUNCTION_NOT_FOUND
+
+    nv = MissingSymbol(reasons=[1])
+    src = LiveNvml(nv)
+    assert src.fast(0)["reasons"] == 1 and src.fast(0)["reasons"] == 1
+    assert nv.calls == ["event_reasons", "throttle_reasons", "throttle_reasons"]
+
+
+def test_new_driver_uses_event_reasons() -> None:
+    nv = NewFakeNvml(reasons=[4])
+    assert LiveNvml(nv).fast(0)["reasons"] == 4 and nv.calls == ["event_reasons"]
+
+
+def test_64_bit_field_values_decode_from_ullval() -> None:
+    big = 2**33 + 5
+    nv = NewFakeNvml(counters=[{74: big}, {74: big}, {74: big + 7_000_000_000}])
+    src = LiveNvml(nv)
+    col = NvmlCollector(src)
+    assert src.slow(0)["fields"]["74"] == big  # not big & 0xffffffff
+    col.sample_slow()
+    col.sample_slow()
+    (p,) = col.collect(1)
+    assert p.fields["throttle_power_s"] == 7.0 and p.fields["counter_resets"] == 0
+
+
+def test_counter_going_down_is_a_reset() -> None:
+    s = 1_000_000_000
+    nv = NewFakeNvml(counters=[{74: 10 * s, 270: 0}, {74: 12 * s, 270: 0}, {74: 1 * s, 270: 0}])
+    col = NvmlCollector(LiveNvml(nv))
+    col.sample_fast(0.0)
+    col.sample_slow()
+    (first,) = col.collect(1)
+    assert "throttle_power_s" not in first.fields  # a baseline, no growth yet
+    col.sample_fast(0.1)
+    col.sample_slow()
+    col.sample_slow()
+    (p,) = col.collect(2)
+    assert p.fields["throttle_power_s"] == 3.0  # 2 s, then 1 s since the reload
+    assert p.fields["throttle_hw_thermal_s"] == 0.0
+    assert p.fields["counter_resets"] == 1 and col.counter_resets_total == 1
+    assert "throttle_thermal_s" not in p.fields  # field 75 unsupported here
+
+
+def test_single_hw_slowdown_sample_is_a_blip_not_sustained() -> None:
+    # one isolated HwSlowdown (with a power cap), then a sustained run of three
+    nv = NewFakeNvml(reasons=[0, 0x8 | 0x4, 0, 0, 0x8, 0x8, 0x8, 0, 0, 0])
+    col = NvmlCollector(LiveNvml(nv))
+    for k in range(10):
+        col.sample_fast(k * 0.1)
+    (p,) = col.collect(1)
+    assert p.fields["hw_slowdown_blips"] == 1
+    assert p.fields["reason_hw_slowdown_share"] == pytest.approx(3 / 10)
+    assert p.fields["reason_sw_power_cap_share"] == pytest.approx(1 / 10)
+    assert p.fields["reasons_or"] == 0xC and p.fields["samples"] == 10
+
+
+def test_hw_slowdown_run_across_intervals() -> None:
+    nv = NewFakeNvml(reasons=[0, 0x8, 0x8, 0])
+    col = NvmlCollector(LiveNvml(nv))
+    col.sample_fast(0.0)
+    col.sample_fast(0.1)
+    (a,) = col.collect(1)
+    assert a.fields["hw_slowdown_blips"] == 0 and a.fields["reason_hw_slowdown_share"] == 0.0
+    col.sample_fast(0.2)
+    col.sample_fast(0.3)
+    (b,) = col.collect(2)
+    assert b.fields["hw_slowdown_blips"] == 0 and b.fields["reason_hw_slowdown_share"] == 1.0
+
+
+def test_watched_process_memory_and_close() -> None:
+    nv = NewFakeNvml()
+    src = LiveNvml(nv, pids=lambda: [42])
+    assert src.slow(0)["proc_mem"] == {"42": 5 << 30}
+    assert src.static(0) == GpuStatic("Fake GPU", "GPU-0000", 2000, 3000, 300_000, 80 << 30)
+    col = NvmlCollector(src)
+    col.sample_slow()
+    (p,) = col.collect(1)
+    assert p.fields["proc_mem_bytes"] == 5 << 30 and p.fields["samples"] == 0
+    col.close()
+    assert nv.calls[-1] == "shutdown"
+
+
+# -- the recorder ----------------------------------------------------------------------------------
+
+
+def test_record_round_trip(tmp_path: Path) -> None:
+    clock = FakeClock()
+    orig = RecordedNvml(RECORDING, clock)
+    clock.t = 170.05  # idle, then the start of the burn; between recorded lines
+    out = tmp_path / "rec.jsonl.gz"
+    counts = record(orig, 8.0, out, clock=clock, sleep=clock.sleep, wall_ns=lambda: 7)
+    assert (counts.fast_samples, counts.slow_samples, counts.missed, counts.gpus) == (80, 8, 0, 1)
+    assert not list(tmp_path.glob(".*"))  # no temp file left
+    with gzip.open(out, "rt") as f:
+        header = json.loads(f.readline())["header"]
+    assert header["driver"] == "580.159.04" and header["gpus"][0]["max_sm_mhz"] == 1980
+
+    clock2 = FakeClock()
+    back = RecordedNvml(out, clock2)
+    assert back.static(0) == orig.static(0)
+    for k in range(80):
+        clock.t = 170.05 + k * 0.1 + 0.001
+        clock2.t = k * 0.1 + 0.001
+        assert back.fast(0) == orig.fast(0)
+        if k % 10 == 0:
+            assert back.slow(0) == orig.slow(0)
+    assert back.duration_s == pytest.approx(7.9)
+
+
+def test_record_plain_jsonl_and_replays_through_the_collector(tmp_path: Path) -> None:
+    clock = FakeClock()
+    src = RecordedNvml(RECORDING, clock)
+    clock.t = 180.0
+    out = tmp_path / "burn.jsonl"
+    record(src, 3.0, out, fast_hz=10.0, slow_hz=2.0, clock=clock, sleep=clock.sleep)
+    lines = out.read_text().splitlines()
+    assert len(lines) == 31 and sum("fields" in line for line in lines) == 6
+    clock2 = FakeClock()
+    col = NvmlCollector(RecordedNvml(out, clock2))
+    for k in range(30):
+        clock2.t = k * 0.1 + 0.01
+        col.sample_fast(clock2.t)
+        col.sample_slow()
+    (p,) = col.collect(1)
+    assert p.fields["reason_sw_power_cap_share"] == 1.0
+    # capped throughout: the counter grows by the span between the first and the last slow reading
+    assert 2.0 < float(p.fields["throttle_power_s"]) < 3.1
+
+
+def test_record_counts_missed_slots_when_reads_overrun(tmp_path: Path) -> None:
+    clock = FakeClock()
+    src = RecordedNvml(RECORDING, clock)
+
+    class Slow:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(src, name)
+
+        def fast(self, i: int) -> dict[str, Any]:
+            clock.t += 0.25  # a read that takes two and a half slots
+            return src.fast(i)
+
+    counts = record(Slow(), 2.0, tmp_path / "r.jsonl", clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    assert counts.missed > 0 and counts.fast_samples + counts.missed <= 21
+
+
+def test_record_is_atomic(tmp_path: Path) -> None:
+    clock = FakeClock()
+    src = RecordedNvml(RECORDING, clock)
+
+    class Failing:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(src, name)
+
+        def slow(self, i: int) -> dict[str, Any]:
+            if clock.t > 2.0:
+                raise RuntimeError("GPU fell off the bus")
+            return src.slow(i)
+
+    out = tmp_path / "rec.jsonl.gz"
+    with pytest.raises(RuntimeError):
+        record(Failing(), 10.0, out, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
