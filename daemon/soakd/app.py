@@ -18,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MISSED, JobExecutionEvent
+from apscheduler.events import (
+    EVENT_JOB_ERROR,
+    EVENT_JOB_MAX_INSTANCES,
+    EVENT_JOB_MISSED,
+    JobEvent,
+)
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from soakd import __version__
@@ -262,6 +267,10 @@ class Soak:
             if self._allocator is not None:
                 self._allocator.config_id = info.config_id
             engine_collector.cudagraphs = info.cudagraphs
+            if self._engines and self._engines[-1].speculative_tokens != info.speculative_tokens:
+                # Other draft settings accept differently by design: drift is judged anew against
+                # this configuration's own first window.
+                drift.reset()
             self._engines.append(info)
             self._write_meta({"engine": asdict(info), "engines": [asdict(i) for i in self._engines]})
 
@@ -305,7 +314,9 @@ class Soak:
                     # Without a per-step source (attach mode) `engine` points come from /metrics.
                     engine_collector.activate()
                 if self._scraper is not None:
-                    self._scraper.rebase()  # start-up and warm-up counts are not the soak's
+                    # A fresh scrape now is the baseline: start-up and warm-up counts are not the soak's.
+                    await self._guard("metrics_baseline", self._scraper.refresh())
+                    self._scraper.rebase()
             if started and not self.interrupted and not self.error:
                 summary = self.trace.summary
                 scheduled = schedule(
@@ -480,8 +491,12 @@ class Soak:
             await asyncio.shield(self._rebuild_task)
 
     async def _end_changes(self, task: asyncio.Task[None]) -> None:
-        """Stop waiting for later changes; a rebuild under way is finished, never cut in half."""
+        """Stop waiting for later changes. At the planned end a rebuild under way is finished; when the
+        service is being stopped it is cancelled (the engine being started is stopped with it), so a
+        stop is not held up by an engine start."""
         if self._rebuild_task is not None and not self._rebuild_task.done():
+            if self.interrupted:
+                self._rebuild_task.cancel()
             await asyncio.wait({self._rebuild_task})
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -509,7 +524,9 @@ class Soak:
         if self._scraper is not None:
             doc["metrics_missing"] = self._scraper.missing()
         # Known from the engine's own config where soakd sees it, else from what was written.
-        spec_on = info.speculative_tokens > 0 if info is not None and "per_step" in signals else points > 0
+        spec_on = (
+            any(i.speculative_tokens > 0 for i in self._engines) if "per_step" in signals else points > 0
+        )
         if not spec_on:
             doc["spec_decode"] = {
                 "enabled": False,
@@ -644,14 +661,16 @@ class Soak:
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
         )
 
-        def on_job_event(event: JobExecutionEvent) -> None:
-            if event.code == EVENT_JOB_MISSED:
+        def on_job_event(event: JobEvent) -> None:
+            if event.code in (EVENT_JOB_MISSED, EVENT_JOB_MAX_INSTANCES):
+                # Missed, or skipped because the previous run still ran (a slow tier outlasting its
+                # interval): either way a run that did not happen.
                 self.scheduler_missed += 1
             else:
                 self.scheduler_errors += 1
-                log.error("job_failed", job=event.job_id, error=repr(event.exception))
+                log.error("job_failed", job=event.job_id, error=repr(getattr(event, "exception", None)))
 
-        scheduler.add_listener(on_job_event, EVENT_JOB_MISSED | EVENT_JOB_ERROR)
+        scheduler.add_listener(on_job_event, EVENT_JOB_MISSED | EVENT_JOB_ERROR | EVENT_JOB_MAX_INSTANCES)
 
         # Jobs are coroutines so they run on the event loop, never in APScheduler's thread pool.
         async def collect() -> None:

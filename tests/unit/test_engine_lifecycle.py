@@ -203,3 +203,68 @@ async def test_restart_disabled_lets_the_engine_error_through() -> None:
     await sup.stop()
     summary = sup.telemetry_summary()
     assert summary["engines"] == [{"max_num_seqs": 16}]
+
+
+async def test_an_unexpected_start_error_during_a_restart_fails_the_run_instead_of_stalling() -> None:
+    engines: list[Slow] = []
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def factory(c: EngineConfig) -> Slow:
+        engine = Slow(c)
+        if engines:
+
+            async def broken() -> None:
+                raise OSError("disk full")
+
+            engine.start = broken  # type: ignore[method-assign]
+        engines.append(engine)
+        return engine
+
+    def on_event(kind: str, message: str, **fields: Any) -> None:
+        events.append((kind, fields))
+
+    sup = EngineSupervisor(factory, EngineConfig(), on_event=on_event)
+    await sup.start()
+    engines[0].dead = True
+    sup.check()
+    with pytest.raises(EngineError, match="disk full"):
+        await asyncio.wait_for(consume(sup, req(1, 2)), 5)
+    assert not sup.alive() and [k for k, _ in events] == ["engine_failed"]
+    assert engines[1].stopped  # the half-started engine was stopped
+    await sup.stop()
+    assert len(sup.telemetry_summary()["engines"]) == 2  # each engine once
+
+
+async def test_a_restart_queued_behind_a_rebuild_leaves_the_rebuilt_engine_alone() -> None:
+    engines: list[Slow] = []
+    events: list[tuple[str, dict[str, Any]]] = []
+    sup = supervisor(engines, events, drain_timeout=0.05)
+    await sup.start()
+    slow = asyncio.create_task(consume(sup, req(1, 1000)))
+    await asyncio.sleep(0.02)
+    rebuild = asyncio.create_task(sup.rebuild(EngineChange(at=1, mode="drain", max_num_seqs=4)))
+    await asyncio.sleep(0.01)
+    engines[0].dead = True  # the old engine dies while the rebuild drains it
+    assert await rebuild is True
+    assert (await slow).startswith(("engine died", "aborted"))
+    await asyncio.sleep(0.05)  # let a queued restart run, if one was queued
+    assert sup.info.config_id == "seqs4" and not engines[-1].stopped
+    assert sup.stats.restarts == 0 and await consume(sup, req(2, 2)) == "ok 2"
+    await sup.stop()
+
+
+async def test_drained_counts_only_requests_that_finished_normally() -> None:
+    engines: list[Slow] = []
+    events: list[tuple[str, dict[str, Any]]] = []
+    sup = supervisor(engines, events, drain_timeout=1.0)
+    await sup.start()
+    ok = asyncio.create_task(consume(sup, req(0, 3)))
+    doomed = asyncio.create_task(consume(sup, req(1, 1000)))
+    await asyncio.sleep(0.005)
+    rebuild = asyncio.create_task(sup.rebuild(EngineChange(at=1, mode="drain")))
+    await asyncio.sleep(0.05)
+    engines[0].dead = True  # the long request fails during the drain: not "drained"
+    await rebuild
+    assert await ok == "ok 3" and (await doomed).startswith("engine died")
+    assert events[-1][0] == "engine_rebuild" and events[-1][1]["drained"] == 1
+    await sup.stop()

@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -146,3 +147,32 @@ def test_per_request_spec_metrics_from_object_or_json() -> None:
     assert (out.accepted, out.drafted) == ([0], [2])
     copy_spec_steps({"acceptance_histogram": [1, 2]}, out)  # summary level: nothing per step
     assert (out.accepted, out.drafted) == ([0], [2])
+
+
+def test_stopping_a_server_whose_leader_exited_still_stops_its_children(tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    import psutil
+
+    from soakd.engine.vllm_server import _stop_group
+
+    pidfile = tmp_path / "child.pid"
+    # The group leader exits at once and leaves a child behind, as a crashed API server leaves its
+    # engine core.
+    proc = subprocess.Popen(
+        ["bash", "-c", f"sleep 300 & echo $! > {pidfile}; exit 0"], start_new_session=True
+    )
+    proc.wait(timeout=10)
+    for _ in range(100):
+        if pidfile.exists() and pidfile.read_text().strip():
+            break
+        time.sleep(0.02)  # poll for the child's pid file
+    child = int(pidfile.read_text())
+    assert psutil.pid_exists(child)
+    _stop_group(proc, 1.0)
+    for _ in range(100):
+        if not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.02)  # poll for the child to go
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE

@@ -150,6 +150,15 @@ class AcceptanceDrift:
         self.events = 0
         self.worst_drift: float | None = None
 
+    def reset(self) -> None:
+        """Start over: the next traffic is a new baseline (after a change of draft settings)."""
+        self._elapsed = 0.0
+        self._base = [0, 0, 0]
+        self.baseline_done = False
+        self._window.clear()
+        self._win = [0, 0, 0]
+        self.drifting = False
+
     def update(
         self, interval_s: float, accepted: int, draft_tokens: int, drafts: int
     ) -> dict[str, FieldValue]:

@@ -35,7 +35,7 @@ class ChannelStats:
     steps: int = 0
     """Steps received."""
     lost: int = 0
-    """Steps the plugin numbered but soakd never received (socket full, soakd slow)."""
+    """Steps the plugin numbered but soakd never received (its buffer full while soakd did not read)."""
     malformed: int = 0
     """Datagrams that could not be decoded."""
     cost: RecordCost = field(default_factory=RecordCost)

@@ -349,8 +349,9 @@ class OpenAIEngine:
                 self._url + "/v1/completions", json=body, headers={"X-Request-Id": request.request_id}
             )
         except aiohttp.ClientConnectorError as err:
-            # Nothing listens any more: every later request would fail the same way.
-            self._dead = True
+            # Nothing listens any more: every later request would fail the same way. (Only a refused
+            # connection says the server is gone; a local error such as too many open files does not.)
+            self._dead = self._dead or isinstance(err.os_error, ConnectionRefusedError)
             raise EngineError(f"server unreachable: {err}"[:200]) from err
         except aiohttp.ClientError as err:
             raise await self._broken(err) from err
@@ -392,8 +393,8 @@ class OpenAIEngine:
         try:
             async with self._require_session().get(self._url + "/health", timeout=_CONTROL_TIMEOUT) as resp:
                 await resp.read()
-        except aiohttp.ClientConnectorError:
-            self._dead = True
+        except aiohttp.ClientConnectorError as refused:
+            self._dead = self._dead or isinstance(refused.os_error, ConnectionRefusedError)
             return EngineError(f"server unreachable after {message}"[:200])
         except (aiohttp.ClientError, TimeoutError):
             pass  # there, but slow or odd: judge this request alone

@@ -8,7 +8,8 @@ soakd's socket, so installing soakd next to a production server costs one enviro
 JSON line to its buffer and writes what the socket takes without blocking. A stream socket, not
 datagrams: Linux queues only `net.unix.max_dgram_qlen` (often 10) datagrams, so a soakd busy for a few
 milliseconds lost steps; a stream buffers ~200 kB in the kernel plus this buffer. Past `_MAX_PENDING`
-a step is dropped and counted; sequence numbers let soakd count every step it missed.
+a step is dropped; its sequence number is skipped, so soakd counts it when the next step arrives.
+Steps still buffered when the server is killed at the end of a run are not counted.
 """
 
 from __future__ import annotations

@@ -110,6 +110,9 @@ class EngineSupervisor:
         self._restart_task: asyncio.Task[None] | None = None
         self._lost_mark = 0
         self._retired: list[dict[str, object]] = []
+        self._stopped: list[Engine] = []
+        self._draining = False
+        self._drained_now = 0
         self.stats = LifecycleStats()
         self.configs: list[dict[str, object]] = []
         """Each engine configuration the run used, with when it started (for the run metadata)."""
@@ -126,9 +129,7 @@ class EngineSupervisor:
         return self._engine
 
     async def start(self) -> None:
-        engine = self._factory(self.cfg)
-        await engine.start()
-        self._install(engine)
+        self._install(await self._start_engine(self.cfg))
 
     def _install(self, engine: Engine) -> None:
         self._engine = engine
@@ -136,7 +137,12 @@ class EngineSupervisor:
         info = engine.info
         self.configs.append({"config_id": info.config_id, "start_s": info.start_s, "wall_s": time.time()})
         if self._on_started is not None:
-            self._on_started(info)
+            try:
+                self._on_started(info)
+            # The engine runs; bookkeeping that fails (a full disk for the metadata) must not
+            # leave requests waiting for an engine that is there.
+            except Exception as err:  # noqa: BLE001
+                log.error("engine_started_hook_failed", error=f"{type(err).__name__}: {err}"[:200])
         self._ready.set()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
@@ -156,6 +162,8 @@ class EngineSupervisor:
         try:
             async for n in engine.generate(request):
                 yield n
+            if self._draining:
+                self._drained_now += 1
         except asyncio.CancelledError:
             reason = self._aborting.pop(rid, None)
             if reason is None:
@@ -203,6 +211,11 @@ class EngineSupervisor:
     async def _stop_engine(self, engine: Engine) -> None:
         """Stop an engine, keeping its telemetry summary (taken before it goes). A failure is logged:
         stopping a dead engine may raise anything, and the swap must go on."""
+        if any(e is engine for e in self._stopped):
+            return
+        self._stopped.append(engine)
+        if self._engine is engine:
+            self._engine = None
         try:
             self._retired.append(engine.telemetry_summary())
             await engine.stop()
@@ -215,8 +228,18 @@ class EngineSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._restart_task
         if self._engine is not None:
-            engine, self._engine = self._engine, None
+            await self._stop_engine(self._engine)
+
+    async def _start_engine(self, cfg: EngineConfig) -> Engine:
+        """Build and start an engine; whatever ends the start early (an error, a cancellation) stops
+        what was started, so no engine process outlives a failed or cut-short swap."""
+        engine = self._factory(cfg)
+        try:
+            await engine.start()
+        except BaseException:
             await self._stop_engine(engine)
+            raise
+        return engine
 
     # -- death ---------------------------------------------------------------------------------
     def check(self) -> None:
@@ -236,12 +259,12 @@ class EngineSupervisor:
             return
         self._lost_mark = self.stats.lost - counted
         self._ready.clear()
-        self._restart_task = asyncio.create_task(self._restart(reason))
+        self._restart_task = asyncio.create_task(self._restart(reason, generation))
 
-    async def _restart(self, reason: str) -> None:
+    async def _restart(self, reason: str, generation: int) -> None:
         t0 = self._now()
         try:
-            await self._restart_locked(reason, t0)
+            await self._restart_locked(reason, t0, generation)
         except asyncio.CancelledError:
             # The run ended while the engine was coming back: still an event, with the time it took.
             self._event(
@@ -253,9 +276,18 @@ class EngineSupervisor:
                 ok=0,
             )
             raise
+        # Whatever else goes wrong while restarting ends the run cleanly, never a silent stall.
+        except Exception as err:  # noqa: BLE001
+            self._fail(f"engine died ({reason}) and restarting it failed: {type(err).__name__}: {err}"[:300])
 
-    async def _restart_locked(self, reason: str, t0: float) -> None:
+    async def _restart_locked(self, reason: str, t0: float, generation: int) -> None:
         async with self._swap_lock:
+            if generation != self._generation:
+                # A rebuild swapped the engine while this restart waited for the lock: the engine
+                # that died is gone already, and the new one must not be restarted.
+                log.info("engine_restart_not_needed", reason=reason)
+                self._ready.set()
+                return
             log.error("engine_died", reason=reason, in_flight=len(self._inflight))
             # Requests still reading from the dead engine fail now, with the reason (a dead engine
             # core may leave a stream open forever).
@@ -265,17 +297,21 @@ class EngineSupervisor:
             old = self._engine
             if old is not None:
                 await self._stop_engine(old)
+            attempt = 0
             while True:
                 if self.stats.restarts >= self.cfg.restart.max_restarts:
                     self._fail(f"engine died ({reason}) and {self.stats.restarts} restarts are used up")
                     return
+                if attempt:
+                    # The dead engine's processes may still hold the GPU or the port for a moment:
+                    # back off (2, 4, 8 ... 30 s) instead of spending every restart at once.
+                    await asyncio.sleep(min(30.0, 2.0**attempt))
+                attempt += 1
                 self.stats.restarts += 1
-                engine = self._factory(self.cfg)
                 try:
-                    await engine.start()
+                    engine = await self._start_engine(self.cfg)
                 except EngineError as err:
                     log.error("engine_restart_failed", error=str(err), attempt=self.stats.restarts)
-                    await self._stop_engine(engine)
                     continue
                 break
             downtime = self._now() - t0
@@ -306,11 +342,14 @@ class EngineSupervisor:
             t0 = self._now()
             self._ready.clear()
             old_id = self._engine.info.config_id
-            in_flight = len(self._inflight)
             drained = 0
             if change.mode == "drain":
-                await self._wait_idle(self.cfg.drain_timeout)
-                drained = in_flight - len(self._inflight)
+                self._draining, self._drained_now = True, 0
+                try:
+                    await self._wait_idle(self.cfg.drain_timeout)
+                finally:
+                    self._draining = False
+                drained = self._drained_now  # finished normally; a failure meanwhile is not "drained"
             aborted = len(self._inflight)
             if aborted:
                 self._abort_all(f"engine rebuild: {change.reason}")
@@ -319,20 +358,18 @@ class EngineSupervisor:
             self.stats.aborted += aborted
             new_cfg = apply_change(self.cfg, change)
             await self._stop_engine(self._engine)
-            engine = self._factory(new_cfg)
             ok = True
             try:
-                await engine.start()
+                engine = await self._start_engine(new_cfg)
                 self.cfg = new_cfg
-            except EngineError as err:
+            # Any failure to start the new configuration falls back to the one that ran.
+            except Exception as err:  # noqa: BLE001
                 ok = False
                 self.stats.rebuild_failures += 1
-                log.error("engine_rebuild_failed", error=str(err))
-                await self._stop_engine(engine)
-                engine = self._factory(self.cfg)  # back to the configuration that ran
+                log.error("engine_rebuild_failed", error=f"{type(err).__name__}: {err}"[:200])
                 try:
-                    await engine.start()
-                except EngineError as err2:
+                    engine = await self._start_engine(self.cfg)
+                except Exception as err2:  # noqa: BLE001
                     self._fail(
                         f"engine rebuild failed ({err}) and the previous configuration "
                         f"did not restart ({err2})"

@@ -124,6 +124,15 @@ def _engine_dead_error() -> type[BaseException]:
     return EngineDeadError
 
 
+def _is_vllm(proc: psutil.Process) -> bool:
+    """vLLM names its engine core and worker processes (VLLM::EngineCore, VLLM::Worker...); short-lived
+    helpers (compile workers, resource trackers) are not the engine and may come and go."""
+    try:
+        return "vllm" in " ".join([proc.name(), *proc.cmdline()[:2]]).lower()
+    except psutil.Error:
+        return False
+
+
 class _NeverRaised(Exception):
     pass
 
@@ -190,7 +199,9 @@ class VllmLocalEngine:
         cudagraphs = (not is_cpu) and "NONE" not in cg_mode.upper()
         # This engine's core and workers: if one of them is gone, the engine is dead. Processes that
         # were there before (a previous engine still exiting after a rebuild) are not this engine's.
-        self._pids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        self._pids = [
+            p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before and _is_vllm(p)
+        ]
         signals = ["per_step", "spec_per_pos"]
         if cudagraphs and "cudagraph_metrics" in kwargs:
             signals.append("cudagraphs")

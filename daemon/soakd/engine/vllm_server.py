@@ -1,7 +1,7 @@
 """The server adapter: soakd launches `vllm serve` itself and drives it over the OpenAI streaming API.
 
 This is how an acceptance soak usually runs: against the exact server command that will be deployed.
-Per-step stats come from soakd's stat-logger plugin inside the server over a Unix datagram socket
+Per-step stats come from soakd's stat-logger plugin inside the server over a Unix stream socket
 (engine/channel.py), allocator stats from the worker extension over the dev-mode `/collective_rpc`,
 and the server's own `/metrics` is scraped as a cross-check. The server runs in its own process group,
 its output goes to `engine-server.log` in the run folder, and stopping it stops the whole group.
@@ -38,6 +38,7 @@ log = structlog.get_logger(__name__)
 StepSink = Callable[[StepStats], None]
 LOG_FILE = "engine-server.log"
 _HELLO_WAIT_S = 5.0
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 # engine_kwargs keys that are not server flags (the model is positional or --model; the logger is ours).
 _NOT_FLAGS = {"model", "disable_log_stats"}
 
@@ -119,6 +120,12 @@ class VllmServerEngine:
         self._channel: StepChannel | None = None
         self._info: EngineInfo | None = None
         self.argv: list[str] = []
+        self._dev_mode = cfg.worker_extension and cfg.server.host in _LOOPBACK
+        if cfg.worker_extension and not self._dev_mode:
+            log.warning(
+                "allocator_telemetry_off",
+                reason="the server listens beyond loopback; its dev-mode endpoints stay closed",
+            )
 
     @property
     def info(self) -> EngineInfo:
@@ -142,9 +149,9 @@ class VllmServerEngine:
         env[SOCKET_ENV] = self._channel.path
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.cpu_kvcache_space_gib))
         env["PYTHONUNBUFFERED"] = "1"
-        if cfg.worker_extension:
-            # /collective_rpc (the allocator's channel) exists only in dev mode; the server listens on
-            # loopback by default, and soakd is its only client.
+        if self._dev_mode:
+            # /collective_rpc (the allocator's channel) exists only in dev mode, which also opens
+            # /sleep, /reset_prefix_cache and more: only for a server that listens on loopback.
             env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(cfg.server.env)
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,14 +160,11 @@ class VllmServerEngine:
             out.flush()
             try:
                 # Popen forks: off the event loop, which is pacing requests of a running soak.
-                argv = self.argv
-
-                def spawn() -> subprocess.Popen[bytes]:
-                    return subprocess.Popen(
-                        argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                    )
-
-                proc = await asyncio.to_thread(spawn)
+                # Popen returns once the child is forked (milliseconds), with no await in between: a
+                # cancellation cannot leave a server running that soakd does not know about.
+                proc = subprocess.Popen(  # noqa: ASYNC220
+                    self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
                 self._proc = proc
             except OSError as err:
                 await self._channel.aclose()
@@ -172,13 +176,14 @@ class VllmServerEngine:
         self._http.vocab_hint = self._vocab_hint
         try:
             await self._start_http(self._http)
+            # The plugin's hello (the engine's facts) comes as the engine starts, well before /health.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._channel.hello.wait(), _HELLO_WAIT_S)
+            self._info = self._describe(self._http.info, time.monotonic() - t0)
         except BaseException:
+            # An error or a cancellation (the run stopping): the server's whole group goes with it.
             await self.stop()
             raise
-        # The plugin's hello (the engine's own facts) comes as the engine starts, well before /health.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._channel.hello.wait(), _HELLO_WAIT_S)
-        self._info = self._describe(self._http.info, time.monotonic() - t0)
         log.info("engine_started", start_s=round(self._info.start_s, 2), config_id=self._info.config_id)
 
     def _vocab_hint(self) -> int | None:
@@ -221,6 +226,8 @@ class VllmServerEngine:
         signals = ["metrics"]
         cudagraphs = False
         spec_tokens = 0
+        if facts.get("error"):
+            log.warning("engine_facts_incomplete", error=str(facts["error"])[:200])
         if facts:
             signals += ["per_step", "spec_per_pos"]
             cg_mode = str(facts.get("cudagraph_mode", "NONE"))
@@ -238,7 +245,7 @@ class VllmServerEngine:
             )
         if "--per-request-spec-decode-metrics" in self.argv:
             signals.append("spec_per_request")
-        if "--worker-extension-cls" in self.argv:
+        if "--worker-extension-cls" in self.argv and self._dev_mode:
             signals.append("allocator")
         return EngineInfo(
             kind="vllm-server",
@@ -296,7 +303,8 @@ class VllmServerEngine:
             http, self._http = self._http, None
             await http.stop()
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
+        if proc is not None:
+            # Even when the API server itself has exited, its engine core and workers may not have.
             await asyncio.to_thread(_stop_group, proc, self._cfg.server.stop_timeout)
         if self._channel is not None:
             await self._channel.aclose()
