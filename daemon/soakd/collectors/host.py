@@ -1,14 +1,188 @@
-"""Host telemetry through psutil: CPU, frequency, temperatures, memory, and the engine's RSS."""
+"""Host telemetry through psutil: CPU, frequency, temperatures, memory, and the engine's RSS.
+
+For CPU-only soaks it also reads sysfs (root injectable, for tests): the per-CPU thermal-throttle
+counters, the thermal zones and the RAPL energy counters.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import structlog
 
-from soakd.metric import Sample
+from soakd.metric import FieldValue, Sample
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _RaplZone:
+    key: str
+    """Directory name, e.g. intel-rapl:0 or intel-rapl:0:1."""
+    name: str
+    """Domain name from the `name` file, e.g. package-0, core, dram."""
+    energy: Path
+    max_range_uj: int | None
+    top_level: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SysfsReadings:
+    """What one pass over sysfs found; a signal the machine does not offer is None / empty."""
+
+    core_throttle_total: int | None = None
+    """Sum over CPUs of core_throttle_count (events since boot)."""
+    package_throttle_total: int | None = None
+    """Sum over packages of package_throttle_count (events since boot; once per package if known)."""
+    core_throttle_delta: int | None = None
+    """Growth of core_throttle_total since the previous pass (events; None on the first pass)."""
+    package_throttle_delta: int | None = None
+    """Growth of package_throttle_total since the previous pass (events; None on the first pass)."""
+    zone_temps_c: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """thermal_zoneN -> (type, degrees C)."""
+    rapl_energy_j: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """intel-rapl:N[:M] -> (domain name, joules since the previous pass, wrap-around handled)."""
+    rapl_top_level: frozenset[str] = frozenset()
+    """The RAPL zones that are packages/psys (not sub-domains, whose energy their package includes)."""
+    interval_s: float | None = None
+    """Seconds since the previous pass (None on the first)."""
+
+
+class HostSysfs:
+    """Reads the host's throttle counters, thermal zones and RAPL energy under a sysfs root.
+
+    Files are discovered once at construction; a file that cannot be read (RAPL energy is root-only on
+    recent kernels) is simply absent from the readings, logged once, and not retried.
+    """
+
+    def __init__(self, root: str | Path = "/") -> None:
+        self._root = Path(root)
+        self._unreadable: set[Path] = set()
+        cpu_dir = self._root / "sys/devices/system/cpu"
+        self._core_files: list[Path] = sorted(cpu_dir.glob("cpu[0-9]*/thermal_throttle/core_throttle_count"))
+        # package_throttle_count is per package but repeated in every CPU's directory: read one per package
+        # where the topology says which package a CPU is in, else sum them all.
+        self._package_files: list[Path] = []
+        seen: set[str] = set()
+        for path in sorted(cpu_dir.glob("cpu[0-9]*/thermal_throttle/package_throttle_count")):
+            pkg = self._read_text(path.parent.parent / "topology/physical_package_id", quiet=True)
+            if pkg is not None:
+                if pkg in seen:
+                    continue
+                seen.add(pkg)
+            self._package_files.append(path)
+        self._zones: list[tuple[str, str, Path]] = []
+        for zone in sorted((self._root / "sys/class/thermal").glob("thermal_zone*")):
+            kind = self._read_text(zone / "type", quiet=True) or zone.name
+            self._zones.append((zone.name, kind, zone / "temp"))
+        self._rapl: list[_RaplZone] = []
+        for zone in sorted((self._root / "sys/class/powercap").glob("intel-rapl:*")):
+            if not (zone / "energy_uj").exists():
+                continue
+            name = self._read_text(zone / "name", quiet=True) or zone.name
+            max_range = self._read_int(zone / "max_energy_range_uj", quiet=True)
+            top = zone.name.count(":") == 1
+            self._rapl.append(_RaplZone(zone.name, name, zone / "energy_uj", max_range, top))
+        self._prev_core: int | None = None
+        self._prev_package: int | None = None
+        self._prev_energy: dict[str, int] = {}
+        self._prev_ns: int | None = None
+
+    def _read_text(self, path: Path, *, quiet: bool = False) -> str | None:
+        if path in self._unreadable:
+            return None
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            if not quiet:
+                self._unreadable.add(path)
+                log.info("host sysfs file unreadable, leaving it out", path=str(path), error=str(exc))
+            return None
+
+    def _read_int(self, path: Path, *, quiet: bool = False) -> int | None:
+        text = self._read_text(path, quiet=quiet)
+        if text is None:
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            return None
+
+    def _sum(self, files: list[Path]) -> int | None:
+        values = [v for v in (self._read_int(p) for p in files) if v is not None]
+        return sum(values) if values else None
+
+    def read(self, now_ns: int) -> SysfsReadings:
+        core = self._sum(self._core_files)
+        package = self._sum(self._package_files)
+        core_delta = _growth(self._prev_core, core)
+        package_delta = _growth(self._prev_package, package)
+        self._prev_core, self._prev_package = core, package
+        temps: dict[str, tuple[str, float]] = {}
+        for zone, kind, temp in self._zones:
+            milli = self._read_int(temp)
+            if milli is not None:
+                temps[zone] = (kind, milli / 1000.0)
+        energy: dict[str, tuple[str, float]] = {}
+        for rz in self._rapl:
+            uj = self._read_int(rz.energy)
+            if uj is None:
+                continue
+            prev = self._prev_energy.get(rz.key)
+            self._prev_energy[rz.key] = uj
+            if prev is None:
+                continue
+            delta = uj - prev
+            if delta < 0:  # the counter wrapped at max_energy_range_uj
+                if rz.max_range_uj is None:
+                    continue
+                delta += rz.max_range_uj
+            energy[rz.key] = (rz.name, delta / 1e6)
+        interval = None if self._prev_ns is None else (now_ns - self._prev_ns) / 1e9
+        self._prev_ns = now_ns
+        return SysfsReadings(
+            core_throttle_total=core,
+            package_throttle_total=package,
+            core_throttle_delta=core_delta,
+            package_throttle_delta=package_delta,
+            zone_temps_c=temps,
+            rapl_energy_j=energy,
+            rapl_top_level=frozenset(rz.key for rz in self._rapl if rz.top_level),
+            interval_s=interval,
+        )
+
+
+def _growth(prev: int | None, cur: int | None) -> int | None:
+    if prev is None or cur is None:
+        return None
+    return cur - prev if cur >= prev else cur  # a drop means the counters restarted (CPU offline/online)
+
+
+def sysfs_fields(readings: SysfsReadings) -> dict[str, FieldValue]:
+    """The `host` measurement's fields from one sysfs pass."""
+    fields: dict[str, FieldValue] = {}
+    if readings.core_throttle_total is not None:
+        fields["cpu_core_throttle_total"] = readings.core_throttle_total
+    if readings.package_throttle_total is not None:
+        fields["cpu_package_throttle_total"] = readings.package_throttle_total
+    if readings.core_throttle_delta is not None:
+        fields["cpu_core_throttle_delta"] = readings.core_throttle_delta
+    if readings.package_throttle_delta is not None:
+        fields["cpu_package_throttle_delta"] = readings.package_throttle_delta
+    if readings.zone_temps_c:
+        kind, temp = max(readings.zone_temps_c.values(), key=lambda kt: kt[1])
+        fields["thermal_zone_max_c"] = temp
+        fields["thermal_zone_max_type"] = kind
+    top = [j for key, (_, j) in readings.rapl_energy_j.items() if key in readings.rapl_top_level]
+    if top:
+        fields["rapl_energy_j"] = float(sum(top))
+        if readings.interval_s:
+            fields["rapl_power_w"] = float(sum(top)) / readings.interval_s
+    return fields
 
 
 class HostCollector:
@@ -16,9 +190,10 @@ class HostCollector:
 
     name = "host"
 
-    def __init__(self, engine_pids: Callable[[], list[int]], spool_dir: Path) -> None:
+    def __init__(self, engine_pids: Callable[[], list[int]], spool_dir: Path, root: str | Path = "/") -> None:
         self._engine_pids = engine_pids
         self._spool_dir = spool_dir
+        self._sysfs = HostSysfs(root)
         self._procs: dict[int, psutil.Process] = {}
         # cpu_percent(None) measures since the previous call; the first call only primes it.
         psutil.cpu_percent(None)
@@ -40,10 +215,12 @@ class HostCollector:
         return total, alive
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
-        fields: dict[str, float | int] = {"cpu_percent": float(psutil.cpu_percent(None))}
+        fields: dict[str, FieldValue] = {"cpu_percent": float(psutil.cpu_percent(None))}
         freq = psutil.cpu_freq()
         if freq is not None and freq.current:
             fields["cpu_freq_mhz"] = float(freq.current)
+        if freq is not None and freq.max:
+            fields["cpu_freq_max_mhz"] = float(freq.max)
         load1, _, _ = os.getloadavg()
         fields["load1"] = float(load1)
         mem = psutil.virtual_memory()
@@ -61,7 +238,17 @@ class HostCollector:
         fields["engine_procs"] = procs
         fields["soakd_rss_bytes"] = int(psutil.Process().memory_info().rss)
         fields["spool_disk_free_bytes"] = int(psutil.disk_usage(str(self._spool_dir)).free)
-        return [Sample("host", fields, now_ns)]
+        sysfs = self._sysfs.read(now_ns)
+        fields.update(sysfs_fields(sysfs))
+        out = [Sample("host", fields, now_ns)]
+        for zone, (kind, temp) in sysfs.zone_temps_c.items():
+            out.append(Sample("host_thermal", {"temp_c": temp}, now_ns, {"zone": zone, "type": kind}))
+        for key, (name, joules) in sysfs.rapl_energy_j.items():
+            rapl: dict[str, FieldValue] = {"energy_j": joules}
+            if sysfs.interval_s:
+                rapl["power_w"] = joules / sysfs.interval_s
+            out.append(Sample("host_rapl", rapl, now_ns, {"zone": key, "domain": name}))
+        return out
 
     def close(self) -> None:
         self._procs.clear()

@@ -1,0 +1,1 @@
+"""Policies: pure functions and state machines over windows of readings, with no I/O of their own."""

@@ -1,0 +1,448 @@
+"""Throttle detection: a pure state machine over a window of clock/reason/counter readings.
+
+No I/O and no clock of its own: every reading carries its time (`ThrottleInput.t_s`), and the caller
+turns the returned `Transition`s into event samples. Four signals are combined, as mature tools do:
+
+1. growth of the cumulative throttle counters (NVML ns counters, or sysfs event counts on a host):
+   exact, and nothing is missed between polls;
+2. the clock-event reason bitmask held over a window, ignoring the benign bits (GpuIdle,
+   ApplicationsClocksSetting, DisplayClockSetting) and a HwSlowdown flag seen in one isolated sample;
+3. the SM (or CPU) clock as a fraction of the run's early clock, only while the device is active;
+4. the thermal margin (degrees C left before the slowdown threshold).
+
+Any signal present makes the device "throttled"; different enter/leave levels (hysteresis), a minimum
+dwell in each state and a quiet period in "recovering" keep the state from flapping:
+ok -> throttled -> recovering -> ok, and recovering -> throttled when the signals come back.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Final
+
+__all__ = [
+    "BENIGN_REASONS",
+    "NVML_FIELD_COUNTERS",
+    "REASON_BITS",
+    "ThrottleDetector",
+    "ThrottleInput",
+    "ThrottleSettings",
+    "ThrottleState",
+    "Transition",
+    "counters_from_fields",
+    "host_input",
+    "reason_names",
+]
+
+GPU_IDLE: Final = 0x1
+APPLICATIONS_CLOCKS_SETTING: Final = 0x2
+SW_POWER_CAP: Final = 0x4
+HW_SLOWDOWN: Final = 0x8
+DISPLAY_CLOCK_SETTING: Final = 0x100
+
+REASON_BITS: Final[Mapping[int, str]] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+"""Clock-event (throttle) reason bits of `nvmlDeviceGetCurrentClocksEventReasons`, by name."""
+
+BENIGN_REASONS: Final = GPU_IDLE | APPLICATIONS_CLOCKS_SETTING | DISPLAY_CLOCK_SETTING
+
+NVML_FIELD_COUNTERS: Final[Mapping[int, str]] = {
+    74: "power",
+    75: "thermal",
+    76: "sync_boost",
+    77: "board_limit",
+    78: "low_util",
+    79: "reliability",
+    80: "app_clocks",
+    81: "base_clocks",
+    269: "sw_thermal",
+    270: "hw_thermal",
+    271: "hw_power_brake",
+}
+"""NVML field ids of the cumulative throttle-time counters (ns), by the counter names used here."""
+
+DEFAULT_ENTER_COUNTERS: Final = frozenset(
+    {"power", "thermal", "sw_thermal", "hw_thermal", "hw_power_brake", "board_limit"}
+)
+
+
+def reason_names(bits: int) -> tuple[str, ...]:
+    """Names of the reason bits set in `bits`, lowest bit first (unknown bits as hex)."""
+    names = [name for bit, name in REASON_BITS.items() if bits & bit]
+    unknown = bits & ~sum(REASON_BITS)
+    if unknown:
+        names.append(hex(unknown))
+    return tuple(names)
+
+
+def counters_from_fields(fields: Mapping[str, int] | Mapping[int, int]) -> dict[str, int]:
+    """NVML field values (id -> ns, ids as int or str, as a JSON recording has them) by counter name."""
+    out: dict[str, int] = {}
+    for key, value in fields.items():
+        name = NVML_FIELD_COUNTERS.get(int(key))
+        if name is not None:
+            out[name] = int(value)
+    return out
+
+
+class ThrottleState(StrEnum):
+    """ok -> throttled -> recovering -> ok (or back to throttled)."""
+
+    OK = "ok"
+    THROTTLED = "throttled"
+    RECOVERING = "recovering"
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottleSettings:
+    """Thresholds of the detector. Times in seconds of the inputs' `t_s`, temperatures in degrees C."""
+
+    window_s: float = 5.0
+    """Window over which the bitmask share, counter growth, clock ratio and margin are judged (s)."""
+    enter_fraction: float = 0.5
+    """Share of the window's samples with a non-benign reason bit that signals throttling (0-1)."""
+    leave_fraction: float = 0.2
+    """While throttled/recovering, the share must fall below this to count as quiet (0-1)."""
+    clock_ratio_enter: float = 0.85
+    """Window median of clock / early clock below which the clock signals throttling."""
+    clock_ratio_leave: float = 0.93
+    """While throttled/recovering, the ratio must rise above this to count as quiet."""
+    thermal_margin_enter_c: float = 5.0
+    """Thermal margin (C to the slowdown threshold) below which the margin signals throttling."""
+    thermal_margin_leave_c: float = 8.0
+    """While throttled/recovering, the margin must rise above this to count as quiet (C)."""
+    min_dwell_s: float = 10.0
+    """No state change sooner than this after the previous one (s)."""
+    recover_s: float = 30.0
+    """Time in "recovering" without any throttle signal before "ok" (s)."""
+    baseline_samples: int = 50
+    """The early clock is the median of this many first active samples (unless a max clock is given)."""
+    benign_mask: int = BENIGN_REASONS
+    """Reason bits that never signal throttling (GpuIdle, ApplicationsClocksSetting, DisplayClockSetting)."""
+    transient_mask: int = HW_SLOWDOWN
+    """Reason bits that count only when set in at least two consecutive samples (HwSlowdown)."""
+    enter_counters: frozenset[str] = DEFAULT_ENTER_COUNTERS
+    """Throttle-time counters whose growth signals throttling (not low_util, clocks, sync_boost...)."""
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0 or self.min_dwell_s < 0 or self.recover_s < 0:
+            raise ValueError("window_s must be > 0, min_dwell_s and recover_s >= 0")
+        if not 0 < self.enter_fraction <= 1 or not 0 <= self.leave_fraction <= self.enter_fraction:
+            raise ValueError("need 0 <= leave_fraction <= enter_fraction <= 1, enter_fraction > 0")
+        if not 0 < self.clock_ratio_enter <= self.clock_ratio_leave:
+            raise ValueError("need 0 < clock_ratio_enter <= clock_ratio_leave")
+        if self.thermal_margin_leave_c < self.thermal_margin_enter_c:
+            raise ValueError("need thermal_margin_enter_c <= thermal_margin_leave_c")
+        if self.baseline_samples < 1:
+            raise ValueError("baseline_samples must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottleInput:
+    """One reading of a device. Every field but the time may be missing (None / empty)."""
+
+    t_s: float
+    """Time of the reading (s, any monotonic origin)."""
+    sm_mhz: float | None
+    """SM clock (or CPU clock on a host) in MHz."""
+    reasons: int | None
+    """Clock-event reason bitmask (NVML), None where not read."""
+    throttle_ns: Mapping[str, int] = field(default_factory=dict)
+    """Cumulative throttle time counters (ns) by counter name; empty between slow-tier readings."""
+    thermal_margin_c: float | None = None
+    """Degrees C left before the thermal slowdown threshold."""
+    active: bool | None = None
+    """Whether the device is busy (e.g. utilization > 0); the clock ratio is judged only when not False."""
+    throttle_counts: Mapping[str, int] = field(default_factory=dict)
+    """Cumulative throttle event counts (no time unit, e.g. sysfs thermal_throttle); growth signals."""
+    ref_mhz: float | None = None
+    """Reference clock for this reading (e.g. a CPU's max MHz); overrides the early clock when given."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One state change; the app writes it as an event sample."""
+
+    t_s: float
+    from_state: ThrottleState
+    to_state: ThrottleState
+    reasons: tuple[str, ...]
+    """Reason bits and counters seen in the window (names), empty when leaving on quiet."""
+    clock_ratio: float | None
+    """Window median of clock / early clock at the transition, None when not judged."""
+    detail: str
+
+
+@dataclass(slots=True)
+class _Entry:
+    t_s: float
+    bits: int  # non-benign, transient-filtered reason bits; 0 when none
+    has_reasons: bool
+    ratio: float | None
+    margin: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Signals:
+    share: float | None
+    ratio: float | None
+    margin: float | None
+    grown: tuple[str, ...]
+    bits: int
+
+    def describe(self) -> str:
+        parts = []
+        if self.share is not None:
+            parts.append(f"reason_share={self.share:.2f}")
+        if self.ratio is not None:
+            parts.append(f"clock_ratio={self.ratio:.3f}")
+        if self.margin is not None:
+            parts.append(f"thermal_margin_c={self.margin:g}")
+        if self.grown:
+            parts.append("counters_grew=" + "+".join(self.grown))
+        return " ".join(parts) or "no signals"
+
+
+class ThrottleDetector:
+    """Feed readings in time order with `update`; it returns the state changes they cause."""
+
+    def __init__(self, settings: ThrottleSettings | None = None, max_mhz: float | None = None) -> None:
+        self.settings = settings or ThrottleSettings()
+        self._max_mhz = max_mhz
+        self._baseline: list[float] = []
+        self._window: deque[_Entry] = deque()
+        self._prev_raw_bits = 0
+        self._last_ns: dict[str, int] = {}
+        self._last_counts: dict[str, int] = {}
+        self._grown_at: dict[str, float] = {}
+        self._per_reason_ns: dict[str, int] = {}
+        self._per_reason_events: dict[str, int] = {}
+        self._counter_resets = 0
+        self._state = ThrottleState.OK
+        self._since: float | None = None
+        self._quiet_since: float | None = None
+        self._last_t: float | None = None
+        self._throttled_s = 0.0
+        self._enters = 0
+        self._transitions = 0
+
+    # --- public views -------------------------------------------------------------------------
+    @property
+    def state(self) -> ThrottleState:
+        return self._state
+
+    @property
+    def throttled_s(self) -> float:
+        """Total time spent in the "throttled" state so far (s)."""
+        return self._throttled_s
+
+    @property
+    def per_reason_s(self) -> dict[str, float]:
+        """Throttle time by counter name, accumulated from counter deltas (s)."""
+        return {name: ns / 1e9 for name, ns in sorted(self._per_reason_ns.items())}
+
+    @property
+    def per_reason_events(self) -> dict[str, int]:
+        """Throttle events by counter name, from the growth of the event counts."""
+        return dict(sorted(self._per_reason_events.items()))
+
+    @property
+    def baseline_mhz(self) -> float | None:
+        """The clock the ratio is taken against: the max clock if given, else the early median."""
+        if self._max_mhz is not None:
+            return self._max_mhz
+        return statistics.median(self._baseline) if self._baseline else None
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "state": self._state.value,
+            "throttled_s": round(self._throttled_s, 3),
+            "enters": self._enters,
+            "transitions": self._transitions,
+            "per_reason_s": {k: round(v, 6) for k, v in self.per_reason_s.items()},
+            "per_reason_events": self.per_reason_events,
+            "counter_resets": self._counter_resets,
+            "baseline_mhz": self.baseline_mhz,
+        }
+
+    # --- update -------------------------------------------------------------------------------
+    def update(self, inp: ThrottleInput) -> list[Transition]:
+        s = self.settings
+        t = inp.t_s
+        if self._last_t is not None:
+            if t < self._last_t:
+                raise ValueError(f"readings out of order: {t} after {self._last_t}")
+            if self._state is ThrottleState.THROTTLED:
+                self._throttled_s += t - self._last_t
+        self._last_t = t
+
+        self._counters(inp)
+        self._window.append(self._entry(inp))
+        while self._window and self._window[0].t_s <= t - s.window_s:
+            self._window.popleft()
+        sig = self._signals(t)
+
+        hot = self._is_signal(sig, leaving=False)
+        warm = self._is_signal(sig, leaving=True)  # with the leave levels: not yet quiet
+        # The first state has no dwell to serve: a run that starts throttled is caught at once.
+        dwelt = self._since is None or t - self._since >= s.min_dwell_s
+        out: list[Transition] = []
+        if self._state is ThrottleState.OK:
+            if hot and dwelt:
+                out.append(self._move(t, ThrottleState.THROTTLED, sig))
+        elif self._state is ThrottleState.THROTTLED:
+            if not warm and dwelt:
+                out.append(self._move(t, ThrottleState.RECOVERING, sig))
+                self._quiet_since = t
+        else:  # recovering
+            if warm:
+                self._quiet_since = None
+            elif self._quiet_since is None:
+                self._quiet_since = t
+            if hot and dwelt:
+                out.append(self._move(t, ThrottleState.THROTTLED, sig))
+            elif self._quiet_since is not None and t - self._quiet_since >= s.recover_s and dwelt:
+                out.append(self._move(t, ThrottleState.OK, sig))
+        return out
+
+    def _move(self, t: float, to: ThrottleState, sig: _Signals) -> Transition:
+        tr = Transition(
+            t_s=t,
+            from_state=self._state,
+            to_state=to,
+            reasons=self._reason_list(sig),
+            clock_ratio=sig.ratio,
+            detail=sig.describe(),
+        )
+        self._state = to
+        self._since = t
+        self._transitions += 1
+        if to is ThrottleState.THROTTLED:
+            self._enters += 1
+        return tr
+
+    @staticmethod
+    def _reason_list(sig: _Signals) -> tuple[str, ...]:
+        names = list(reason_names(sig.bits)) if sig.bits else []
+        names += [f"counter:{name}" for name in sig.grown]
+        return tuple(names)
+
+    def _counters(self, inp: ThrottleInput) -> None:
+        for name, value in inp.throttle_ns.items():
+            prev = self._last_ns.get(name)
+            self._last_ns[name] = value
+            if prev is None:
+                continue
+            delta = value - prev
+            if delta < 0:  # counter reset (driver reload, GPU reset): it restarted from zero
+                self._counter_resets += 1
+                delta = value
+            if delta > 0:
+                self._per_reason_ns[name] = self._per_reason_ns.get(name, 0) + delta
+                if name in self.settings.enter_counters:
+                    self._grown_at[name] = inp.t_s
+        for name, count in inp.throttle_counts.items():
+            prev = self._last_counts.get(name)
+            self._last_counts[name] = count
+            if prev is None:
+                continue
+            delta = count - prev
+            if delta < 0:
+                self._counter_resets += 1
+                delta = count
+            if delta > 0:
+                self._per_reason_events[name] = self._per_reason_events.get(name, 0) + delta
+                self._grown_at[name] = inp.t_s
+
+    def _entry(self, inp: ThrottleInput) -> _Entry:
+        s = self.settings
+        bits = 0
+        raw = inp.reasons
+        idle = raw is not None and bool(raw & GPU_IDLE)
+        if raw is not None:
+            bits = raw & ~s.benign_mask
+            # A transient bit (HwSlowdown) counts only when the previous sample had it too.
+            bits &= ~(s.transient_mask & ~self._prev_raw_bits)
+            self._prev_raw_bits = raw
+        ratio: float | None = None
+        eligible = inp.active is not False and not idle
+        if inp.sm_mhz is not None and inp.sm_mhz > 0 and eligible:
+            ref = inp.ref_mhz
+            if ref is None:
+                if self._max_mhz is None and len(self._baseline) < s.baseline_samples:
+                    self._baseline.append(float(inp.sm_mhz))
+                ref = self.baseline_mhz
+            if ref:
+                ratio = float(inp.sm_mhz) / ref
+        return _Entry(inp.t_s, bits, raw is not None, ratio, inp.thermal_margin_c)
+
+    def _signals(self, t: float) -> _Signals:
+        s = self.settings
+        with_reasons = [e for e in self._window if e.has_reasons]
+        share = None
+        bits = 0
+        if with_reasons:
+            flagged = [e for e in with_reasons if e.bits]
+            share = len(flagged) / len(with_reasons)
+            for e in flagged:
+                bits |= e.bits
+        ratios = [e.ratio for e in self._window if e.ratio is not None]
+        ratio = statistics.median(ratios) if ratios else None
+        margins = [e.margin for e in self._window if e.margin is not None]
+        margin = min(margins) if margins else None
+        grown = tuple(sorted(n for n, at in self._grown_at.items() if at > t - s.window_s))
+        return _Signals(share, ratio, margin, grown, bits)
+
+    def _is_signal(self, sig: _Signals, *, leaving: bool) -> bool:
+        s = self.settings
+        if sig.grown:
+            return True
+        if sig.share is not None:
+            if leaving and sig.share >= s.leave_fraction and sig.share > 0:
+                return True
+            if not leaving and sig.share >= s.enter_fraction:
+                return True
+        limit = s.clock_ratio_leave if leaving else s.clock_ratio_enter
+        if sig.ratio is not None and sig.ratio < limit:
+            return True
+        margin_limit = s.thermal_margin_leave_c if leaving else s.thermal_margin_enter_c
+        return sig.margin is not None and sig.margin < margin_limit
+
+
+def host_input(
+    t_s: float,
+    cpu_mhz: float | None,
+    max_mhz: float | None,
+    throttle_counts: Mapping[str, int],
+    margin_c: float | None,
+    *,
+    active: bool | None = None,
+) -> ThrottleInput:
+    """A reading of a host's CPUs for CPU-only soaks.
+
+    `throttle_counts` are the cumulative sysfs thermal-throttle counts (e.g. {"package": n, "core": m});
+    any increase signals throttling. The clock ratio is `cpu_mhz / max_mhz`; there is no bitmask.
+    `margin_c` is degrees C left before the CPU's throttle temperature, if known.
+    """
+    return ThrottleInput(
+        t_s=t_s,
+        sm_mhz=cpu_mhz,
+        reasons=None,
+        thermal_margin_c=margin_c,
+        active=active,
+        throttle_counts=dict(throttle_counts),
+        ref_mhz=max_mhz if max_mhz else None,
+    )

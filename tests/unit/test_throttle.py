@@ -1,0 +1,251 @@
+"""The throttle detector over the real H200 recording and over constructed readings."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from soakd.policies.throttle import (
+    ThrottleDetector,
+    ThrottleInput,
+    ThrottleSettings,
+    ThrottleState,
+    Transition,
+    counters_from_fields,
+    host_input,
+    reason_names,
+)
+
+RECORDING = Path(__file__).parent.parent / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+OK, THROTTLED, RECOVERING = ThrottleState.OK, ThrottleState.THROTTLED, ThrottleState.RECOVERING
+
+
+def _rows() -> list[dict[str, Any]]:
+    with gzip.open(RECORDING, "rt") as fh:
+        lines = [json.loads(line) for line in fh]
+    assert "header" in lines[0]
+    return lines[1:]
+
+
+def _gpu_input(t: float, gpu: dict[str, Any]) -> ThrottleInput:
+    return ThrottleInput(
+        t_s=t,
+        sm_mhz=gpu["sm_mhz"],
+        reasons=gpu["reasons"],
+        throttle_ns=counters_from_fields(gpu.get("fields", {})),
+        thermal_margin_c=gpu.get("margin_c"),
+        active=gpu["util_gpu"] > 0,
+    )
+
+
+def _feed(det: ThrottleDetector, inputs: list[ThrottleInput]) -> list[Transition]:
+    out: list[Transition] = []
+    for inp in inputs:
+        out.extend(det.update(inp))
+    return out
+
+
+def test_h200_recording_burn_enters_once_and_recovers() -> None:
+    rows = _rows()
+    gpus = [r["gpus"][0] for r in rows]
+    soak_start = next(r["t"] for r, g in zip(rows, gpus, strict=True) if g["util_gpu"] > 0)
+    burn_start = next(
+        r["t"] for r, g in zip(rows, gpus, strict=True) if r["t"] > soak_start and g["reasons"] & 0x4
+    )
+    burn_end = max(r["t"] for r, g in zip(rows, gpus, strict=True) if g["reasons"] & 0x4)
+    with_fields = [g["fields"] for g in gpus if "fields" in g]
+    power_growth_s = (with_fields[-1]["74"] - with_fields[0]["74"]) / 1e9
+    assert power_growth_s == pytest.approx(25.35, abs=0.01)
+
+    inputs = [_gpu_input(r["t"], g) for r, g in zip(rows, gpus, strict=True)]
+    # The recording stops 1.5 s after the burn: extend it with idle readings (GpuIdle, counters unchanged)
+    # so the detector can leave "throttled" and finish recovering.
+    last_t = rows[-1]["t"]
+    for i in range(1, 600):
+        idle = {"sm_mhz": 345, "reasons": 0x1, "util_gpu": 0}
+        if i % 10 == 0:
+            idle |= {"fields": with_fields[-1], "margin_c": 45}
+        inputs.append(_gpu_input(round(last_t + 0.1 * i, 4), idle))
+
+    det = ThrottleDetector()
+    transitions = _feed(det, inputs)
+    path = [(tr.from_state, tr.to_state) for tr in transitions]
+    assert path == [(OK, THROTTLED), (THROTTLED, RECOVERING), (RECOVERING, OK)]
+    enter, leave, ok = transitions
+    assert burn_start <= enter.t_s <= burn_start + 3.0
+    assert "sw_power_cap" in enter.reasons
+    assert enter.clock_ratio is not None and enter.clock_ratio < 0.85
+    assert burn_end < leave.t_s <= burn_end + 15.0
+    assert ok.t_s >= leave.t_s + det.settings.recover_s
+    assert det.state is OK
+    assert det.baseline_mhz == 1980
+    assert det.per_reason_s["power"] == pytest.approx(power_growth_s, rel=0.01)
+    assert det.throttled_s == pytest.approx(leave.t_s - enter.t_s)
+    summary = det.summary()
+    assert summary["enters"] == 1
+    assert summary["state"] == "ok"
+
+
+def _gpu(t: float, reasons: int, mhz: float = 1980, *, active: bool = True) -> ThrottleInput:
+    return ThrottleInput(t_s=t, sm_mhz=mhz, reasons=reasons, active=active)
+
+
+def test_benign_bits_while_idle_are_ignored() -> None:
+    det = ThrottleDetector(max_mhz=1980)
+    benign = [0x1, 0x2, 0x100, 0x1 | 0x2 | 0x100]
+    inputs = [_gpu(i * 0.1, benign[i % 4], mhz=345, active=False) for i in range(1000)]
+    assert _feed(det, inputs) == []
+    assert det.state is OK
+
+
+def test_single_hw_slowdown_sample_is_ignored_but_a_run_is_not() -> None:
+    settings = ThrottleSettings(window_s=1.0, min_dwell_s=0.0)
+    det = ThrottleDetector(settings, max_mhz=1980)
+    inputs = [_gpu(i * 0.1, 0x8 if i % 20 == 5 else 0) for i in range(200)]
+    assert _feed(det, inputs) == []
+
+    det = ThrottleDetector(settings, max_mhz=1980)
+    run = [_gpu(i * 0.1, 0x8 if 50 <= i < 70 else 0) for i in range(100)]
+    transitions = _feed(det, run)
+    assert transitions[0].to_state is THROTTLED
+    assert transitions[0].reasons == ("hw_slowdown",)
+
+
+def test_toggling_signal_does_not_flap() -> None:
+    det = ThrottleDetector(max_mhz=1980)
+    # SwPowerCap on for one second, off for one second, for five minutes, at 10 Hz, clock following.
+    inputs = []
+    for i in range(3000):
+        on = (i // 10) % 2 == 0
+        inputs.append(_gpu(i * 0.1, 0x4 if on else 0, mhz=1500 if on else 1980))
+    transitions = _feed(det, inputs)
+    assert [tr.to_state for tr in transitions] == [THROTTLED]
+    # Then quiet: it leaves once, recovers once.
+    quiet = [_gpu(300 + i * 0.1, 0) for i in range(1000)]
+    after = _feed(det, quiet)
+    assert [tr.to_state for tr in after] == [RECOVERING, OK]
+
+
+def test_min_dwell_holds_each_state() -> None:
+    det = ThrottleDetector(max_mhz=1980)
+    # A 3-second episode: throttled is held at least min_dwell_s before recovering.
+    inputs = [
+        _gpu(i * 0.1, 0x4 if 100 <= i < 130 else 0, mhz=1400 if 100 <= i < 130 else 1980) for i in range(900)
+    ]
+    transitions = _feed(det, inputs)
+    assert [tr.to_state for tr in transitions] == [THROTTLED, RECOVERING, OK]
+    enter, leave, ok = transitions
+    assert leave.t_s - enter.t_s >= det.settings.min_dwell_s
+    assert ok.t_s - leave.t_s >= det.settings.recover_s
+
+
+def test_signals_returning_while_recovering_re_enter() -> None:
+    det = ThrottleDetector(max_mhz=1980)
+    inputs = []
+    for i in range(1000):
+        t = i * 0.1
+        on = t < 5 or 30 <= t < 40
+        inputs.append(_gpu(t, 0x4 if on else 0, mhz=1400 if on else 1980))
+    transitions = _feed(det, inputs)
+    assert [tr.to_state for tr in transitions][:3] == [THROTTLED, RECOVERING, THROTTLED]
+
+
+def test_counter_growth_alone_triggers() -> None:
+    # No bitmask, full clock: short power-cap episodes between 1 Hz polls show only in the counter.
+    det = ThrottleDetector(max_mhz=1980)
+    inputs = []
+    power = 0
+    for i in range(120):
+        if 20 <= i < 30:
+            power += 50_000_000  # 50 ms of capping per second
+        inputs.append(ThrottleInput(t_s=float(i), sm_mhz=1980, reasons=None, throttle_ns={"power": power}))
+    transitions = _feed(det, inputs)
+    assert [tr.to_state for tr in transitions] == [THROTTLED, RECOVERING, OK]
+    assert transitions[0].t_s == 20.0
+    assert transitions[0].reasons == ("counter:power",)
+    assert det.per_reason_s["power"] == pytest.approx(0.5)
+
+
+def test_benign_counter_growth_does_not_trigger() -> None:
+    det = ThrottleDetector(max_mhz=1980)
+    inputs = [
+        ThrottleInput(
+            t_s=float(i),
+            sm_mhz=345,
+            reasons=0x1,
+            throttle_ns={"low_util": i * 10**9, "app_clocks": i * 10**9, "power": 0},
+            active=False,
+        )
+        for i in range(100)
+    ]
+    assert _feed(det, inputs) == []
+    assert det.per_reason_s["low_util"] == pytest.approx(99.0)
+
+
+def test_counter_reset_is_handled() -> None:
+    det = ThrottleDetector(max_mhz=1980)
+    values = [0, 2 * 10**9, 5 * 10**9, 10**9, 3 * 10**9]  # reset between 5 s and 1 s
+    for i, v in enumerate(values):
+        det.update(ThrottleInput(t_s=float(i), sm_mhz=1980, reasons=None, throttle_ns={"power": v}))
+    assert det.per_reason_s["power"] == pytest.approx(2 + 3 + 1 + 2)
+    assert det.summary()["counter_resets"] == 1
+
+
+def test_thermal_margin_triggers() -> None:
+    det = ThrottleDetector(max_mhz=1980)
+    inputs = [
+        ThrottleInput(t_s=float(i), sm_mhz=1980, reasons=0, thermal_margin_c=3.0 if 10 <= i < 20 else 30.0)
+        for i in range(80)
+    ]
+    transitions = _feed(det, inputs)
+    assert [tr.to_state for tr in transitions] == [THROTTLED, RECOVERING, OK]
+    assert "thermal_margin_c=3" in transitions[0].detail
+
+
+def test_baseline_is_median_of_first_active_samples() -> None:
+    det = ThrottleDetector(ThrottleSettings(baseline_samples=5))
+    for i, mhz in enumerate([345, 345, 1900, 1980, 1980, 1960, 1980, 1200]):
+        det.update(_gpu(float(i), 0, mhz=mhz, active=mhz > 400))
+    assert det.baseline_mhz == 1980
+
+
+def test_host_input_from_sysfs_counts() -> None:
+    det = ThrottleDetector()
+    counts = {"package": 100, "core": 40}
+    transitions: list[Transition] = []
+    for i in range(120):
+        if 30 <= i < 33:
+            counts = {"package": counts["package"] + 2, "core": counts["core"] + 1}
+        inp = host_input(float(i), 3000.0, 3000.0, counts, 40.0, active=True)
+        assert inp.reasons is None
+        transitions += det.update(inp)
+    assert [tr.to_state for tr in transitions] == [THROTTLED, RECOVERING, OK]
+    assert transitions[0].t_s == 30.0
+    assert set(transitions[0].reasons) == {"counter:package", "counter:core"}
+    assert det.per_reason_events == {"core": 3, "package": 6}
+    assert det.per_reason_s == {}
+
+
+def test_host_clock_ratio_against_max() -> None:
+    det = ThrottleDetector()
+    transitions: list[Transition] = []
+    for i in range(60):
+        mhz = 2000.0 if 10 <= i < 30 else 3500.0
+        transitions += det.update(host_input(float(i), mhz, 3500.0, {}, None))
+    assert transitions[0].to_state is THROTTLED
+    assert transitions[0].clock_ratio == pytest.approx(2000 / 3500)
+
+
+def test_reason_names_and_settings_validation() -> None:
+    assert reason_names(0x4 | 0x1) == ("gpu_idle", "sw_power_cap")
+    assert reason_names(0x200) == ("0x200",)
+    with pytest.raises(ValueError, match="clock_ratio"):
+        ThrottleSettings(clock_ratio_enter=0.95, clock_ratio_leave=0.9)
+    det = ThrottleDetector()
+    det.update(_gpu(5.0, 0))
+    with pytest.raises(ValueError, match="out of order"):
+        det.update(_gpu(4.0, 0))
