@@ -31,7 +31,9 @@ from soakd.collectors.allocator import AllocatorCollector
 from soakd.collectors.base import Collector
 from soakd.collectors.engine import EngineCollector, quantile_of_counts
 from soakd.collectors.gpu import probe_nvml
+from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.host import HostCollector
+from soakd.collectors.nvml import LiveNvml, NvmlCollector, NvmlSource, RecordedNvml
 from soakd.collectors.prom import MetricsScraper
 from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
@@ -204,6 +206,9 @@ class Soak:
         self._rebuild_task: asyncio.Future[bool] | None = None
         self._scraper: MetricsScraper | None = None
         self._allocator: AllocatorCollector | None = None
+        self._nvml: NvmlCollector | None = None
+        self._gpu_watch: GpuThrottleWatch | None = None
+        self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
 
     def _write_meta(self, extra: dict[str, Any]) -> None:
@@ -277,7 +282,7 @@ class Soak:
         engine = self._supervisor = EngineSupervisor(
             build, cfg.engine, on_event=writer.event, on_started=on_started
         )
-        collectors = self._make_collectors(engine, engine_collector)
+        collectors = self._make_collectors(engine, engine_collector, writer)
         runner = CollectorRunner(collectors, writer)
         scheduler = self._make_scheduler(runner, spool, forwarder, engine)
         loop = asyncio.get_running_loop()
@@ -453,6 +458,7 @@ class Soak:
                 "accepted": engine_collector.spec_accepted_total,
             },
             "engine_telemetry": self._engine_telemetry(engine, engine_collector, profile, drift),
+            "gpu_throttle": self._gpu_watch.summary() if self._gpu_watch is not None else None,
         }
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
@@ -625,7 +631,9 @@ class Soak:
             on_event=on_event,
         )
 
-    def _make_collectors(self, engine: Engine, engine_collector: EngineCollector) -> list[Collector]:
+    def _make_collectors(
+        self, engine: Engine, engine_collector: EngineCollector, writer: SampleWriter
+    ) -> list[Collector]:
         names = self.cfg.telemetry.collectors
         # The replay's own series is always on: it is how a run shows it kept up with the trace.
         out: list[Collector] = [
@@ -636,18 +644,37 @@ class Soak:
         if "engine" in names:
             out.append(engine_collector)
         if "gpu" in names:
+            out += self._make_gpu_collectors(engine, writer)
+        return out
+
+    def _make_gpu_collectors(self, engine: Engine, writer: SampleWriter) -> list[Collector]:
+        """NVML (or a recording of it) and the throttle detector fed by its fast tier."""
+        tcfg = self.cfg.telemetry
+        source: NvmlSource
+        if tcfg.gpu_recording:
+            t0 = time.monotonic()
+            speed = tcfg.gpu_recording_speed
+
+            def recorded_time() -> float:
+                return (time.monotonic() - t0) * speed
+
+            self._gpu_clock = recorded_time
+            source = RecordedNvml(self.cfg.resolve(tcfg.gpu_recording), recorded_time)
+        else:
             gpu = probe_nvml()
             if gpu.count == 0:
                 # Said once, then the soak runs on with host and engine telemetry.
                 log.warning("gpu_telemetry_off", reason=gpu.reason or "no GPU found")
-            else:
-                log.warning(
-                    "gpu_collector_unavailable",
-                    gpus=gpu.count,
-                    driver=gpu.driver,
-                    reason="the NVML collector is not part of this release",
-                )
-        return out
+                return []
+            import pynvml
+
+            source = LiveNvml(pynvml, pids=engine.process_ids)
+        watch = GpuThrottleWatch(
+            {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())}, on_event=writer.event
+        )
+        self._nvml = NvmlCollector(source, on_fast=watch.observe)
+        self._gpu_watch = watch
+        return [self._nvml, watch]
 
     def _make_scheduler(
         self,
@@ -680,13 +707,30 @@ class Soak:
             spool.flush(fsync=True)
 
         async def slow() -> None:
-            await runner.refresh(timeout_s=cfg.telemetry.slow_interval)
+            # The GPU's slow tier has its own, faster job (gpu_slow).
+            await runner.refresh(timeout_s=cfg.telemetry.slow_interval, exclude=frozenset({"gpu"}))
 
         async def check_engine() -> None:
             engine.check()
             if not engine.alive() and self._replayer is not None and not self._replayer.fatal:
                 self._replayer.fail("engine: no engine left to replay on")
 
+        nvml = self._nvml
+        if nvml is not None:
+
+            async def gpu_fast() -> None:
+                nvml.sample_fast(self._gpu_clock())
+
+            async def gpu_slow() -> None:
+                try:
+                    await nvml.refresh()
+                # Same containment as the collector runner: one failed slow read is logged and the
+                # soak goes on (the counters' next delta still covers the time).
+                except Exception as err:  # noqa: BLE001
+                    log.warning("gpu_slow_read_failed", error=f"{type(err).__name__}: {err}"[:200])
+
+            scheduler.add_job(gpu_fast, "interval", seconds=cfg.telemetry.gpu_fast_interval, id="gpu_fast")
+            scheduler.add_job(gpu_slow, "interval", seconds=cfg.telemetry.gpu_slow_interval, id="gpu_slow")
         scheduler.add_job(collect, "interval", seconds=cfg.telemetry.interval, id="collect")
         scheduler.add_job(slow, "interval", seconds=cfg.telemetry.slow_interval, id="slow")
         scheduler.add_job(check_engine, "interval", seconds=1.0, id="engine_check")

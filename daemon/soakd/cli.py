@@ -47,6 +47,28 @@ def _override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _duration(text: str) -> float:
+    from soakd.config import parse_duration
+
+    try:
+        seconds = parse_duration(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
+    return seconds
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be more than 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="soakd", description="Endurance and telemetry daemon for LLM inference.")
     p.add_argument("--version", action="version", version=f"soakd {__version__}")
@@ -76,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--json", action="store_true")
 
     _trace_parser(sub)
+
+    tel = sub.add_parser("telemetry", help="GPU telemetry without a soak")
+    telsub = tel.add_subparsers(dest="telemetry_command", required=True, parser_class=_Parser)
+    trec = telsub.add_parser(
+        "record", help="record raw NVML readings (fast and slow tier) of every GPU to a file, for replay"
+    )
+    trec.add_argument("--duration", type=_duration, required=True, help="how long, e.g. 90s or 10m")
+    trec.add_argument("--fast-hz", type=_positive, default=10.0, help="fast-tier samples per second")
+    trec.add_argument("--slow-hz", type=_positive, default=1.0, help="slow-tier samples per second")
+    trec.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    trec.add_argument("out", type=Path, help="output file (.jsonl, or .jsonl.gz to compress)")
 
     model = sub.add_parser("model", help="model helpers")
     msub = model.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
@@ -406,6 +439,39 @@ def _trace_record(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_telemetry(args: argparse.Namespace) -> int:
+    import resource
+    import time
+
+    import pynvml
+
+    from soakd.collectors.nvml import LiveNvml
+    from soakd.collectors.nvml_record import record
+
+    out: Path = args.out
+    if out.exists() and not args.force:
+        raise UsageError(f"{out} exists (use --force to overwrite)")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out.parent} is not a folder")
+    try:
+        source = LiveNvml(pynvml)
+    except pynvml.NVMLError as err:
+        raise EngineError(f"NVML unavailable: {err}") from None
+    t0 = time.monotonic()
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        counts = record(source, args.duration, out, fast_hz=args.fast_hz, slow_hz=args.slow_hz)
+    finally:
+        source.close()
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    wall = time.monotonic() - t0
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    # The recorder's own cost: CPU seconds per wall second of sampling (the collector's overhead).
+    doc = {**asdict(counts), "out": str(out), "wall_s": wall, "cpu_s": cpu, "cpu_share": cpu / wall}
+    print(json.dumps(doc, indent=2))
+    return EXIT_OK
+
+
 def _cmd_model(args: argparse.Namespace) -> int:
     from soakd.tinymodel import build_tiny_model
 
@@ -432,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "check": _cmd_check,
             "model": _cmd_model,
             "trace": _cmd_trace,
+            "telemetry": _cmd_telemetry,
         }
         return handlers[args.command](args)
     except InputError as err:

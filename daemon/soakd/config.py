@@ -211,6 +211,10 @@ class TelemetryConfig(_Section):
 
     interval: Duration = Field(default=1.0, gt=0)
     slow_interval: Duration = Field(default=10.0, gt=0)
+    gpu_fast_interval: Duration = Field(default=0.1, gt=0)
+    gpu_slow_interval: Duration = Field(default=1.0, gt=0)
+    gpu_recording: str = ""
+    gpu_recording_speed: float = Field(default=1.0, gt=0)
     collectors: list[CollectorName] = Field(default_factory=lambda: list(_ALL_COLLECTORS))
     spec_drift: SpecDriftConfig = SpecDriftConfig()
 

@@ -337,3 +337,35 @@ async def test_a_scheduled_rebuild_swaps_the_engine_with_exact_accounting(tmp_pa
     assert len(aborted) == rebuild[0].fields["aborted"] == replay["failed"]
     lifecycle = result.summary["engine_telemetry"]["lifecycle"]
     assert lifecycle["rebuilds"] == 1 and len(lifecycle["configs"]) == 2
+
+
+async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_path: Path) -> None:
+    """The GPU is a real H200 recording (idle, a soak, 25 s of matmul at the 700 W cap) played 40x
+    faster: gpu points, the throttle state per interval and its transitions as events."""
+    recording = Path(__file__).parents[1] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+    over = {
+        "run.duration": "6s",
+        "telemetry.collectors": ["host", "engine", "gpu"],
+        "telemetry.gpu_recording": str(recording),
+        "telemetry.gpu_recording_speed": 40.0,
+        "telemetry.gpu_fast_interval": "25ms",
+        "telemetry.gpu_slow_interval": "250ms",
+    }
+    soak = Soak(config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
+    result = await asyncio.wait_for(soak.run(), 60)
+    by: dict[str, list[Sample]] = {}
+    for s in iter_samples(result.run_dir / "spool"):
+        by.setdefault(s.measurement, []).append(s)
+    gpu = by["gpu"]
+    assert gpu and all(s.tags["gpu"] == "0" for s in gpu)
+    capped = [s for s in gpu if float(s.fields.get("reason_sw_power_cap_share", 0)) >= 0.8]
+    assert capped and all(float(s.fields["sm_clock_ratio"]) < 0.8 for s in capped)
+    kinds = [e.tags["kind"] for e in by["events"]]
+    assert kinds.count("throttle_enter") == 1
+    enter = next(e for e in by["events"] if e.tags["kind"] == "throttle_enter")
+    assert "sw_power_cap" in str(enter.fields["reasons"])
+    states = [int(s.fields["state"]) for s in by["throttle"]]
+    assert 1 in states and states[0] == 0
+    power_s = sum(float(s.fields.get("throttle_power_s", 0)) for s in gpu)
+    assert 20 < power_s <= 25.35  # the recorded field-74 growth, as far as the run got through it
+    assert result.summary["gpu_throttle"]["0"]["enters"] == 1

@@ -500,8 +500,16 @@ class NvmlCollector:
 
     name = "gpu"
 
-    def __init__(self, source: NvmlSource, gpus: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        source: NvmlSource,
+        gpus: Sequence[int] | None = None,
+        on_fast: Callable[[int, float, Reading, Reading], None] | None = None,
+    ) -> None:
         self.source = source
+        self.on_fast = on_fast
+        """Called with (gpu, time, fast reading, latest slow reading) for every fast sample: the
+        throttle detector's feed."""
         self.gpus = list(range(source.gpu_count())) if gpus is None else list(gpus)
         self._state = [_GpuState(source.static(i)) for i in self.gpus]
         self._last_ns: int | None = None
@@ -517,7 +525,10 @@ class NvmlCollector:
         self.fast_samples_total += 1
         fast = self.source.fast
         for i, st in zip(self.gpus, self._state, strict=True):
-            self._fold_fast(st, fast(i))
+            r = fast(i)
+            self._fold_fast(st, r)
+            if self.on_fast is not None:
+                self.on_fast(i, now_s, r, st.last_slow)
 
     def _fold_fast(self, st: _GpuState, r: Reading) -> None:
         a = st.acc

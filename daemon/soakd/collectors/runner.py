@@ -79,11 +79,11 @@ class CollectorRunner:
             )
         self._emit(out)
 
-    async def refresh(self, timeout_s: float) -> None:
+    async def refresh(self, timeout_s: float, exclude: frozenset[str] = frozenset()) -> None:
         """The slow tier: await each refreshing collector's I/O, one after the other, each bounded by
         `timeout_s`; a failure or a timeout is counted against that collector like a failed collect."""
         for collector in self._collectors:
-            if not isinstance(collector, RefreshingCollector):
+            if not isinstance(collector, RefreshingCollector) or collector.name in exclude:
                 continue
             try:
                 await asyncio.wait_for(collector.refresh(), timeout_s)

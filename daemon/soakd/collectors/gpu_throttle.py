@@ -1,0 +1,90 @@
+"""Throttle state per GPU during a soak: the detector fed with every fast NVML sample, its transitions
+written as `throttle_*` events, and a `throttle` point per GPU per interval."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from soakd.metric import FieldValue, Sample
+from soakd.policies.throttle import (
+    ThrottleDetector,
+    ThrottleInput,
+    ThrottleSettings,
+    ThrottleState,
+    counters_from_fields,
+)
+
+EventFn = Callable[..., None]
+_STATE_CODE = {ThrottleState.OK: 0, ThrottleState.THROTTLED: 1, ThrottleState.RECOVERING: 2}
+_GPU_IDLE = 0x1
+
+
+class GpuThrottleWatch:
+    """One ThrottleDetector per GPU. `observe` is NvmlCollector's `on_fast` hook."""
+
+    name = "throttle"
+
+    def __init__(
+        self,
+        max_sm_mhz: Mapping[int, float | None],
+        on_event: EventFn,
+        settings: ThrottleSettings | None = None,
+    ) -> None:
+        self._detectors = {
+            gpu: ThrottleDetector(settings, max_mhz=mhz or None) for gpu, mhz in max_sm_mhz.items()
+        }
+        self._on_event = on_event
+        self.transitions = 0
+
+    def observe(self, gpu: int, t_s: float, fast: Mapping[str, Any], slow: Mapping[str, Any]) -> None:
+        det = self._detectors.get(gpu)
+        if det is None:
+            return
+        reasons = fast.get("reasons")
+        util = fast.get("util_gpu")
+        idle = isinstance(reasons, int) and bool(reasons & _GPU_IDLE)
+        fields = slow.get("fields") or {}
+        inp = ThrottleInput(
+            t_s=t_s,
+            sm_mhz=fast.get("sm_mhz"),
+            reasons=reasons,
+            throttle_ns=counters_from_fields({k: v for k, v in fields.items() if v is not None}),
+            thermal_margin_c=slow.get("margin_c"),
+            active=None if util is None and reasons is None else (not idle and (util is None or util > 0)),
+        )
+        for tr in det.update(inp):
+            self.transitions += 1
+            kind = {
+                ThrottleState.THROTTLED: "throttle_enter",
+                ThrottleState.RECOVERING: "throttle_recovering",
+                ThrottleState.OK: "throttle_leave",
+            }[tr.to_state]
+            fields_out: dict[str, FieldValue] = {
+                "gpu": gpu,
+                "from_state": str(tr.from_state),
+                "to_state": str(tr.to_state),
+                "reasons": ",".join(tr.reasons),
+                "detail": tr.detail[:300],
+            }
+            if tr.clock_ratio is not None:
+                fields_out["clock_ratio"] = tr.clock_ratio
+            self._on_event(kind, f"GPU {gpu}: {tr.from_state} -> {tr.to_state} ({tr.detail})", **fields_out)
+
+    def collect(self, now_ns: int) -> Sequence[Sample]:
+        out = []
+        for gpu, det in self._detectors.items():
+            fields: dict[str, FieldValue] = {
+                "state": _STATE_CODE[det.state],
+                "throttled_s": det.throttled_s,
+            }
+            for name, secs in det.per_reason_s.items():
+                fields[f"throttle_{name}_total_s"] = secs
+            out.append(Sample("throttle", fields, now_ns, tags={"gpu": str(gpu)}))
+        return out
+
+    def summary(self) -> dict[str, object]:
+        return {str(gpu): det.summary() for gpu, det in self._detectors.items()}
+
+    def close(self) -> None:
+        return None
