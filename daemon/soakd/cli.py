@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     trec.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     trec.add_argument("out", type=Path, help="output file (.jsonl, or .jsonl.gz to compress)")
 
+    prb = sub.add_parser(
+        "probe", help="hardware profile (bandwidth, L2, PCIe, power) and the model's decode ceiling"
+    )
+    prb.add_argument("--model", type=Path, help="model folder (config.json + safetensors) for the ceiling")
+    prb.add_argument("--no-copy", action="store_true", help="skip the measured device-copy bandwidth")
+    prb.add_argument("--json", action="store_true")
+
     model = sub.add_parser("model", help="model helpers")
     msub = model.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
     tiny = msub.add_parser("tiny", help="build the tiny random-weight test model (no download)")
@@ -472,6 +479,19 @@ def _cmd_telemetry(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from soakd.probe import probe, probe_lines
+
+    if args.model is not None and not args.model.is_dir():
+        raise UsageError(f"--model {args.model}: not a folder")
+    doc = probe(model_dir=args.model, measure_copy=not args.no_copy)
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    else:
+        print("\n".join(probe_lines(doc)))
+    return EXIT_OK
+
+
 def _cmd_model(args: argparse.Namespace) -> int:
     from soakd.tinymodel import build_tiny_model
 
@@ -499,6 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": _cmd_model,
             "trace": _cmd_trace,
             "telemetry": _cmd_telemetry,
+            "probe": _cmd_probe,
         }
         return handlers[args.command](args)
     except InputError as err:

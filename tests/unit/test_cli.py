@@ -117,3 +117,49 @@ def test_help_does_not_import_vllm() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False False"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["telemetry", "record", "--duration", "soon", "OUT"], "argument --duration"),
+        (["telemetry", "record", "--duration", "0s", "OUT"], "must be more than 0"),
+        (["telemetry", "record", "--duration", "5s", "--fast-hz", "-1", "OUT"], "argument --fast-hz"),
+        (["telemetry", "record", "--duration", "5s", "/no/such/dir/out.jsonl"], "is not a folder"),
+        (["probe", "--model", "/no/such/model"], "not a folder"),
+    ],
+)
+def test_telemetry_and_probe_arguments(
+    argv: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(tmp_path / a) if a == "OUT" else a for a in argv]
+    code, _, err = run(argv, capsys)
+    assert code == 2 and needle in one_line_error(err)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_telemetry_record_refuses_to_overwrite(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rec.jsonl"
+    out.write_text("keep me\n")
+    code, _, err = run(["telemetry", "record", "--duration", "1s", str(out)], capsys)
+    assert code == 2 and "--force" in one_line_error(err)
+    assert out.read_text() == "keep me\n"
+
+
+def test_probe_without_a_gpu_still_gives_the_models_bytes_per_token(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 8, "torch_dtype": "bfloat16"}
+        )
+    )
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [4, 8], "data_offsets": [0, 64]}}).encode()
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+    code, out, _ = run(["probe", "--model", str(model), "--no-copy", "--json"], capsys)
+    doc = json.loads(out)
+    assert code == 0 and doc["model"]["weight_bytes"] == 64
+    if not doc["gpus"]:
+        assert doc["reason"]
