@@ -51,7 +51,8 @@ def _duration(text: str) -> float:
     from soakd.config import parse_duration
 
     try:
-        seconds = parse_duration(text)
+        # A bare number on the command line is seconds ("85"), like "85s".
+        seconds = parse_duration(float(text) if text.replace(".", "", 1).isdigit() else text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     if seconds <= 0:

@@ -86,6 +86,7 @@ def record(
                 )
             raw.flush()
             os.fsync(raw.fileno())
+        tmp.chmod(0o644)  # mkstemp makes it 0600; a recording is for whoever reads the results
         tmp.replace(out)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
