@@ -177,7 +177,7 @@ def test_benign_counter_growth_does_not_trigger() -> None:
             t_s=float(i),
             sm_mhz=345,
             reasons=0x1,
-            throttle_ns={"low_util": i * 10**9, "app_clocks": i * 10**9, "power": 0},
+            throttle_ns={"low_util": i * 10**9, "total_app_clocks": i * 10**9, "power": 0},
             active=False,
         )
         for i in range(100)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
+from soakd.collectors import nvml
+
 __all__ = [
     "BENIGN_REASONS",
     "NVML_FIELD_COUNTERS",
@@ -44,34 +46,13 @@ SW_POWER_CAP: Final = 0x4
 HW_SLOWDOWN: Final = 0x8
 DISPLAY_CLOCK_SETTING: Final = 0x100
 
-REASON_BITS: Final[Mapping[int, str]] = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
+# One definition of the bits and counters, shared with the NVML collector that reads them.
+REASON_BITS: Final[Mapping[int, str]] = dict(nvml.REASON_BITS)
 """Clock-event (throttle) reason bits of `nvmlDeviceGetCurrentClocksEventReasons`, by name."""
 
 BENIGN_REASONS: Final = GPU_IDLE | APPLICATIONS_CLOCKS_SETTING | DISPLAY_CLOCK_SETTING
 
-NVML_FIELD_COUNTERS: Final[Mapping[int, str]] = {
-    74: "power",
-    75: "thermal",
-    76: "sync_boost",
-    77: "board_limit",
-    78: "low_util",
-    79: "reliability",
-    80: "app_clocks",
-    81: "base_clocks",
-    269: "sw_thermal",
-    270: "hw_thermal",
-    271: "hw_power_brake",
-}
+NVML_FIELD_COUNTERS: Final[Mapping[int, str]] = dict(nvml.THROTTLE_COUNTERS)
 """NVML field ids of the cumulative throttle-time counters (ns), by the counter names used here."""
 
 DEFAULT_ENTER_COUNTERS: Final = frozenset(
