@@ -139,3 +139,13 @@ def parse_line(line: str) -> Sample:
             raise ValueError(f"bad field {item!r}")
         fields[_unescape(kv[0])] = _decode_field(kv[1])
     return Sample(measurement=_unescape(head_parts[0]), fields=fields, time_ns=int(ts), tags=tags)
+
+
+def counter_growth(prev: int, cur: int) -> tuple[int, bool]:
+    """Growth of a monotonic counter between two reads, and whether it restarted in between.
+
+    A counter lower than before restarted from zero (a driver reload, a CPU brought back online), so
+    its growth since then is its value."""
+    if cur < prev:
+        return cur, True
+    return cur - prev, False

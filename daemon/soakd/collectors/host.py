@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import structlog
 
-from soakd.metric import FieldValue, Sample
+from soakd.metric import FieldValue, Sample, counter_growth
 
 log = structlog.get_logger(__name__)
 
@@ -157,9 +157,7 @@ class HostSysfs:
 
 
 def _growth(prev: int | None, cur: int | None) -> int | None:
-    if prev is None or cur is None:
-        return None
-    return cur - prev if cur >= prev else cur  # a drop means the counters restarted (CPU offline/online)
+    return None if prev is None or cur is None else counter_growth(prev, cur)[0]
 
 
 def sysfs_fields(readings: SysfsReadings) -> dict[str, FieldValue]:

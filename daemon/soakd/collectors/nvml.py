@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from soakd.metric import FieldValue, Sample
+from soakd.metric import FieldValue, Sample, counter_growth
 
 log = structlog.get_logger(__name__)
 
@@ -619,22 +619,18 @@ class NvmlCollector:
             st.prev_counters[fid] = cur
             if prev is None:
                 continue
-            delta = cur - prev
-            if delta < 0:  # the counter restarted (driver reload): its growth since then is `cur`
-                a.counter_resets += 1
-                self.counter_resets_total += 1
-                delta = cur
+            delta, reset = counter_growth(prev, cur)
+            a.counter_resets += reset
+            self.counter_resets_total += reset
             a.counter_ns[fid] = a.counter_ns.get(fid, 0) + delta
         energy = r.get("energy_mj")
         if energy is not None:
             energy = int(energy)
             prev_e, st.prev_energy = st.prev_energy, energy
             if prev_e is not None:
-                delta = energy - prev_e
-                if delta < 0:
-                    a.counter_resets += 1
-                    self.counter_resets_total += 1
-                    delta = energy
+                delta, reset = counter_growth(prev_e, energy)
+                a.counter_resets += reset
+                self.counter_resets_total += reset
                 a.energy_mj = (a.energy_mj or 0) + delta
 
     # -- points ------------------------------------------------------------------------------------

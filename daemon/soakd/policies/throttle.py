@@ -25,6 +25,7 @@ from enum import StrEnum
 from typing import Final
 
 from soakd.collectors import nvml
+from soakd.metric import counter_growth
 
 __all__ = [
     "BENIGN_REASONS",
@@ -322,31 +323,30 @@ class ThrottleDetector:
         return tuple(names)
 
     def _counters(self, inp: ThrottleInput) -> None:
-        for name, value in inp.throttle_ns.items():
-            prev = self._last_ns.get(name)
-            self._last_ns[name] = value
+        # Time counters (ns) signal when one of the entering kinds grew; event counters (sysfs) on
+        # any growth. Each keeps its own totals.
+        self._grow(inp.throttle_ns, self._last_ns, self._per_reason_ns, inp.t_s, self.settings.enter_counters)
+        self._grow(inp.throttle_counts, self._last_counts, self._per_reason_events, inp.t_s, None)
+
+    def _grow(
+        self,
+        values: Mapping[str, int],
+        last: dict[str, int],
+        totals: dict[str, int],
+        t_s: float,
+        signal: frozenset[str] | None,
+    ) -> None:
+        for name, value in values.items():
+            prev = last.get(name)
+            last[name] = value
             if prev is None:
                 continue
-            delta = value - prev
-            if delta < 0:  # counter reset (driver reload, GPU reset): it restarted from zero
-                self._counter_resets += 1
-                delta = value
+            delta, reset = counter_growth(prev, value)
+            self._counter_resets += reset
             if delta > 0:
-                self._per_reason_ns[name] = self._per_reason_ns.get(name, 0) + delta
-                if name in self.settings.enter_counters:
-                    self._grown_at[name] = inp.t_s
-        for name, count in inp.throttle_counts.items():
-            prev = self._last_counts.get(name)
-            self._last_counts[name] = count
-            if prev is None:
-                continue
-            delta = count - prev
-            if delta < 0:
-                self._counter_resets += 1
-                delta = count
-            if delta > 0:
-                self._per_reason_events[name] = self._per_reason_events.get(name, 0) + delta
-                self._grown_at[name] = inp.t_s
+                totals[name] = totals.get(name, 0) + delta
+                if signal is None or name in signal:
+                    self._grown_at[name] = t_s
 
     def _entry(self, inp: ThrottleInput) -> _Entry:
         s = self.settings
