@@ -14,8 +14,7 @@ import pytest
 from soakd.config import EngineConfig
 from soakd.engine.base import SpecSteps
 from soakd.engine.channel import SOCKET_ENV, StepChannel
-from soakd.engine.stats import StepStats, step_from_wire, step_to_wire
-from soakd.engine.vllm_local import copy_spec_steps
+from soakd.engine.stats import StepStats, copy_spec_steps, step_from_wire, step_to_wire
 from soakd.engine.vllm_server import server_argv, server_config_id
 
 

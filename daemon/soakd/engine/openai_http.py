@@ -22,8 +22,8 @@ import structlog
 
 from soakd.config import EngineConfig
 from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
-from soakd.engine.stats import StepStats
-from soakd.engine.vllm_local import config_id, copy_spec_steps
+from soakd.engine.stats import StepStats, copy_spec_steps
+from soakd.engine.vllm_local import config_id
 from soakd.errors import EngineError
 from soakd.sse import EventSplitter
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from soakd.engine.base import SpecSteps
+
 
 @dataclass(slots=True)
 class StepStats:
@@ -162,3 +164,14 @@ class RecordCost:
             "record_us_mean": self.total_ns / self.n / 1e3 if self.n else None,
             "record_us_max": self.max_ns / 1e3 if self.n else None,
         }
+
+
+def copy_spec_steps(metrics: object, out: SpecSteps) -> None:
+    """Per-step acceptance from vLLM's per-request metrics (an object or its dict form) into `out`."""
+    get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
+    accepted = get("per_step_accepted", None)
+    drafted = get("per_step_drafted", None)
+    # The "summary" level has no per-step lists (None over HTTP, empty in-process): nothing to copy.
+    if accepted and drafted and len(accepted) == len(drafted):
+        out.accepted[:] = [int(a) for a in accepted]
+        out.drafted[:] = [int(d) for d in drafted]

@@ -19,8 +19,8 @@ import psutil
 import structlog
 
 from soakd.config import EngineConfig
-from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
-from soakd.engine.stats import RecordCost, StepStats, step_from_vllm
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.stats import RecordCost, StepStats, copy_spec_steps, step_from_vllm
 from soakd.errors import EngineError
 
 log = structlog.get_logger(__name__)
@@ -67,17 +67,6 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
 # Options soakd adds for its own telemetry; a release that lacks one runs without that signal.
 OPTIONAL_ARGS = ("cudagraph_metrics", "per_request_spec_decode_metrics", "worker_extension_cls")
 WORKER_EXTENSION = "soakd.engine.worker_ext.SoakdWorkerExtension"
-
-
-def copy_spec_steps(metrics: object, out: SpecSteps) -> None:
-    """Per-step acceptance from vLLM's per-request metrics (an object or its dict form) into `out`."""
-    get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
-    accepted = get("per_step_accepted", None)
-    drafted = get("per_step_drafted", None)
-    # The "summary" level has no per-step lists (None over HTTP, empty in-process): nothing to copy.
-    if accepted and drafted and len(accepted) == len(drafted):
-        out.accepted[:] = [int(a) for a in accepted]
-        out.drafted[:] = [int(d) for d in drafted]
 
 
 def config_id(kwargs: dict[str, Any]) -> str:
