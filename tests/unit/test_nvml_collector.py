@@ -163,6 +163,7 @@ class FakeNvml:
     counters: list[dict[int, int]] = field(default_factory=lambda: [{}])
     unsupported: set[str] = field(default_factory=set)
     calls: list[str] = field(default_factory=list)
+    field_calls: list[list[int]] = field(default_factory=list)
 
     def _fail(self, what: str) -> None:
         if what in self.unsupported:
@@ -219,6 +220,7 @@ class FakeNvml:
         return 0
 
     def nvmlDeviceGetTotalEnergyConsumption(self, h: str) -> int:
+        self.calls.append("energy")
         self._fail("energy")
         return 1_000_000
 
@@ -236,14 +238,14 @@ class FakeNvml:
         return [SimpleNamespace(pid=42, usedGpuMemory=5 << 30), SimpleNamespace(pid=7, usedGpuMemory=1)]
 
     def nvmlDeviceGetFieldValues(self, h: str, ids: list[int]) -> list[Any]:
-        if 82 in ids:  # the fast tier's HBM temperature: does not advance the counters script
-            current = self.counters[0]
-        else:
-            current = self.counters.pop(0) if len(self.counters) > 1 else self.counters[0]
+        self.field_calls.append(list(ids))
+        current = self.counters.pop(0) if len(self.counters) > 1 else self.counters[0]
         out = []
         for fid in ids:
             if fid == 82:
                 out.append(_field(fid, 1, 55))  # unsigned int
+            elif fid == 83 and "energy_field" not in self.unsupported:
+                out.append(_field(fid, 3, 2_000_000))
             elif fid in current:
                 out.append(_field(fid, 3, current[fid]))  # unsigned long long
             else:
@@ -323,6 +325,30 @@ def test_64_bit_field_values_decode_from_ullval() -> None:
     col.sample_slow()
     (p,) = col.collect(1)
     assert p.fields["throttle_power_s"] == 7.0 and p.fields["counter_resets"] == 0
+
+
+def test_fast_tier_makes_no_field_values_call_and_the_slow_tier_one() -> None:
+    # A field-values call costs ~0.7 ms on an H200 whatever it asks for: never at 10 Hz, once per slow read.
+    nv = NewFakeNvml(counters=[{74: 0}])
+    src = LiveNvml(nv)
+    for _ in range(10):
+        src.fast(0)
+    assert nv.field_calls == []
+    r = src.slow(0)
+    assert len(nv.field_calls) == 1 and 82 in nv.field_calls[0] and 83 in nv.field_calls[0]
+    assert r["hbm_temp_c"] == 55 and r["energy_mj"] == 2_000_000 and r["fields"]["74"] == 0
+    assert "energy" not in nv.calls  # field 83 served it
+
+
+def test_energy_falls_back_to_its_own_call_when_field_83_is_unsupported() -> None:
+    nv = NewFakeNvml(unsupported={"energy_field"})
+    with capture_logs() as logs:
+        src = LiveNvml(nv)
+        first, second = src.slow(0), src.slow(0)
+    assert first["energy_mj"] == second["energy_mj"] == 1_000_000
+    assert nv.calls.count("energy") == 2
+    assert 83 in nv.field_calls[0] and 83 not in nv.field_calls[1]  # asked once, then not again
+    assert not [e for e in logs if e.get("reading") == "field_83"]  # a fallback, not a missing reading
 
 
 def test_counter_going_down_is_a_reset() -> None:

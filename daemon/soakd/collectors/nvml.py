@@ -3,12 +3,14 @@
 Two tiers, because NVML calls differ in cost by three orders of magnitude:
 
 - fast (default 10 Hz, `NvmlCollector.sample_fast`): the microsecond calls only: SM and memory
-  clocks, clock-event reasons, power, temperature, HBM temperature (field 82), memory v2,
-  utilization, pstate. Folded into running per-interval aggregates, nothing kept per sample.
-- slow (`NvmlCollector.refresh`, the app's slow interval): the millisecond calls: total energy,
-  thermal margin, the violation/throttle nanosecond counters (field values 74-81 and 269-271,
-  decoded by their value type: they are unsigned 64-bit), ECC and remapped rows, the memory of
-  watched processes. Counters become deltas between slow reads.
+  clocks, clock-event reasons, power, temperature, memory v2, utilization, pstate. Folded into
+  running per-interval aggregates, nothing kept per sample.
+- slow (`NvmlCollector.refresh`, `gpu_slow_interval`): the millisecond calls. One field-values call
+  carries the violation/throttle nanosecond counters (74-81, 269-271, decoded by their value type:
+  they are unsigned 64-bit), HBM temperature (82) and total energy (83): a field-values call costs
+  ~0.7 ms whatever it asks for, so HBM temperature rides here rather than costing one per fast
+  sample. Then thermal margin, ECC and remapped rows, the memory of watched processes. Counters
+  become deltas between slow reads.
 
 PCIe throughput (which blocks ~21 ms) is not read at all.
 
@@ -42,7 +44,6 @@ FAST_KEYS = (
     "reasons",
     "power_mw",
     "temp_c",
-    "hbm_temp_c",
     "mem_used",
     "mem_total",
     "util_gpu",
@@ -53,6 +54,7 @@ FAST_KEYS = (
 
 SLOW_KEYS = (
     "energy_mj",
+    "hbm_temp_c",
     "margin_c",
     "fields",
     "ecc_corrected",
@@ -67,6 +69,7 @@ SLOW_KEYS = (
 `proc_mem` maps a watched PID (as a string) to its GPU memory in bytes."""
 
 HBM_TEMP_FIELD = 82  # NVML_FI_DEV_MEMORY_TEMP
+ENERGY_FIELD = 83  # NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, mJ since the driver loaded
 
 REASON_BITS: tuple[tuple[int, str], ...] = (
     (0x1, "gpu_idle"),
@@ -100,6 +103,7 @@ THROTTLE_COUNTERS: tuple[tuple[int, str], ...] = (
 The collector writes each one's growth per interval as `throttle_<name>_s`."""
 
 COUNTER_FIELD_IDS = tuple(fid for fid, _ in THROTTLE_COUNTERS)
+SLOW_FIELD_IDS = (*COUNTER_FIELD_IDS, HBM_TEMP_FIELD, ENERGY_FIELD)
 
 # nvmlValueType_t -> the c_nvmlValue_t union member holding it (NVML ABI values).
 _VALUE_MEMBER = {1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
@@ -178,6 +182,8 @@ class LiveNvml:
         self._throttle_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
         self._reasons_fn: Callable[[Any], int] | None = event or self._throttle_fn
         self._mem_v2 = getattr(nvml, "nvmlMemory_v2", None)
+        self._energy_field_ok: dict[int, bool] = {}
+        """Per GPU: whether field 83 gave the energy (else nvmlDeviceGetTotalEnergyConsumption)."""
         nvml.nvmlInit()
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(int(nvml.nvmlDeviceGetCount()))]
 
@@ -210,21 +216,27 @@ class LiveNvml:
             self._unsupported(i, what, err)
             return None
 
-    def _decode(self, i: int, fid: int, v: Any) -> int | float | None:
+    def _decode(self, i: int, fid: int, v: Any, quiet: bool = False) -> int | float | None:
         """One nvmlFieldValue_t by its valueType: 64-bit counters must come from `ullVal`."""
         if v.nvmlReturn != _NVML_SUCCESS:
-            self._unsupported(i, f"field_{fid}", f"nvmlReturn {v.nvmlReturn}")
+            if not quiet:
+                self._unsupported(i, f"field_{fid}", f"nvmlReturn {v.nvmlReturn}")
             return None
         kind = int(v.valueType)
         if kind == _VALUE_TYPE_DOUBLE:
             return float(v.value.dVal)
         return int(getattr(v.value, _VALUE_MEMBER.get(kind, "ullVal")))
 
-    def _fields(self, i: int, ids: Sequence[int]) -> list[int | float | None]:
-        values = self._call(i, "field_values", self._nvml.nvmlDeviceGetFieldValues, self._handles[i], ids)
+    def _fields(
+        self, i: int, ids: Sequence[int], quiet: frozenset[int] | set[int] = frozenset()
+    ) -> list[int | float | None]:
+        """Field values by id, None where not returned; ids in `quiet` are not logged when missing."""
+        read = self._nvml.nvmlDeviceGetFieldValues
+        values = self._call(i, "field_values", read, self._handles[i], list(ids))
         if values is None:
             return [None] * len(ids)
-        return [self._decode(i, fid, v) for fid, v in zip(ids, values, strict=False)]
+        out = [self._decode(i, fid, v, fid in quiet) for fid, v in zip(ids, values, strict=False)]
+        return out + [None] * (len(ids) - len(out))
 
     def _reasons(self, i: int) -> int | None:
         fn = self._reasons_fn
@@ -268,14 +280,12 @@ class LiveNvml:
         else:
             mem = self._call(i, "memory", nv.nvmlDeviceGetMemoryInfo, h)
         util = self._call(i, "utilization", nv.nvmlDeviceGetUtilizationRates, h)
-        (hbm,) = self._fields(i, (HBM_TEMP_FIELD,))
         return {
             "sm_mhz": self._call(i, "sm_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
             "mem_mhz": self._call(i, "mem_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
             "reasons": self._reasons(i),
             "power_mw": self._call(i, "power", nv.nvmlDeviceGetPowerUsage, h),
             "temp_c": self._call(i, "temp", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
-            "hbm_temp_c": hbm,
             "mem_used": None if mem is None else int(mem.used),
             "mem_total": None if mem is None else int(mem.total),
             "util_gpu": None if util is None else int(util.gpu),
@@ -288,11 +298,22 @@ class LiveNvml:
         margin = self._call(i, "margin", nv.nvmlDeviceGetMarginTemperature, h)
         if margin is not None:  # older bindings return the struct, newer ones the integer
             margin = int(getattr(margin, "marginTemperature", getattr(margin, "margin", margin)))
-        values = self._fields(i, COUNTER_FIELD_IDS)
+        use_field = self._energy_field_ok.get(i, True)
+        ids = SLOW_FIELD_IDS if use_field else SLOW_FIELD_IDS[:-1]
+        values = self._fields(i, ids, quiet={ENERGY_FIELD})
+        *counters, hbm = values[: len(COUNTER_FIELD_IDS) + 1]
+        energy = values[-1] if use_field else None
+        if energy is None:
+            # Field 83 unsupported (older drivers): the dedicated call, and no more asking for 83.
+            self._energy_field_ok[i] = False
+            energy = self._call(i, "energy", nv.nvmlDeviceGetTotalEnergyConsumption, h)
+        else:
+            self._energy_field_ok[i] = True
         out: Reading = {
-            "energy_mj": self._call(i, "energy", nv.nvmlDeviceGetTotalEnergyConsumption, h),
+            "energy_mj": energy,
+            "hbm_temp_c": hbm,
             "margin_c": margin,
-            "fields": {str(fid): v for fid, v in zip(COUNTER_FIELD_IDS, values, strict=True)},
+            "fields": {str(fid): v for fid, v in zip(COUNTER_FIELD_IDS, counters, strict=True)},
         }
         volatile = getattr(nv, "NVML_VOLATILE_ECC", 0)
         for key, kind in (("ecc_corrected", 0), ("ecc_uncorrected", 1)):
@@ -551,9 +572,6 @@ class NvmlCollector:
         v = r.get("temp_c")
         if v is not None and (a.temp_max is None or v > a.temp_max):
             a.temp_max = v
-        v = r.get("hbm_temp_c")
-        if v is not None and (a.hbm_max is None or v > a.hbm_max):
-            a.hbm_max = v
         v = r.get("mem_used")
         if v is not None:
             a.mem_used = v
@@ -609,6 +627,9 @@ class NvmlCollector:
         a = st.acc
         a.slow_seen = True
         st.last_slow = r
+        v = r.get("hbm_temp_c")
+        if v is not None and (a.hbm_max is None or v > a.hbm_max):
+            a.hbm_max = v
         fields = r.get("fields") or {}
         for fid in COUNTER_FIELD_IDS:
             cur = fields.get(str(fid))
