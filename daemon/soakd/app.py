@@ -34,6 +34,7 @@ from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.host import HostCollector
 from soakd.collectors.nvml import LiveNvml, NvmlCollector, NvmlSource, RecordedNvml
+from soakd.collectors.nvml_events import GpuEventListener
 from soakd.collectors.prom import MetricsScraper
 from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
@@ -208,6 +209,7 @@ class Soak:
         self._allocator: AllocatorCollector | None = None
         self._nvml: NvmlCollector | None = None
         self._gpu_watch: GpuThrottleWatch | None = None
+        self._gpu_events: GpuEventListener | None = None
         self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
 
@@ -459,6 +461,7 @@ class Soak:
             },
             "engine_telemetry": self._engine_telemetry(engine, engine_collector, profile, drift),
             "gpu_throttle": self._gpu_watch.summary() if self._gpu_watch is not None else None,
+            "gpu_events": self._gpu_events.summary() if self._gpu_events is not None else None,
         }
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
@@ -648,9 +651,11 @@ class Soak:
         return out
 
     def _make_gpu_collectors(self, engine: Engine, writer: SampleWriter) -> list[Collector]:
-        """NVML (or a recording of it) and the throttle detector fed by its fast tier."""
+        """NVML (or a recording of it), the throttle detector fed by its fast tier, and (live) the
+        listener for XID and ECC events."""
         tcfg = self.cfg.telemetry
         source: NvmlSource
+        extra: list[Collector] = []
         if tcfg.gpu_recording:
             t0 = time.monotonic()
             speed = tcfg.gpu_recording_speed
@@ -669,12 +674,16 @@ class Soak:
             import pynvml
 
             source = LiveNvml(pynvml, pids=engine.process_ids)
+            events = GpuEventListener(pynvml, range(source.gpu_count()), writer.event)
+            events.start()
+            self._gpu_events = events
+            extra.append(events)
         watch = GpuThrottleWatch(
             {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())}, on_event=writer.event
         )
         self._nvml = NvmlCollector(source, on_fast=watch.observe)
         self._gpu_watch = watch
-        return [self._nvml, watch]
+        return [self._nvml, watch, *extra]
 
     def _make_scheduler(
         self,
