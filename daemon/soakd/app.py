@@ -33,6 +33,7 @@ from soakd.collectors.engine import EngineCollector, quantile_of_counts
 from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.host import HostCollector
+from soakd.collectors.host_throttle import HostThrottleWatch
 from soakd.collectors.nvml import LiveNvml, NvmlCollector, NvmlSource, RecordedNvml
 from soakd.collectors.nvml_events import GpuEventListener
 from soakd.collectors.prom import MetricsScraper
@@ -57,6 +58,7 @@ from soakd.report.verdict import Verdict, write_json_atomic
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.influx import make_writer
 from soakd.sinks.spool import Spool
+from soakd.ticker import Ticker
 from soakd.tinymodel import is_model_dir
 from soakd.traces.loader import Trace, open_trace
 
@@ -202,6 +204,8 @@ class Soak:
         self.scheduler_missed = 0
         self._progress_start: float | None = None
         self.scheduler_errors = 0
+        self._tickers: list[Ticker] = []
+        """Fixed-rate samplers that run beside the scheduler (the GPU's fast tier)."""
         self._engines: list[EngineInfo] = []
         self._supervisor: EngineSupervisor | None = None
         self._rebuild_task: asyncio.Future[bool] | None = None
@@ -210,6 +214,7 @@ class Soak:
         self._nvml: NvmlCollector | None = None
         self._gpu_watch: GpuThrottleWatch | None = None
         self._gpu_events: GpuEventListener | None = None
+        self._host_watch: HostThrottleWatch | None = None
         self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
 
@@ -294,6 +299,8 @@ class Soak:
         writer.event("run_start", f"soak {self.run_id} starting", planned_s=cfg.run.duration)
         notify(f"STATUS=starting engine ({cfg.engine.kind})")
         scheduler.start()
+        for ticker in self._tickers:
+            ticker.start()
         folder = RequestFolder()
         started = False
         t_run0 = t_run1 = self._clock.monotonic()
@@ -376,6 +383,8 @@ class Soak:
             await self._guard("progress", self._tick_progress())
             self._guard_sync("final_collect", runner.run_once)
             self._guard_sync("scheduler", lambda: scheduler.shutdown(wait=False))
+            for ticker in self._tickers:
+                ticker.stop()
             if started:
                 await self._guard("engine_stop", engine.stop())
             self._guard_sync("collectors_close", runner.close)
@@ -454,6 +463,9 @@ class Soak:
             },
             "collectors": {name: asdict(h) for name, h in runner.health.items()},
             "scheduler": {"missed": self.scheduler_missed, "errors": self.scheduler_errors},
+            "tickers": {
+                t.name: {"runs": t.runs, "missed": t.missed, "errors": t.errors} for t in self._tickers
+            },
             "engine_steps": engine_collector.steps_total,
             "spec_decode": {
                 "drafts": engine_collector.spec_drafts_total,
@@ -462,6 +474,7 @@ class Soak:
             "engine_telemetry": self._engine_telemetry(engine, engine_collector, profile, drift),
             "gpu_throttle": self._gpu_watch.summary() if self._gpu_watch is not None else None,
             "gpu_events": self._gpu_events.summary() if self._gpu_events is not None else None,
+            "host_throttle": self._host_watch.summary() if self._host_watch is not None else None,
         }
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
@@ -643,7 +656,11 @@ class Soak:
             ReplayCollector(lambda: self._replayer if self._progress_start is not None else None)
         ]
         if "host" in names:
-            out.append(HostCollector(engine.process_ids, self.run_dir))
+            # The throttle detector over the CPUs' clocks, throttle counts and thermal margin: what a
+            # CPU-only soak has instead of NVML.
+            watch = HostThrottleWatch(writer.event)
+            self._host_watch = watch
+            out += [HostCollector(engine.process_ids, self.run_dir, on_read=watch.observe), watch]
         if "engine" in names:
             out.append(engine_collector)
         if "gpu" in names:
@@ -727,7 +744,7 @@ class Soak:
         nvml = self._nvml
         if nvml is not None:
 
-            async def gpu_fast() -> None:
+            def gpu_fast() -> None:
                 nvml.sample_fast(self._gpu_clock())
 
             async def gpu_slow() -> None:
@@ -738,7 +755,8 @@ class Soak:
                 except Exception as err:  # noqa: BLE001
                     log.warning("gpu_slow_read_failed", error=f"{type(err).__name__}: {err}"[:200])
 
-            scheduler.add_job(gpu_fast, "interval", seconds=cfg.telemetry.gpu_fast_interval, id="gpu_fast")
+            # The 10 Hz tier on a plain loop timer: an APScheduler job per sample costs more than the sample.
+            self._tickers.append(Ticker("gpu_fast", cfg.telemetry.gpu_fast_interval, gpu_fast))
             scheduler.add_job(gpu_slow, "interval", seconds=cfg.telemetry.gpu_slow_interval, id="gpu_slow")
         scheduler.add_job(collect, "interval", seconds=cfg.telemetry.interval, id="collect")
         scheduler.add_job(slow, "interval", seconds=cfg.telemetry.slow_interval, id="slow")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from soakd.collectors.host import HostCollector, HostSysfs, sysfs_fields
+from soakd.collectors.host import HostCollector, HostSysfs, HostThrottleReading, sysfs_fields
 
 S = 10**9
 
@@ -145,3 +147,119 @@ def test_energy_that_cannot_be_read_is_absent_and_logged_once(tmp_path: Path) ->
     assert "intel-rapl:1" not in readings.rapl_energy_j
     assert "intel-rapl:0" in readings.rapl_energy_j
     assert [entry["path"] for entry in logs] == [str(energy)]
+
+
+def _trips_and_clocks(root: Path) -> None:
+    """Trip points on the zones of `_tree`, a zone without trips, and cpufreq for its four CPUs."""
+    thermal = root / "sys/class/thermal"
+    _write(thermal / "thermal_zone0/trip_point_0_type", "critical")
+    _write(thermal / "thermal_zone0/trip_point_0_temp", "105000")
+    # x86_pkg_temp: a disabled passive trip (0), two passive trips (the lowest counts) and a critical one.
+    for k, (kind, milli) in enumerate(
+        [
+            ("passive", "0"),
+            ("passive", "95000"),
+            ("passive", "90000"),
+            ("critical", "100000"),
+            ("hot", "80000"),
+        ]
+    ):
+        _write(thermal / f"thermal_zone1/trip_point_{k}_type", kind)
+        _write(thermal / f"thermal_zone1/trip_point_{k}_temp", milli)
+    _write(thermal / "thermal_zone2/type", "iwlwifi_1")
+    _write(thermal / "thermal_zone2/temp", "88000")  # hotter than the others, but no trip to measure from
+    cpu = root / "sys/devices/system/cpu"
+    for n, khz in enumerate([2400000, 2600000, 3000000, 3000000]):
+        _write(cpu / f"cpu{n}/cpufreq/scaling_cur_freq", str(khz))
+        _write(cpu / f"cpu{n}/cpufreq/scaling_max_freq", "4500000")
+
+
+def test_thermal_margin_from_trip_points_and_cpufreq(tmp_path: Path) -> None:
+    _tree(tmp_path)
+    _trips_and_clocks(tmp_path)
+    sysfs = HostSysfs(tmp_path)
+    first = sysfs.read(0)
+    # acpitz: 105 - 27.8 = 77.2; x86_pkg_temp: lowest enabled passive 90 - 71.5 = 18.5; iwlwifi: none.
+    assert first.thermal_margin_c == pytest.approx(18.5)
+    assert first.cpu_mhz == pytest.approx((2400 + 2600 + 3000 + 3000) / 4)
+    assert first.cpu_max_mhz == pytest.approx(4500.0)
+
+    _write(tmp_path / "sys/class/thermal/thermal_zone1/temp", "87250")
+    _write(tmp_path / "sys/devices/system/cpu/cpu0/cpufreq/scaling_cur_freq", "800000")
+    second = sysfs.read(S)
+    assert second.thermal_margin_c == pytest.approx(2.75)
+    assert second.cpu_mhz == pytest.approx((800 + 2600 + 3000 + 3000) / 4)
+    assert sysfs_fields(second)["thermal_margin_c"] == pytest.approx(2.75)
+
+
+def test_critical_trip_counts_only_without_a_passive_one(tmp_path: Path) -> None:
+    thermal = tmp_path / "sys/class/thermal"
+    _write(thermal / "thermal_zone0/type", "acpitz")
+    _write(thermal / "thermal_zone0/temp", "60000")
+    _write(thermal / "thermal_zone0/trip_point_0_type", "critical")
+    _write(thermal / "thermal_zone0/trip_point_0_temp", "100000")
+    assert HostSysfs(tmp_path).read(0).thermal_margin_c == pytest.approx(40.0)
+    # A passive trip above the critical one still wins: it is where the CPU gets slowed down.
+    _write(thermal / "thermal_zone0/trip_point_1_type", "passive")
+    _write(thermal / "thermal_zone0/trip_point_1_temp", "102000")
+    assert HostSysfs(tmp_path).read(0).thermal_margin_c == pytest.approx(42.0)
+
+
+def test_zones_without_usable_trips_give_no_margin(tmp_path: Path) -> None:
+    _tree(tmp_path)  # two zones, no trip points at all
+    thermal = tmp_path / "sys/class/thermal"
+    _write(thermal / "thermal_zone2/type", "x86_pkg_temp")
+    _write(thermal / "thermal_zone2/temp", "50000")
+    _write(thermal / "thermal_zone2/trip_point_0_type", "passive")
+    _write(thermal / "thermal_zone2/trip_point_0_temp", "0")  # disabled
+    _write(thermal / "thermal_zone2/trip_point_1_type", "active")  # a fan step, not a throttle point
+    _write(thermal / "thermal_zone2/trip_point_1_temp", "70000")
+    sysfs = HostSysfs(tmp_path)
+    readings = sysfs.read(0)
+    assert len(readings.zone_temps_c) == 3
+    assert readings.thermal_margin_c is None
+    assert readings.cpu_mhz is None
+    assert "thermal_margin_c" not in sysfs_fields(readings)
+
+
+def test_host_collector_uses_sysfs_clock_and_calls_on_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _tree(tmp_path)
+    _trips_and_clocks(tmp_path)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 62.5)
+    reads: list[tuple[float, HostThrottleReading]] = []
+    ticks = iter([100.0, 101.5])
+    collector = HostCollector(
+        list, spool, root=tmp_path, on_read=lambda t, r: reads.append((t, r)), clock=lambda: next(ticks)
+    )
+    host = next(s for s in collector.collect(10 * S) if s.measurement == "host")
+    assert host.fields["cpu_freq_mhz"] == pytest.approx(2750.0)
+    assert host.fields["cpu_freq_max_mhz"] == pytest.approx(4500.0)
+    assert host.fields["thermal_margin_c"] == pytest.approx(18.5)
+    _write(tmp_path / "sys/devices/system/cpu/cpu1/thermal_throttle/core_throttle_count", "14")
+    collector.collect(11 * S)
+    # Exact in binary: 90.0 - 71.5 and 2750000 kHz / 1000.
+    assert reads == [
+        (100.0, HostThrottleReading(2750.0, 60, 201, 18.5, 62.5)),
+        (101.5, HostThrottleReading(2750.0, 64, 201, 18.5, 62.5)),
+    ]
+
+
+def test_host_collector_falls_back_to_psutil_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    monkeypatch.setattr(
+        psutil, "cpu_freq", lambda percpu=False: SimpleNamespace(current=1234.0, min=0.0, max=0.0)
+    )
+    reads: list[HostThrottleReading] = []
+    collector = HostCollector(list, spool, root=tmp_path, on_read=lambda _t, r: reads.append(r))
+    host = next(s for s in collector.collect(S) if s.measurement == "host")
+    assert host.fields["cpu_freq_mhz"] == 1234.0
+    assert "cpu_freq_max_mhz" not in host.fields
+    assert "thermal_margin_c" not in host.fields
+    assert reads[0].cpu_mhz == 1234.0
+    assert reads[0].core_throttle_total is None
+    assert reads[0].thermal_margin_c is None

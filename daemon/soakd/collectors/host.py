@@ -1,12 +1,15 @@
 """Host telemetry through psutil: CPU, frequency, temperatures, memory, and the engine's RSS.
 
 For CPU-only soaks it also reads sysfs (root injectable, for tests): the per-CPU thermal-throttle
-counters, the thermal zones and the RAPL energy counters.
+counters, the CPU clocks, the thermal zones with their trip points and the RAPL energy counters. An
+`on_read` hook hands each pass's throttle signals to the host throttle detector.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,17 @@ class _RaplZone:
 
 
 @dataclass(frozen=True, slots=True)
+class _ThermalZone:
+    name: str
+    """Directory name, e.g. thermal_zone0."""
+    kind: str
+    """Contents of the `type` file, e.g. x86_pkg_temp, acpitz."""
+    temp: Path
+    trip_c: float | None
+    """The zone's lowest passive trip (C), else its lowest critical one; None when it has neither."""
+
+
+@dataclass(frozen=True, slots=True)
 class SysfsReadings:
     """What one pass over sysfs found; a signal the machine does not offer is None / empty."""
 
@@ -44,6 +58,12 @@ class SysfsReadings:
     """Growth of package_throttle_total since the previous pass (events; None on the first pass)."""
     zone_temps_c: dict[str, tuple[str, float]] = field(default_factory=dict)
     """thermal_zoneN -> (type, degrees C)."""
+    thermal_margin_c: float | None = None
+    """Minimum over zones of (passive trip, else critical trip) - temperature (C); None without trips."""
+    cpu_mhz: float | None = None
+    """Mean over CPUs of cpufreq's scaling_cur_freq (MHz)."""
+    cpu_max_mhz: float | None = None
+    """Mean over CPUs of cpufreq's scaling_max_freq (MHz)."""
     rapl_energy_j: dict[str, tuple[str, float]] = field(default_factory=dict)
     """intel-rapl:N[:M] -> (domain name, joules since the previous pass, wrap-around handled)."""
     rapl_top_level: frozenset[str] = frozenset()
@@ -53,10 +73,11 @@ class SysfsReadings:
 
 
 class HostSysfs:
-    """Reads the host's throttle counters, thermal zones and RAPL energy under a sysfs root.
+    """Reads the host's throttle counters, CPU clocks, thermal zones and RAPL energy under a sysfs root.
 
-    Files are discovered once at construction; a file that cannot be read (RAPL energy is root-only on
-    recent kernels) is simply absent from the readings, logged once, and not retried.
+    Files are discovered once at construction, and the trip points read then (they are set by firmware
+    or the driver, not during a run); a file that cannot be read (RAPL energy is root-only on recent
+    kernels) is simply absent from the readings, logged once, and not retried.
     """
 
     def __init__(self, root: str | Path = "/") -> None:
@@ -75,10 +96,13 @@ class HostSysfs:
                     continue
                 seen.add(pkg)
             self._package_files.append(path)
-        self._zones: list[tuple[str, str, Path]] = []
+        # Read here rather than through psutil.cpu_freq(), which always reads the real /sys.
+        self._cur_freq_files = sorted(cpu_dir.glob("cpu[0-9]*/cpufreq/scaling_cur_freq"))
+        self._max_freq_files = sorted(cpu_dir.glob("cpu[0-9]*/cpufreq/scaling_max_freq"))
+        self._zones: list[_ThermalZone] = []
         for zone in sorted((self._root / "sys/class/thermal").glob("thermal_zone*")):
             kind = self._read_text(zone / "type", quiet=True) or zone.name
-            self._zones.append((zone.name, kind, zone / "temp"))
+            self._zones.append(_ThermalZone(zone.name, kind, zone / "temp", self._trip_c(zone)))
         self._rapl: list[_RaplZone] = []
         for zone in sorted((self._root / "sys/class/powercap").glob("intel-rapl:*")):
             if not (zone / "energy_uj").exists():
@@ -112,9 +136,29 @@ class HostSysfs:
         except ValueError:
             return None
 
+    def _trip_c(self, zone: Path) -> float | None:
+        trips: dict[str, list[float]] = {}
+        for type_file in zone.glob("trip_point_*_type"):
+            kind = self._read_text(type_file, quiet=True)
+            milli = self._read_int(
+                type_file.with_name(type_file.name.removesuffix("_type") + "_temp"), quiet=True
+            )
+            # A disabled trip reads 0 (x86_pkg_temp's default) or THERMAL_TEMP_INVALID (-274000).
+            if kind in ("passive", "critical") and milli is not None and milli > 0:
+                trips.setdefault(kind, []).append(milli / 1000.0)
+        # Passive is where the kernel starts cooling by slowing the CPU; critical is the shutdown point.
+        for kind in ("passive", "critical"):
+            if kind in trips:
+                return min(trips[kind])
+        return None
+
     def _sum(self, files: list[Path]) -> int | None:
         values = [v for v in (self._read_int(p) for p in files) if v is not None]
         return sum(values) if values else None
+
+    def _mean_mhz(self, files: list[Path]) -> float | None:
+        khz = [v for v in (self._read_int(p) for p in files) if v is not None and v > 0]
+        return statistics.fmean(khz) / 1000.0 if khz else None
 
     def read(self, now_ns: int) -> SysfsReadings:
         core = self._sum(self._core_files)
@@ -123,10 +167,13 @@ class HostSysfs:
         package_delta = _growth(self._prev_package, package)
         self._prev_core, self._prev_package = core, package
         temps: dict[str, tuple[str, float]] = {}
-        for zone, kind, temp in self._zones:
-            milli = self._read_int(temp)
+        margins: list[float] = []
+        for zone in self._zones:
+            milli = self._read_int(zone.temp)
             if milli is not None:
-                temps[zone] = (kind, milli / 1000.0)
+                temps[zone.name] = (zone.kind, milli / 1000.0)
+                if zone.trip_c is not None:
+                    margins.append(zone.trip_c - milli / 1000.0)
         energy: dict[str, tuple[str, float]] = {}
         for rz in self._rapl:
             uj = self._read_int(rz.energy)
@@ -150,6 +197,9 @@ class HostSysfs:
             core_throttle_delta=core_delta,
             package_throttle_delta=package_delta,
             zone_temps_c=temps,
+            thermal_margin_c=min(margins) if margins else None,
+            cpu_mhz=self._mean_mhz(self._cur_freq_files),
+            cpu_max_mhz=self._mean_mhz(self._max_freq_files),
             rapl_energy_j=energy,
             rapl_top_level=frozenset(rz.key for rz in self._rapl if rz.top_level),
             interval_s=interval,
@@ -175,6 +225,8 @@ def sysfs_fields(readings: SysfsReadings) -> dict[str, FieldValue]:
         kind, temp = max(readings.zone_temps_c.values(), key=lambda kt: kt[1])
         fields["thermal_zone_max_c"] = temp
         fields["thermal_zone_max_type"] = kind
+    if readings.thermal_margin_c is not None:
+        fields["thermal_margin_c"] = readings.thermal_margin_c
     top = [j for key, (_, j) in readings.rapl_energy_j.items() if key in readings.rapl_top_level]
     if top:
         fields["rapl_energy_j"] = float(sum(top))
@@ -183,15 +235,47 @@ def sysfs_fields(readings: SysfsReadings) -> dict[str, FieldValue]:
     return fields
 
 
+@dataclass(frozen=True, slots=True)
+class HostThrottleReading:
+    """The throttle signals of one host pass, as the `on_read` hook receives them."""
+
+    cpu_mhz: float | None
+    """Mean current CPU clock (MHz)."""
+    core_throttle_total: int | None
+    """Sum over CPUs of core_throttle_count (events since boot)."""
+    package_throttle_total: int | None
+    """Sum over packages of package_throttle_count (events since boot)."""
+    thermal_margin_c: float | None
+    """Degrees C left before the nearest passive (else critical) trip point."""
+    cpu_percent: float | None
+    """Machine-wide CPU utilization since the previous pass (%)."""
+
+
+HostReadFn = Callable[[float, HostThrottleReading], None]
+
+
 class HostCollector:
-    """CPU and memory of the machine, RSS of the engine's processes, free space under the spool."""
+    """CPU and memory of the machine, RSS of the engine's processes, free space under the spool.
+
+    `on_read(t_s, reading)`, when given, is called at the end of every `collect` with `clock()`'s time.
+    """
 
     name = "host"
 
-    def __init__(self, engine_pids: Callable[[], list[int]], spool_dir: Path, root: str | Path = "/") -> None:
+    def __init__(
+        self,
+        engine_pids: Callable[[], list[int]],
+        spool_dir: Path,
+        root: str | Path = "/",
+        *,
+        on_read: HostReadFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._engine_pids = engine_pids
         self._spool_dir = spool_dir
         self._sysfs = HostSysfs(root)
+        self._on_read = on_read
+        self._clock = clock
         self._procs: dict[int, psutil.Process] = {}
         # cpu_percent(None) measures since the previous call; the first call only primes it.
         psutil.cpu_percent(None)
@@ -213,12 +297,18 @@ class HostCollector:
         return total, alive
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
-        fields: dict[str, FieldValue] = {"cpu_percent": float(psutil.cpu_percent(None))}
-        freq = psutil.cpu_freq()
-        if freq is not None and freq.current:
-            fields["cpu_freq_mhz"] = float(freq.current)
-        if freq is not None and freq.max:
-            fields["cpu_freq_max_mhz"] = float(freq.max)
+        cpu_percent = float(psutil.cpu_percent(None))
+        fields: dict[str, FieldValue] = {"cpu_percent": cpu_percent}
+        sysfs = self._sysfs.read(now_ns)
+        cur_mhz, max_mhz = sysfs.cpu_mhz, sysfs.cpu_max_mhz
+        if cur_mhz is None:  # no cpufreq under the root (some VMs): psutil, which falls back to /proc/cpuinfo
+            freq = psutil.cpu_freq()
+            if freq is not None:
+                cur_mhz, max_mhz = float(freq.current) or None, float(freq.max) or None
+        if cur_mhz is not None:
+            fields["cpu_freq_mhz"] = cur_mhz
+        if max_mhz is not None:
+            fields["cpu_freq_max_mhz"] = max_mhz
         load1, _, _ = os.getloadavg()
         fields["load1"] = float(load1)
         mem = psutil.virtual_memory()
@@ -236,7 +326,6 @@ class HostCollector:
         fields["engine_procs"] = procs
         fields["soakd_rss_bytes"] = int(psutil.Process().memory_info().rss)
         fields["spool_disk_free_bytes"] = int(psutil.disk_usage(str(self._spool_dir)).free)
-        sysfs = self._sysfs.read(now_ns)
         fields.update(sysfs_fields(sysfs))
         out = [Sample("host", fields, now_ns)]
         for zone, (kind, temp) in sysfs.zone_temps_c.items():
@@ -246,6 +335,15 @@ class HostCollector:
             if sysfs.interval_s:
                 rapl["power_w"] = joules / sysfs.interval_s
             out.append(Sample("host_rapl", rapl, now_ns, {"zone": key, "domain": name}))
+        if self._on_read is not None:
+            reading = HostThrottleReading(
+                cpu_mhz=cur_mhz,
+                core_throttle_total=sysfs.core_throttle_total,
+                package_throttle_total=sysfs.package_throttle_total,
+                thermal_margin_c=sysfs.thermal_margin_c,
+                cpu_percent=cpu_percent,
+            )
+            self._on_read(self._clock(), reading)
         return out
 
     def close(self) -> None:

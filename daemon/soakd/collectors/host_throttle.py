@@ -1,0 +1,82 @@
+"""Throttle state of the host's CPUs during a soak: the detector fed with every host pass (through
+HostCollector's `on_read` hook), its transitions written as `throttle_*` events, and a `throttle` point
+with `scope=host` per interval."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from soakd.collectors.host import HostThrottleReading
+from soakd.metric import FieldValue, Sample
+from soakd.policies.throttle import ThrottleDetector, ThrottleSettings, ThrottleState, host_input
+
+EventFn = Callable[..., None]
+_STATE_CODE = {ThrottleState.OK: 0, ThrottleState.THROTTLED: 1, ThrottleState.RECOVERING: 2}
+_EVENT_KIND = {
+    ThrottleState.THROTTLED: "throttle_enter",
+    ThrottleState.RECOVERING: "throttle_recovering",
+    ThrottleState.OK: "throttle_leave",
+}
+
+
+class HostThrottleWatch:
+    """One ThrottleDetector over all of the host's CPUs. `observe` is HostCollector's `on_read` hook."""
+
+    name = "host_throttle"
+
+    def __init__(
+        self,
+        on_event: EventFn,
+        settings: ThrottleSettings | None = None,
+        *,
+        active_cpu_percent: float = 25.0,
+    ) -> None:
+        # No max clock: the ratio is taken against the run's early active clock. cpufreq's max is the
+        # single-core turbo, which an all-core load never sustains and would read as constant throttling.
+        self._detector = ThrottleDetector(settings, max_mhz=None)
+        self._on_event = on_event
+        self._active_cpu_percent = active_cpu_percent
+        self.transitions = 0
+
+    def observe(self, t_s: float, reading: HostThrottleReading) -> None:
+        counts = {
+            name: total
+            for name, total in (
+                ("core", reading.core_throttle_total),
+                ("package", reading.package_throttle_total),
+            )
+            if total is not None
+        }
+        # Clocks drop when the CPUs idle; only a busy machine's clock says anything about throttling.
+        active = None if reading.cpu_percent is None else reading.cpu_percent >= self._active_cpu_percent
+        inp = host_input(t_s, reading.cpu_mhz, None, counts, reading.thermal_margin_c, active=active)
+        for tr in self._detector.update(inp):
+            self.transitions += 1
+            fields: dict[str, FieldValue] = {
+                "scope": "host",
+                "from_state": str(tr.from_state),
+                "to_state": str(tr.to_state),
+                "reasons": ",".join(tr.reasons),
+                "detail": tr.detail[:300],
+            }
+            if tr.clock_ratio is not None:
+                fields["clock_ratio"] = tr.clock_ratio
+            text = f"host CPUs: {tr.from_state} -> {tr.to_state} ({tr.detail})"
+            self._on_event(_EVENT_KIND[tr.to_state], text, **fields)
+
+    @property
+    def state(self) -> ThrottleState:
+        return self._detector.state
+
+    def collect(self, now_ns: int) -> Sequence[Sample]:
+        det = self._detector
+        fields: dict[str, FieldValue] = {"state": _STATE_CODE[det.state], "throttled_s": det.throttled_s}
+        for name, events in det.per_reason_events.items():
+            fields[f"throttle_{name}_events_total"] = events
+        return [Sample("throttle", fields, now_ns, tags={"scope": "host"})]
+
+    def summary(self) -> dict[str, object]:
+        return self._detector.summary()
+
+    def close(self) -> None:
+        return None
