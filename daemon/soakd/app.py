@@ -29,6 +29,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from soakd import __version__
 from soakd.collectors.allocator import AllocatorCollector
 from soakd.collectors.base import Collector
+from soakd.collectors.ceiling import Bandwidth, CeilingTracker
 from soakd.collectors.engine import EngineCollector, quantile_of_counts
 from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
@@ -47,6 +48,7 @@ from soakd.errors import ConfigError, EngineError
 from soakd.logs import bind
 from soakd.metric import FieldValue, Sample
 from soakd.notify import notify, watchdog_interval_s
+from soakd.probe import hardware_profiles, model_bytes
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
@@ -215,6 +217,8 @@ class Soak:
         self._gpu_watch: GpuThrottleWatch | None = None
         self._gpu_events: GpuEventListener | None = None
         self._host_watch: HostThrottleWatch | None = None
+        self._ceiling: CeilingTracker | None = None
+        self._ceiling_reason = ""
         self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
 
@@ -266,6 +270,7 @@ class Soak:
             on_event=writer.event,
         )
         engine_collector = EngineCollector(active=False, drift=drift)
+        engine_collector.ceiling = self._ceiling = self._make_ceiling()
         profile = SpecProfile()
 
         def build(ecfg: EngineConfig) -> Engine:
@@ -345,6 +350,8 @@ class Soak:
                 def on_record(record: RequestRecord) -> None:
                     sample = record.to_sample(self._clock.wall_ns())
                     folder.add(sample)  # the verdict counts it even if the disk refuses the line
+                    if self._ceiling is not None:
+                        self._ceiling.observe_request(record.input_tokens, record.output_tokens)
                     writer([sample])
 
                 self._replayer = Replayer(
@@ -475,6 +482,9 @@ class Soak:
             "gpu_throttle": self._gpu_watch.summary() if self._gpu_watch is not None else None,
             "gpu_events": self._gpu_events.summary() if self._gpu_events is not None else None,
             "host_throttle": self._host_watch.summary() if self._host_watch is not None else None,
+            "decode_ceiling": self._ceiling.summary()
+            if self._ceiling is not None
+            else {"available": False, "reason": self._ceiling_reason},
         }
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
@@ -646,6 +656,41 @@ class Soak:
             icfg.batch_lines,
             on_event=on_event,
         )
+
+    def _make_ceiling(self) -> CeilingTracker | None:
+        """The decode-ceiling tracker: the local model's bytes and a bandwidth (configured, else NVML's
+        theoretical figure for GPU 0). None, with the reason kept for the summary, when either is missing."""
+        tcfg = self.cfg.telemetry
+        path = Path(self.model)
+        if self.cfg.engine.kind == "openai" or not is_model_dir(path):
+            self._ceiling_reason = "no local model folder to read the weight bytes from"
+            return None
+        try:
+            model = model_bytes(path)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            self._ceiling_reason = f"model bytes unreadable: {err}"[:300]
+            return None
+        if tcfg.ceiling_bandwidth_gbs > 0:
+            bandwidth = Bandwidth(tcfg.ceiling_bandwidth_gbs, "configured")
+        elif tcfg.gpu_recording or "gpu" not in tcfg.collectors:
+            self._ceiling_reason = (
+                "no live GPU to read the bandwidth from: set telemetry.ceiling_bandwidth_gbs"
+            )
+            return None
+        else:
+            profiles, status = hardware_profiles(measure_copy=False, use_torch=False)
+            best = profiles[0].best_bandwidth_gbs() if profiles else None
+            if best is None:
+                self._ceiling_reason = (
+                    f"no GPU bandwidth ({status.get('reason') or 'NVML gave no bus width or memory clock'}): "
+                    "set telemetry.ceiling_bandwidth_gbs"
+                )
+                return None
+            bandwidth = Bandwidth(best[0], best[1])
+        log.info(
+            "decode_ceiling", bandwidth_gbs=bandwidth.gbs, source=bandwidth.source, weights=model.weight_bytes
+        )
+        return CeilingTracker(model, bandwidth)
 
     def _make_collectors(
         self, engine: Engine, engine_collector: EngineCollector, writer: SampleWriter

@@ -251,6 +251,37 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     if summary.get("influx"):
         influx = summary["influx"]
         print(f"  influx: {influx['lines_shipped']} lines shipped, backlog {influx['backlog_lines']}")
+    for line in _hardware_lines(summary):
+        print(line)
+
+
+def _hardware_lines(summary: dict[str, Any]) -> list[str]:
+    """Throttling, GPU error events and the decode ceiling, as the run's printout and the report show them."""
+    from soakd.collectors.ceiling import ceiling_line
+
+    out = []
+    scopes = [(f"GPU {k}", v) for k, v in (summary.get("gpu_throttle") or {}).items()]
+    if summary.get("host_throttle"):
+        scopes.append(("host CPUs", summary["host_throttle"]))
+    for name, t in scopes:
+        reasons = ", ".join(f"{k} {v:.1f} s" for k, v in t.get("per_reason_s", {}).items() if v > 0)
+        out.append(
+            f"  throttle, {name}: {t['throttled_s']:.1f} s throttled in {t['enters']} episode(s), "
+            f"now {t['state']}" + (f"; counters: {reasons}" if reasons else "")
+        )
+    events = summary.get("gpu_events")
+    if events:
+        if events.get("listening") or events.get("totals"):
+            out.append(
+                f"  GPU error events: {events['xid_errors']} XID error(s), {events['xid_benign']} benign "
+                f"XID(s), totals {events['totals'] or 'none'}"
+            )
+        else:
+            out.append(f"  GPU error events: not listened for ({events.get('reason')})")
+    line = ceiling_line(summary.get("decode_ceiling"))
+    if line:
+        out.append(line)
+    return out
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -286,6 +317,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(verdict.to_dict(), indent=2, default=str))
     else:
         print("\n".join(verdict.lines()))
+        for line in _hardware_lines(summary):
+            print(line)
     return verdict.exit_code
 
 

@@ -215,6 +215,7 @@ class TelemetryConfig(_Section):
     gpu_slow_interval: Duration = Field(default=1.0, gt=0)
     gpu_recording: str = ""
     gpu_recording_speed: float = Field(default=1.0, gt=0)
+    ceiling_bandwidth_gbs: float = Field(default=0.0, ge=0)
     collectors: list[CollectorName] = Field(default_factory=lambda: list(_ALL_COLLECTORS))
     spec_drift: SpecDriftConfig = SpecDriftConfig()
 

@@ -261,10 +261,13 @@ def measure_copy_bandwidth_gbs(
 
 
 def hardware_profiles(
-    nvml_module: Any = None, torch_module: Any = None, measure_copy: bool = True
+    nvml_module: Any = None, torch_module: Any = None, measure_copy: bool = True, use_torch: bool = True
 ) -> tuple[list[HardwareProfile], dict[str, Any]]:
     """Profiles of every GPU NVML sees, and a status dict: `nvml_available`, `reason` (why there are no
-    profiles, else None), `driver_version`, `cuda_driver_version`, `torch_note`. Never raises."""
+    profiles, else None), `driver_version`, `cuda_driver_version`, `torch_note`. Never raises.
+
+    `use_torch=False` keeps to NVML: no CUDA context in this process (the daemon, whose GPU memory
+    belongs to the engine), so no SM count, L2 size or measured copy."""
     status: dict[str, Any] = {
         "nvml_available": False,
         "reason": None,
@@ -302,6 +305,9 @@ def hardware_profiles(
     finally:
         n.call("nvmlShutdown")
 
+    if not use_torch:
+        status["torch_note"] = "torch not used"
+        return profiles, status
     torch, why = _torch_cuda(torch_module)
     status["torch_note"] = why
     props = _torch_props(torch) if torch is not None else []

@@ -163,3 +163,23 @@ def test_probe_without_a_gpu_still_gives_the_models_bytes_per_token(
     assert code == 0 and doc["model"]["weight_bytes"] == 64
     if not doc["gpus"]:
         assert doc["reason"]
+
+
+def test_hardware_lines_of_a_summary() -> None:
+    from soakd.cli import _hardware_lines
+
+    summary = {
+        "gpu_throttle": {
+            "0": {"state": "ok", "throttled_s": 40.61, "enters": 2, "per_reason_s": {"power": 40.6}}
+        },
+        "host_throttle": {"state": "throttled", "throttled_s": 3.0, "enters": 1, "per_reason_s": {}},
+        "gpu_events": {"listening": True, "xid_errors": 1, "xid_benign": 2, "totals": {"xid": 3}},
+        "decode_ceiling": {"available": False, "reason": "no GPU"},
+    }
+    assert _hardware_lines(summary) == [
+        "  throttle, GPU 0: 40.6 s throttled in 2 episode(s), now ok; counters: power 40.6 s",
+        "  throttle, host CPUs: 3.0 s throttled in 1 episode(s), now throttled",
+        "  GPU error events: 1 XID error(s), 2 benign XID(s), totals {'xid': 3}",
+        "  decode ceiling: not computed (no GPU)",
+    ]
+    assert _hardware_lines({}) == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 
+from soakd.collectors.ceiling import CeilingTracker
 from soakd.collectors.spec import AcceptanceDrift
 from soakd.engine.stats import StepStats
 from soakd.metric import FieldValue, Sample
@@ -60,6 +61,8 @@ class EngineCollector:
         self.steps_total = 0
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
+        self.ceiling: CeilingTracker | None = None
+        """When set, each point also says decode throughput as % of the bandwidth ceiling."""
 
     def activate(self) -> None:
         """From now on steps are traffic; those before (start-up, warm-up) were dropped by `push`."""
@@ -86,6 +89,15 @@ class EngineCollector:
             # What the point's counts cover, so a dashboard computes rates as sum(x) / sum(interval_s).
             interval_s = (now_ns - last) / 1e9
             fields["interval_s"] = interval_s
+            if self.ceiling is not None:
+                running = fields.get("running_mean")
+                fields.update(
+                    self.ceiling.interval(
+                        int(fields["generation_tokens"]),
+                        float(running) if isinstance(running, int | float) else None,
+                        interval_s,
+                    )
+                )
             if spec:
                 spec["interval_s"] = interval_s
                 if self.drift is not None:
