@@ -743,7 +743,8 @@ class Soak:
         watch = GpuThrottleWatch(
             {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())}, on_event=writer.event
         )
-        self._nvml = NvmlCollector(source, on_fast=watch.observe)
+        energy_every = max(1, round(tcfg.gpu_energy_interval / tcfg.gpu_slow_interval))
+        self._nvml = NvmlCollector(source, on_fast=watch.observe, energy_every=energy_every)
         self._gpu_watch = watch
         return [self._nvml, watch, *extra]
 

@@ -212,7 +212,8 @@ class TelemetryConfig(_Section):
     interval: Duration = Field(default=1.0, gt=0)
     slow_interval: Duration = Field(default=10.0, gt=0)
     gpu_fast_interval: Duration = Field(default=0.1, gt=0)
-    gpu_slow_interval: Duration = Field(default=1.0, gt=0)
+    gpu_slow_interval: Duration = Field(default=2.0, gt=0)
+    gpu_energy_interval: Duration = Field(default=10.0, gt=0)
     gpu_recording: str = ""
     gpu_recording_speed: float = Field(default=1.0, gt=0)
     ceiling_bandwidth_gbs: float = Field(default=0.0, ge=0)

@@ -245,7 +245,8 @@ class FakeNvml:
             if fid == 82:
                 out.append(_field(fid, 1, 55))  # unsigned int
             elif fid == 83 and "energy_field" not in self.unsupported:
-                out.append(_field(fid, 3, 2_000_000))
+                # 1 J more on every read of the counter
+                out.append(_field(fid, 3, 2_000_000 + 1000 * sum(83 in c for c in self.field_calls[:-1])))
             elif fid in current:
                 out.append(_field(fid, 3, current[fid]))  # unsigned long long
             else:
@@ -338,6 +339,51 @@ def test_fast_tier_makes_no_field_values_call_and_the_slow_tier_one() -> None:
     assert len(nv.field_calls) == 1 and 82 in nv.field_calls[0] and 83 in nv.field_calls[0]
     assert r["hbm_temp_c"] == 55 and r["energy_mj"] == 2_000_000 and r["fields"]["74"] == 0
     assert "energy" not in nv.calls  # field 83 served it
+
+
+def test_fast_tier_reads_three_things_and_the_gauges_come_with_the_slow_tier() -> None:
+    nv = NewFakeNvml(counters=[{74: 0}])
+    src = LiveNvml(nv)
+    assert set(src.fast(0)) == {"sm_mhz", "reasons", "power_mw"}
+    slow = src.slow(0)
+    assert (slow["temp_c"], slow["util_gpu"], slow["mem_used"], slow["pstate"]) == (60, 50, 1 << 30, 0)
+
+
+def test_points_between_slow_reads_carry_the_last_gauges_but_no_counters() -> None:
+    nv = NewFakeNvml(counters=[{74: 0}, {74: 10**9}])
+    col = NvmlCollector(LiveNvml(nv))
+    col.sample_fast(0.0)
+    col.sample_slow()
+    (first,) = col.collect(1)
+    col.sample_fast(1.0)
+    (between,) = col.collect(2)  # the slow tier (2 s) did not run in this 1 s interval
+    col.sample_fast(2.0)
+    col.sample_slow()
+    (after,) = col.collect(3)
+    for p in (first, between, after):
+        assert p.fields["temp_c_max"] == 60 and p.fields["util_gpu_mean"] == 50.0
+        assert p.fields["hbm_temp_c_max"] == 55 and p.fields["thermal_margin_c"] == 30.0
+        assert p.fields["mem_used_bytes"] == 1 << 30 and p.fields["pstate"] == 0
+    assert "counter_resets" not in between.fields and "throttle_power_s" not in between.fields
+    assert after.fields["throttle_power_s"] == 1.0
+
+
+def test_energy_is_read_on_every_nth_slow_read_and_its_sum_stays_exact() -> None:
+    nv = NewFakeNvml(counters=[{74: 0}])
+    col = NvmlCollector(LiveNvml(nv), energy_every=3)
+    energy: list[float | None] = []
+    for k in range(7):
+        col.sample_fast(k * 1.0)
+        col.sample_slow()
+        (p,) = col.collect(k + 1)
+        v = p.fields.get("energy_j")
+        energy.append(None if v is None else float(v))
+        assert p.fields["throttle_power_s"] == 0.0 if k else "throttle_power_s" not in p.fields
+    assert [83 in c for c in nv.field_calls] == [True, False, False, True, False, False, True]
+    # Read at slow reads 0, 3, 6: a delta on the 2nd and 3rd of those (1 J per read here), none between.
+    assert energy == [None, None, None, 1.0, None, None, 1.0]
+    with pytest.raises(ValueError):
+        NvmlCollector(LiveNvml(NewFakeNvml()), energy_every=0)
 
 
 def test_energy_falls_back_to_its_own_call_when_field_83_is_unsupported() -> None:

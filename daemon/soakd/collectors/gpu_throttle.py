@@ -35,6 +35,7 @@ class GpuThrottleWatch:
             gpu: ThrottleDetector(settings, max_mhz=mhz or None) for gpu, mhz in max_sm_mhz.items()
         }
         self._on_event = on_event
+        self._last_slow: dict[int, Mapping[str, Any]] = {}
         self.transitions = 0
 
     def observe(self, gpu: int, t_s: float, fast: Mapping[str, Any], slow: Mapping[str, Any]) -> None:
@@ -42,14 +43,19 @@ class GpuThrottleWatch:
         if det is None:
             return
         reasons = fast.get("reasons")
-        util = fast.get("util_gpu")
+        util = slow.get("util_gpu")  # a slow-tier gauge: the last read
         idle = isinstance(reasons, int) and bool(reasons & _GPU_IDLE)
-        fields = slow.get("fields") or {}
+        # The counters change only with a new slow read: converted once per read, not per fast sample.
+        counters: Mapping[str, int] = {}
+        if slow is not self._last_slow.get(gpu):
+            self._last_slow[gpu] = slow
+            fields = slow.get("fields") or {}
+            counters = counters_from_fields({k: v for k, v in fields.items() if v is not None})
         inp = ThrottleInput(
             t_s=t_s,
             sm_mhz=fast.get("sm_mhz"),
             reasons=reasons,
-            throttle_ns=counters_from_fields({k: v for k, v in fields.items() if v is not None}),
+            throttle_ns=counters,
             thermal_margin_c=slow.get("margin_c"),
             active=None if util is None and reasons is None else (not idle and (util is None or util > 0)),
         )

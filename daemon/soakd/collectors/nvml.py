@@ -2,15 +2,21 @@
 
 Two tiers, because NVML calls differ in cost by three orders of magnitude:
 
-- fast (default 10 Hz, `NvmlCollector.sample_fast`): the microsecond calls only: SM and memory
-  clocks, clock-event reasons, power, temperature, memory v2, utilization, pstate. Folded into
-  running per-interval aggregates, nothing kept per sample.
-- slow (`NvmlCollector.refresh`, `gpu_slow_interval`): the millisecond calls. One field-values call
+- fast (default 10 Hz, `NvmlCollector.sample_fast`): what moves within a second and what the
+  throttle detector judges: SM clock, clock-event reasons, power. Three calls, ~16 us of CPU per
+  sample measured in a running daemon on an H200 (memory clock, temperature, memory v2,
+  utilization and pstate cost ~125 us more there, for values that move on a scale of seconds).
+  Folded into running per-interval aggregates, nothing kept per sample.
+- slow (`NvmlCollector.refresh`, `gpu_slow_interval`, 2 s by default): memory clock, temperature,
+  memory v2, utilization and pstate, and the millisecond calls. One field-values call
   carries the violation/throttle nanosecond counters (74-81, 269-271, decoded by their value type:
   they are unsigned 64-bit), HBM temperature (82) and total energy (83): a field-values call costs
   ~0.7 ms whatever it asks for, so HBM temperature rides here rather than costing one per fast
   sample. Then thermal margin, ECC and remapped rows, the memory of watched processes. Counters
-  become deltas between slow reads.
+  become deltas between slow reads. Total energy (field 83) costs ~3 ms of CPU on an H200 (NVML
+  spins in the call), more than everything else together: it is asked on every `energy_every`-th
+  slow read only (`telemetry.gpu_energy_interval`, 10 s by default); being a cumulative counter,
+  its deltas stay exact, just coarser.
 
 PCIe throughput (which blocks ~21 ms) is not read at all.
 
@@ -38,21 +44,14 @@ log = structlog.get_logger(__name__)
 Reading = dict[str, Any]
 """One GPU's readings of one tier: plain JSON-able values, None where unsupported."""
 
-FAST_KEYS = (
-    "sm_mhz",
-    "mem_mhz",
-    "reasons",
-    "power_mw",
-    "temp_c",
-    "mem_used",
-    "mem_total",
-    "util_gpu",
-    "util_mem",
-    "pstate",
-)
+FAST_KEYS = ("sm_mhz", "reasons", "power_mw")
 """Keys of a fast-tier reading (the recording format's names)."""
 
+GAUGE_KEYS = ("mem_mhz", "temp_c", "mem_used", "mem_total", "util_gpu", "util_mem", "pstate")
+"""Cheap readings that move on a scale of seconds: read with the slow tier."""
+
 SLOW_KEYS = (
+    *GAUGE_KEYS,
     "energy_mj",
     "hbm_temp_c",
     "margin_c",
@@ -155,8 +154,9 @@ class NvmlSource(Protocol):
         """The microsecond readings of GPU `i` (keys FAST_KEYS), None where unsupported."""
         ...
 
-    def slow(self, i: int) -> Reading:
-        """The millisecond readings of GPU `i` (keys SLOW_KEYS), None where unsupported."""
+    def slow(self, i: int, energy: bool = True) -> Reading:
+        """The millisecond readings of GPU `i` (keys SLOW_KEYS), None where unsupported; with
+        `energy=False` the total-energy counter is not read (None)."""
         ...
 
     def close(self) -> None: ...
@@ -275,16 +275,21 @@ class LiveNvml:
 
     def fast(self, i: int) -> Reading:
         nv, h = self._nvml, self._handles[i]
+        return {
+            "sm_mhz": self._call(i, "sm_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+            "reasons": self._reasons(i),
+            "power_mw": self._call(i, "power", nv.nvmlDeviceGetPowerUsage, h),
+        }
+
+    def _gauges(self, i: int) -> Reading:
+        nv, h = self._nvml, self._handles[i]
         if self._mem_v2 is not None:
             mem = self._call(i, "memory", nv.nvmlDeviceGetMemoryInfo, h, version=self._mem_v2)
         else:
             mem = self._call(i, "memory", nv.nvmlDeviceGetMemoryInfo, h)
         util = self._call(i, "utilization", nv.nvmlDeviceGetUtilizationRates, h)
         return {
-            "sm_mhz": self._call(i, "sm_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
             "mem_mhz": self._call(i, "mem_mhz", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM),
-            "reasons": self._reasons(i),
-            "power_mw": self._call(i, "power", nv.nvmlDeviceGetPowerUsage, h),
             "temp_c": self._call(i, "temp", nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
             "mem_used": None if mem is None else int(mem.used),
             "mem_total": None if mem is None else int(mem.total),
@@ -293,24 +298,26 @@ class LiveNvml:
             "pstate": self._call(i, "pstate", nv.nvmlDeviceGetPerformanceState, h),
         }
 
-    def slow(self, i: int) -> Reading:
+    def slow(self, i: int, energy: bool = True) -> Reading:
         nv, h = self._nvml, self._handles[i]
+        gauges = self._gauges(i)
         margin = self._call(i, "margin", nv.nvmlDeviceGetMarginTemperature, h)
         if margin is not None:  # older bindings return the struct, newer ones the integer
             margin = int(getattr(margin, "marginTemperature", getattr(margin, "margin", margin)))
-        use_field = self._energy_field_ok.get(i, True)
+        use_field = energy and self._energy_field_ok.get(i, True)
         ids = SLOW_FIELD_IDS if use_field else SLOW_FIELD_IDS[:-1]
         values = self._fields(i, ids, quiet={ENERGY_FIELD})
         *counters, hbm = values[: len(COUNTER_FIELD_IDS) + 1]
-        energy = values[-1] if use_field else None
-        if energy is None:
+        energy_mj = values[-1] if use_field else None
+        if energy and energy_mj is None:
             # Field 83 unsupported (older drivers): the dedicated call, and no more asking for 83.
             self._energy_field_ok[i] = False
-            energy = self._call(i, "energy", nv.nvmlDeviceGetTotalEnergyConsumption, h)
-        else:
+            energy_mj = self._call(i, "energy", nv.nvmlDeviceGetTotalEnergyConsumption, h)
+        elif energy:
             self._energy_field_ok[i] = True
         out: Reading = {
-            "energy_mj": energy,
+            **gauges,
+            "energy_mj": energy_mj,
             "hbm_temp_c": hbm,
             "margin_c": margin,
             "fields": {str(fid): v for fid, v in zip(COUNTER_FIELD_IDS, counters, strict=True)},
@@ -376,9 +383,9 @@ class RecordedNvml:
                 self._slow.append([{k: g.get(k) for k in SLOW_KEYS} for g in gpus])
         if not self._fast:
             raise ValueError(f"{path}: recording has no readings")
-        first = self._fast[0]
+        first = lines[1]["gpus"] if len(lines) > 1 else []
         self._static = [
-            GpuStatic.from_dict({"mem_total": first[i]["mem_total"] if i < len(first) else None, **g})
+            GpuStatic.from_dict({"mem_total": first[i].get("mem_total") if i < len(first) else None, **g})
             for i, g in enumerate(header.get("gpus", []))
         ]
         self._clock = clock
@@ -410,7 +417,7 @@ class RecordedNvml:
         k = bisect_right(self._fast_t, self.elapsed_s) - 1
         return self._fast[max(k, 0)][i]
 
-    def slow(self, i: int) -> Reading:
+    def slow(self, i: int, energy: bool = True) -> Reading:
         if not self._slow:
             return {}
         k = bisect_right(self._slow_t, self.elapsed_s) - 1
@@ -512,7 +519,9 @@ class NvmlCollector:
     - reason_<name>_share: fraction of samples with that reason (REASON_BITS). A HwSlowdown seen in a
       single isolated sample (it flags on P-state and clock changes) counts in `hw_slowdown_blips`, not
       in `reason_hw_slowdown_share`; a run is decided when it ends, so it may land in the next point.
-    - energy_j: energy used since the previous point, J; thermal_margin_c: last margin to slowdown, C
+    - energy_j: energy used since the previous energy read, J, on the points where energy was read
+      (every `energy_every`-th slow read): the sum over any span is exact; thermal_margin_c: last
+      margin to slowdown, C
     - throttle_<name>_s: growth of each throttle-time counter (THROTTLE_COUNTERS), s
     - counter_resets: counters (or energy) that went down (a driver reload) since the previous point
     - ecc_corrected / ecc_uncorrected (volatile), remapped_* rows; proc_mem_bytes: watched processes
@@ -526,8 +535,14 @@ class NvmlCollector:
         source: NvmlSource,
         gpus: Sequence[int] | None = None,
         on_fast: Callable[[int, float, Reading, Reading], None] | None = None,
+        energy_every: int = 1,
     ) -> None:
+        if energy_every < 1:
+            raise ValueError("energy_every must be >= 1")
         self.source = source
+        self.energy_every = energy_every
+        """Read the energy counter on every this-many-th slow read (the first included)."""
+        self._slow_reads = 0
         self.on_fast = on_fast
         """Called with (gpu, time, fast reading, latest slow reading) for every fast sample: the
         throttle detector's feed."""
@@ -560,31 +575,11 @@ class NvmlCollector:
             a.sm_sum += sm
             a.sm_min = min(a.sm_min, sm)
             a.sm_max = max(a.sm_max, sm)
-        v = r.get("mem_mhz")
-        if v is not None:
-            a.mem_mhz_n += 1
-            a.mem_mhz_sum += v
         v = r.get("power_mw")
         if v is not None:
             a.power_n += 1
             a.power_sum += v
             a.power_max = max(a.power_max, v)
-        v = r.get("temp_c")
-        if v is not None and (a.temp_max is None or v > a.temp_max):
-            a.temp_max = v
-        v = r.get("mem_used")
-        if v is not None:
-            a.mem_used = v
-        v = r.get("mem_total")
-        if v is not None:
-            a.mem_total = v
-        v = r.get("util_gpu")
-        if v is not None:
-            a.util_n += 1
-            a.util_sum += v
-        v = r.get("pstate")
-        if v is not None:
-            a.pstate = v
         mask = r.get("reasons")
         if mask is None:
             return
@@ -606,7 +601,9 @@ class NvmlCollector:
     def read_slow(self) -> list[Reading]:
         """The slow tier of every GPU (blocking: milliseconds per GPU on real hardware)."""
         slow = self.source.slow
-        return [slow(i) for i in self.gpus]
+        energy = self._slow_reads % self.energy_every == 0
+        self._slow_reads += 1
+        return [slow(i, energy) for i in self.gpus]
 
     def fold_slow(self, readings: Sequence[Reading]) -> None:
         """Turn one slow read of every GPU into counter growth since the previous slow read."""
@@ -630,6 +627,26 @@ class NvmlCollector:
         v = r.get("hbm_temp_c")
         if v is not None and (a.hbm_max is None or v > a.hbm_max):
             a.hbm_max = v
+        v = r.get("mem_mhz")
+        if v is not None:
+            a.mem_mhz_n += 1
+            a.mem_mhz_sum += v
+        v = r.get("temp_c")
+        if v is not None and (a.temp_max is None or v > a.temp_max):
+            a.temp_max = v
+        v = r.get("mem_used")
+        if v is not None:
+            a.mem_used = v
+        v = r.get("mem_total")
+        if v is not None:
+            a.mem_total = v
+        v = r.get("util_gpu")
+        if v is not None:
+            a.util_n += 1
+            a.util_sum += v
+        v = r.get("pstate")
+        if v is not None:
+            a.pstate = v
         fields = r.get("fields") or {}
         for fid in COUNTER_FIELD_IDS:
             cur = fields.get(str(fid))
@@ -714,6 +731,28 @@ class NvmlCollector:
             f["hw_slowdown_blips"] = a.hw_blips
         if a.slow_seen:
             f.update(self._slow_fields(st, a))
+        else:
+            f.update(self._carried(st))
+        return f
+
+    @staticmethod
+    def _carried(st: _GpuState) -> dict[str, FieldValue]:
+        """An interval without a slow read (the slow tier is slower than the interval): the gauges of the
+        last slow read, so every point has them; counters and energy wait for the next read."""
+        r = st.last_slow
+        f: dict[str, FieldValue] = {}
+        for key, field in (
+            ("mem_mhz", "mem_mhz"),
+            ("temp_c", "temp_c_max"),
+            ("hbm_temp_c", "hbm_temp_c_max"),
+            ("mem_used", "mem_used_bytes"),
+            ("util_gpu", "util_gpu_mean"),
+            ("pstate", "pstate"),
+            ("margin_c", "thermal_margin_c"),
+        ):
+            v = r.get(key)
+            if v is not None:
+                f[field] = float(v) if field in ("mem_mhz", "util_gpu_mean", "thermal_margin_c") else int(v)
         return f
 
     def _slow_fields(self, st: _GpuState, a: _Interval) -> dict[str, FieldValue]:
