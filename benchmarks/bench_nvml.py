@@ -104,8 +104,29 @@ def per_call(nv: Any, reps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def daemon_shape(nv: Any | None, seconds: float, fast_hz: float, slow_hz: float) -> dict[str, Any]:
-    """CPU share of the process running the GPU jobs as the daemon schedules them (nv None: empty jobs)."""
+PARTS = ("fast", "slow", "xid")
+
+
+class _CachedFast:
+    """The fast tier's Python work alone: every fast read returns the first real one (no NVML call)."""
+
+    def __init__(self, src: LiveNvml) -> None:
+        self._src = src
+        self._fast = {i: src.fast(i) for i in range(src.gpu_count())}
+
+    def fast(self, i: int) -> dict[str, Any]:
+        return self._fast[i]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._src, name)
+
+
+def daemon_shape(
+    nv: Any | None, seconds: float, fast_hz: float, slow_hz: float, energy_every: int, parts: tuple[str, ...]
+) -> dict[str, Any]:
+    """CPU share of this process running the GPU jobs as the daemon schedules them. Jobs of the tiers not
+    in `parts` (fast, slow, xid) run empty, so the differences between runs break the cost down;
+    `fast-cached` runs the fast tier's Python work on a cached reading (no NVML call)."""
 
     async def main() -> dict[str, Any]:
         scheduler = AsyncIOScheduler(
@@ -113,46 +134,44 @@ def daemon_shape(nv: Any | None, seconds: float, fast_hz: float, slow_hz: float)
         )
         counts = {"fast": 0, "slow": 0, "collect": 0, "events": 0}
         listener: GpuEventListener | None = None
+        col: NvmlCollector | None = None
+        watch: GpuThrottleWatch | None = None
         if nv is not None:
-            src = LiveNvml(nv)
+            src: Any = LiveNvml(nv)
+            if "fast-cached" in parts:
+                src = _CachedFast(src)
             watch = GpuThrottleWatch(
                 {i: src.static(i).max_sm_mhz for i in range(src.gpu_count())}, lambda *a, **k: None
             )
-            col = NvmlCollector(src, on_fast=watch.observe)
+            col = NvmlCollector(src, on_fast=watch.observe, energy_every=energy_every)
+            if "xid" in parts:
 
-            def on_event(*a: object, **k: object) -> None:
-                counts["events"] += 1
+                def on_event(*a: object, **k: object) -> None:
+                    counts["events"] += 1
 
-            listener = GpuEventListener(nv, range(src.gpu_count()), on_event)
-            listener.start()
+                listener = GpuEventListener(nv, range(src.gpu_count()), on_event)
+                listener.start()
 
-            def fast() -> None:
+        def fast() -> None:
+            if col is not None and any(p.startswith("fast") for p in parts):
                 col.sample_fast(time.monotonic())
-                counts["fast"] += 1
+            counts["fast"] += 1
 
-            async def slow() -> None:
+        async def slow() -> None:
+            if col is not None and "slow" in parts:
                 await col.refresh()
-                counts["slow"] += 1
+            else:
+                await asyncio.to_thread(lambda: None)
+            counts["slow"] += 1
 
-            async def collect() -> None:
-                now = time.time_ns()
+        async def collect() -> None:
+            now = time.time_ns()
+            if col is not None and watch is not None:
                 col.collect(now)
                 watch.collect(now)
-                if listener is not None:
-                    listener.collect(now)
-                counts["collect"] += 1
-
-        else:
-
-            def fast() -> None:
-                counts["fast"] += 1
-
-            async def slow() -> None:
-                await asyncio.to_thread(lambda: None)
-                counts["slow"] += 1
-
-            async def collect() -> None:
-                counts["collect"] += 1
+            if listener is not None:
+                listener.collect(now)
+            counts["collect"] += 1
 
         ticker = Ticker("gpu_fast", 1 / fast_hz, fast)
         scheduler.add_job(slow, "interval", seconds=1 / slow_hz)
@@ -168,12 +187,20 @@ def daemon_shape(nv: Any | None, seconds: float, fast_hz: float, slow_hz: float)
         done = {k: counts[k] - base[k] for k in counts}
         scheduler.shutdown(wait=False)
         ticker.stop()
-        out: dict[str, Any] = {"wall_s": wall, "cpu_s": cpu, "cpu_share_pct": 100 * cpu / wall, **done}
+        out: dict[str, Any] = {
+            "parts": list(parts) if nv is not None else [],
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "cpu_share_pct": 100 * cpu / wall,
+            **done,
+        }
         if listener is not None:
             out["xid_listening"] = listener.available
             out["xid_reason"] = listener.reason
             out["xid_registered"] = listener.summary()["registered"]
             listener.stop()
+        if col is not None:
+            col.close()
         return out
 
     return asyncio.run(main())
@@ -203,9 +230,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="length of each daemon-shape measurement")
     ap.add_argument("--fast-hz", type=float, default=10.0)
-    ap.add_argument("--slow-hz", type=float, default=1.0)
+    ap.add_argument("--slow-hz", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=200, help="calls per NVML function in the per-call table")
     ap.add_argument("--smi-samples", type=int, default=10)
+    ap.add_argument("--energy-interval", type=float, default=10.0, help="seconds between energy reads")
+    ap.add_argument("--breakdown", action="store_true", help="also run fast only and fast + slow")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     try:
@@ -221,17 +250,27 @@ def main() -> int:
         wall = "-" if r["wall_us_median"] is None else f"{r['wall_us_median']:.1f}"
         cpu = "-" if r["cpu_us_mean"] is None else f"{r['cpu_us_mean']:.1f}"
         print(f"{r['tier']:5} {r['call']:38} {wall:>17} {cpu:>14} {r['error']}")
-    empty = daemon_shape(None, args.seconds, args.fast_hz, args.slow_hz)
-    full = daemon_shape(pynvml, args.seconds, args.fast_hz, args.slow_hz)
+    every = max(1, round(args.energy_interval * args.slow_hz))
+    variants: list[tuple[str, ...]] = [PARTS]
+    if args.breakdown:
+        variants = [("fast-cached",), ("fast",), ("fast", "slow"), ("fast", "slow", "xid")]
+    empty = daemon_shape(None, args.seconds, args.fast_hz, args.slow_hz, every, ())
+    shapes = [daemon_shape(pynvml, args.seconds, args.fast_hz, args.slow_hz, every, v) for v in variants if v]
     pynvml.nvmlShutdown()
+    full = shapes[-1]
     net = full["cpu_share_pct"] - empty["cpu_share_pct"]
-    print(f"\ndaemon shape, {args.fast_hz:g} Hz fast + {args.slow_hz:g} Hz slow, {args.seconds:g} s each:")
-    print(f"  empty jobs (scheduler only): {empty['cpu_share_pct']:.3f} % of one core")
     print(
-        f"  NVML collector + throttle detector + XID listener: {full['cpu_share_pct']:.3f} % of one core "
-        f"({full['fast']} fast, {full['slow']} slow samples; XID listening: {full['xid_listening']} "
-        f"{full['xid_reason']})"
+        f"\ndaemon shape, {args.fast_hz:g} Hz fast + {args.slow_hz:g} Hz slow (energy every {every} slow "
+        f"reads), {args.seconds:g} s each, % of one core:"
     )
+    print(f"  empty jobs (loop timer + scheduler only): {empty['cpu_share_pct']:.3f}")
+    for shape in shapes:
+        net_part = shape["cpu_share_pct"] - empty["cpu_share_pct"]
+        print(
+            f"  {' + '.join(shape['parts']):18}: {shape['cpu_share_pct']:.3f} "
+            f"(net {net_part:.3f}; {shape['fast']} fast, {shape['slow']} slow)"
+        )
+    print(f"  XID listening: {full.get('xid_listening')} {full.get('xid_reason', '')}")
     print(f"  attributable to GPU telemetry: {net:.3f} % of one core")
     smi = nvidia_smi(args.smi_samples)
     if smi is not None:
@@ -242,7 +281,9 @@ def main() -> int:
     if args.json:
         with Path(args.json).open("w", encoding="utf-8") as f:
             json.dump(
-                {"calls": calls, "empty": empty, "full": full, "net_pct": net, "nvidia_smi": smi}, f, indent=1
+                {"calls": calls, "empty": empty, "shapes": shapes, "net_pct": net, "nvidia_smi": smi},
+                f,
+                indent=1,
             )
     return 0
 
