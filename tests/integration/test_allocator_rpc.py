@@ -1,5 +1,6 @@
 """Allocator telemetry through the soakd worker extension against the real vLLM CPU engine (tiny model):
-in process (AsyncLLM.collective_rpc) and over HTTP (a dev-mode api_server's POST /collective_rpc).
+in process (AsyncLLM.collective_rpc) and over HTTP (a dev-mode api_server's POST /collective_rpc). The
+in-process engine also runs soakd's scheduler class: its admission limit follows a file, live.
 
 On the CPU build the worker is a child process of the engine core: the reading must come from that
 process (its pid is alive, not ours, and below the engine in the process tree), and the engine must keep
@@ -21,8 +22,12 @@ import pytest
 from servers import VllmServer, start_vllm
 
 from soakd.collectors.allocator import AllocatorCollector, local_rpc, server_rpc
+from soakd.engine.base import ACTIVE_SEQS_ENV
+from soakd.engine.stats import RecordCost, StepStats
+from soakd.engine.vllm_local import SCHEDULER_CLS, make_logger_factory
 from soakd.errors import CollectorError
 from soakd.metric import Sample
+from soakd.policies.actuator import write_limit
 
 pytestmark = pytest.mark.integration
 
@@ -74,13 +79,18 @@ async def timed_refreshes(collector: AllocatorCollector, n: int) -> list[float]:
     return out
 
 
-async def test_in_process_engine(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_in_process_engine(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm import SamplingParams, TokensPrompt
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     # The CPU build sizes its KV cache from this variable (GiB), as VllmLocalEngine sets it.
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # The same engine also runs soakd's scheduler class, its live limit read from this file.
+    limit_file = tmp_path / "active-seqs"
+    write_limit(limit_file, 1)
+    monkeypatch.setenv(ACTIVE_SEQS_ENV, str(limit_file))
+    steps: list[StepStats] = []
     args = AsyncEngineArgs(
         model=str(tiny_model),
         dtype="bfloat16",
@@ -90,9 +100,12 @@ async def test_in_process_engine(tiny_model: Path, monkeypatch: pytest.MonkeyPat
         seed=0,
         disable_log_stats=True,
         worker_extension_cls=EXTENSION,
+        scheduler_cls=SCHEDULER_CLS,
     )
-    llm: Any = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+    factory = make_logger_factory(steps.append, RecordCost())
+    llm: Any = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory])
     try:
+        await check_live_limit(llm, steps, limit_file)
         collector = AllocatorCollector(local_rpc(llm, timeout_s=30.0), config_id="t1")
         times = await timed_refreshes(collector, 5)
         (sample,) = collector.collect(time.time_ns())
@@ -111,6 +124,26 @@ async def test_in_process_engine(tiny_model: Path, monkeypatch: pytest.MonkeyPat
         await asyncio.to_thread(llm.shutdown)
     # shutdown() takes the worker down with the engine core.
     assert gone(worker_pid, 30.0)
+
+
+async def check_live_limit(llm: Any, steps: list[StepStats], limit_file: Path) -> None:
+    """vLLM admits no more requests into RUNNING than the file says, and follows a change live."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=12, min_tokens=12, ignore_eos=True, temperature=0.0)
+
+    async def one(rid: str) -> None:
+        async for _ in llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7, 8]), params, rid):
+            pass
+
+    await asyncio.gather(*(one(f"a{i}") for i in range(4)))
+    first = [s for s in steps if s.running or s.waiting]
+    assert max(s.running for s in first) == 1 and max(s.waiting for s in first) >= 2
+    write_limit(limit_file, 3)
+    await asyncio.sleep(0.5)  # the scheduler looks at the file's mtime every 0.2 s
+    steps.clear()
+    await asyncio.gather(*(one(f"b{i}") for i in range(4)))
+    assert max(s.running for s in steps) == 3  # raised live, no rebuild (max_num_seqs is 4)
 
 
 @pytest.fixture(scope="module")

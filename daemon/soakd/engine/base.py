@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # Telemetry an engine can deliver (EngineInfo.signals); the report lists the ones a run lacked.
+ACTIVE_SEQS_ENV = "SOAKD_ACTIVE_SEQS_FILE"
+"""Names the file holding the live admission limit soakd's scheduler class reads (engine/sched.py)."""
+
 SIGNALS: dict[str, str] = {
     "per_step": "per-step engine stats (batch, KV cache, prefix cache, preemptions, tokens per step)",
     "spec_per_pos": "speculative acceptance per draft position with exact per-position draft counts",
@@ -69,6 +72,10 @@ class EngineInfo:
     """Draft tokens per step (0: no speculative decoding)."""
     cudagraphs: bool = False
     """True when the engine can run steps under CUDA graphs."""
+    capture_sizes: tuple[int, ...] = ()
+    """CUDA-graph capture sizes (tokens per step) the engine was built with; empty when unknown."""
+    live_active_seqs: bool = False
+    """True when soakd's scheduler class runs in the engine (the admission limit can move live)."""
     start_s: float = 0.0
     """Seconds the engine took to start."""
     details: dict[str, str] = field(default_factory=dict)

@@ -46,6 +46,8 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
         kwargs["cudagraph_metrics"] = True
     if cfg.worker_extension:
         kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    if cfg.scheduler_cls:
+        kwargs["scheduler_cls"] = cfg.scheduler_cls
     spec = cfg.speculative
     if spec.enabled:
         spec_cfg: dict[str, Any] = {
@@ -65,8 +67,15 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
 
 
 # Options soakd adds for its own telemetry; a release that lacks one runs without that signal.
-OPTIONAL_ARGS = ("cudagraph_metrics", "per_request_spec_decode_metrics", "worker_extension_cls")
+OPTIONAL_ARGS = (
+    "cudagraph_metrics",
+    "per_request_spec_decode_metrics",
+    "worker_extension_cls",
+    "scheduler_cls",
+)
 WORKER_EXTENSION = "soakd.engine.worker_ext.SoakdWorkerExtension"
+SCHEDULER_CLS = "soakd.engine.sched.SoakdScheduler"
+"""soakd's scheduler class (engine/sched.py): the batch lever that moves vLLM's admission limit live."""
 
 
 def config_id(kwargs: dict[str, Any]) -> str:
@@ -75,7 +84,7 @@ def config_id(kwargs: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:10]
 
 
-def _make_logger_factory(sink: StepSink, cost: RecordCost) -> Callable[[Any, int], Any]:
+def make_logger_factory(sink: StepSink, cost: RecordCost) -> Callable[[Any, int], Any]:
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SoakdStatLogger(StatLoggerBase):
@@ -162,7 +171,7 @@ class VllmLocalEngine:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             args = AsyncEngineArgs(**kwargs)
-            factory = _make_logger_factory(self._sink, self.record_cost)
+            factory = make_logger_factory(self._sink, self.record_cost)
             self._llm = await asyncio.wait_for(
                 asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory]),
                 timeout=self._cfg.start_timeout,
@@ -208,6 +217,8 @@ class VllmLocalEngine:
             max_model_len=int(vcfg.model_config.max_model_len),
             speculative_tokens=int(spec.num_speculative_tokens) if spec is not None else 0,
             cudagraphs=cudagraphs,
+            capture_sizes=tuple(sorted(int(x) for x in getattr(comp, "cudagraph_capture_sizes", None) or ())),
+            live_active_seqs=str(getattr(vcfg.scheduler_config, "scheduler_cls", "") or "") == SCHEDULER_CLS,
             start_s=start_s,
             signals=tuple(signals),
             details={

@@ -30,7 +30,7 @@ from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.channel import SOCKET_ENV, StepChannel
 from soakd.engine.openai_http import OpenAIEngine
 from soakd.engine.stats import StepStats
-from soakd.engine.vllm_local import OPTIONAL_ARGS, config_id, engine_kwargs
+from soakd.engine.vllm_local import OPTIONAL_ARGS, SCHEDULER_CLS, config_id, engine_kwargs
 from soakd.errors import EngineError
 
 log = structlog.get_logger(__name__)
@@ -257,6 +257,8 @@ class VllmServerEngine:
             max_model_len=http.max_model_len,
             speculative_tokens=spec_tokens,
             cudagraphs=cudagraphs,
+            capture_sizes=_sizes(facts.get("cudagraph_capture_sizes")),
+            live_active_seqs=_flag_value(self.argv, "--scheduler-cls") == SCHEDULER_CLS,
             start_s=start_s,
             details=details,
             signals=tuple(signals),
@@ -325,3 +327,23 @@ def _stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         os.killpg(pgid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout_s)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value after `flag` in a command line (the last one wins, as argparse does)."""
+    value = None
+    for i, arg in enumerate(argv[:-1]):
+        if arg == flag:
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    if argv and argv[-1].startswith(flag + "="):
+        value = argv[-1].split("=", 1)[1]
+    return value
+
+
+def _sizes(value: object) -> tuple[int, ...]:
+    """Capture sizes from the plugin's hello (a list of ints), empty when absent or malformed."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(sorted(int(x) for x in value if isinstance(x, int)))
