@@ -42,12 +42,16 @@ from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import Config, EngineConfig
-from soakd.engine.base import SIGNALS, Engine, EngineInfo
+from soakd.control import LIMIT_FILE, ControlInputs, Controller, input_throttled
+from soakd.engine.base import ACTIVE_SEQS_ENV, SIGNALS, Engine, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
+from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.errors import ConfigError, EngineError
 from soakd.logs import bind
 from soakd.metric import FieldValue, Sample
 from soakd.notify import notify, watchdog_interval_s
+from soakd.policies.actuator import Actuator
+from soakd.policies.throttle import ThrottleState
 from soakd.probe import hardware_profiles, model_bytes
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock, SystemClock
@@ -218,6 +222,7 @@ class Soak:
         self._gpu_events: GpuEventListener | None = None
         self._host_watch: HostThrottleWatch | None = None
         self._ceiling: CeilingTracker | None = None
+        self._controller: Controller | None = None
         self._ceiling_reason = ""
         self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
@@ -292,10 +297,11 @@ class Soak:
             self._write_meta({"engine": asdict(info), "engines": [asdict(i) for i in self._engines]})
 
         engine = self._supervisor = EngineSupervisor(
-            build, cfg.engine, on_event=writer.event, on_started=on_started
+            build, self._engine_config(), on_event=writer.event, on_started=on_started
         )
         collectors = self._make_collectors(engine, engine_collector, writer)
         runner = CollectorRunner(collectors, writer)
+        controller = self._make_controller(engine, engine_collector, drift, writer)
         scheduler = self._make_scheduler(runner, spool, forwarder, engine)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -329,6 +335,8 @@ class Soak:
                 prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
                 gate = AdmissionGate(cfg.replay.max_concurrency)
                 await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
+                if controller is not None:
+                    controller.actuator.gate = gate
                 if "engine" in cfg.telemetry.collectors and "per_step" in info.signals:
                     # Without a per-step source (attach mode) `engine` points come from /metrics.
                     engine_collector.activate()
@@ -352,6 +360,8 @@ class Soak:
                     folder.add(sample)  # the verdict counts it even if the disk refuses the line
                     if self._ceiling is not None:
                         self._ceiling.observe_request(record.input_tokens, record.output_tokens)
+                    if controller is not None:
+                        controller.observe_request(record.input_tokens, record.output_tokens)
                     writer([sample])
 
                 self._replayer = Replayer(
@@ -371,6 +381,10 @@ class Soak:
                     spec_sink=profile.add if "engine" in cfg.telemetry.collectors else None,
                 )
                 notify("READY=1\nSTATUS=replaying")
+                if controller is not None:
+                    await controller.start()
+                    runner.add(controller)
+                    self._controller = controller
                 t_run0 = self._clock.monotonic()
                 self._progress_start = t_run0
                 changes = asyncio.create_task(self._apply_changes(engine, t_run0))
@@ -482,6 +496,7 @@ class Soak:
             "gpu_throttle": self._gpu_watch.summary() if self._gpu_watch is not None else None,
             "gpu_events": self._gpu_events.summary() if self._gpu_events is not None else None,
             "host_throttle": self._host_watch.summary() if self._host_watch is not None else None,
+            "control": self._controller.summary() if self._controller is not None else None,
             "decode_ceiling": self._ceiling.summary()
             if self._ceiling is not None
             else {"available": False, "reason": self._ceiling_reason},
@@ -657,6 +672,56 @@ class Soak:
             on_event=on_event,
         )
 
+    def _engine_config(self) -> EngineConfig:
+        """The engine configuration to start: the config's, with soakd's scheduler class when the batch
+        policy moves vLLM's admission limit live (and the file it reads named in the environment, which
+        the engine's processes inherit)."""
+        cfg = self.cfg
+        ecfg = cfg.engine
+        batch = cfg.control.batch
+        wants = (
+            cfg.control.enabled and batch.enabled and batch.lever == "scheduler" and not cfg.control.dry_run
+        )
+        if wants and ecfg.kind != "openai" and not ecfg.scheduler_cls:
+            os.environ[ACTIVE_SEQS_ENV] = str(self.run_dir / LIMIT_FILE)
+            ecfg = ecfg.model_copy(update={"scheduler_cls": SCHEDULER_CLS})
+        return ecfg
+
+    def _make_controller(
+        self,
+        engine: EngineSupervisor,
+        engine_collector: EngineCollector,
+        drift: AcceptanceDrift,
+        writer: SampleWriter,
+    ) -> Controller | None:
+        """The control loop, fed by the throttle watches, the replay and the engine's step stats."""
+        ccfg = self.cfg.control
+        if not ccfg.enabled:
+            return None
+        gpu_watch, host_watch = self._gpu_watch, self._host_watch
+        throttled = input_throttled(
+            ccfg.scope,
+            gpu_watch.throttled if gpu_watch is not None else None,
+            (lambda: host_watch.state is ThrottleState.THROTTLED) if host_watch is not None else None,
+        )
+
+        def engine_info() -> EngineInfo | None:
+            return engine.info if engine.alive() else None
+
+        inputs = ControlInputs(
+            throttled=throttled,
+            output_tokens=lambda: self._replayer.stats.output_tokens if self._replayer is not None else 0,
+            in_flight=lambda: self._replayer.pending if self._replayer is not None else 0,
+            tokens_per_step=lambda: engine_collector.tokens_per_step,
+            engine=engine_info,
+            drifting=lambda: drift.drifting,
+        )
+        limit_file = self.run_dir / LIMIT_FILE if ccfg.batch.lever == "scheduler" else None
+        actuator = Actuator(
+            engine, writer.event, lever=ccfg.batch.lever, limit_file=limit_file, dry_run=ccfg.dry_run
+        )
+        return Controller(ccfg, self.cfg.replay.max_concurrency, inputs, actuator, self.run_dir)
+
     def _make_ceiling(self) -> CeilingTracker | None:
         """The decode-ceiling tracker: the local model's bytes and a bandwidth (configured, else NVML's
         theoretical figure for GPU 0). None, with the reason kept for the summary, when either is missing."""
@@ -719,11 +784,13 @@ class Soak:
         source: NvmlSource
         extra: list[Collector] = []
         if tcfg.gpu_recording:
-            t0 = time.monotonic()
             speed = tcfg.gpu_recording_speed
 
             def recorded_time() -> float:
-                return (time.monotonic() - t0) * speed
+                # The recording plays along with the replay: its first reading until the replay
+                # starts (the engine's start-up is not what was recorded), then at `speed`.
+                start = self._progress_start
+                return 0.0 if start is None else (self._clock.monotonic() - start) * speed
 
             self._gpu_clock = recorded_time
             source = RecordedNvml(self.cfg.resolve(tcfg.gpu_recording), recorded_time)
@@ -805,6 +872,14 @@ class Soak:
             self._tickers.append(Ticker("gpu_fast", cfg.telemetry.gpu_fast_interval, gpu_fast))
             scheduler.add_job(gpu_slow, "interval", seconds=cfg.telemetry.gpu_slow_interval, id="gpu_slow")
         scheduler.add_job(collect, "interval", seconds=cfg.telemetry.interval, id="collect")
+
+        async def control() -> None:
+            # The controller exists from the start; it acts only once the replay has begun.
+            if self._controller is not None:
+                await self._controller.tick()
+
+        if cfg.control.enabled:
+            scheduler.add_job(control, "interval", seconds=cfg.control.interval, id="control")
         scheduler.add_job(slow, "interval", seconds=cfg.telemetry.slow_interval, id="slow")
         scheduler.add_job(check_engine, "interval", seconds=1.0, id="engine_check")
         scheduler.add_job(flush, "interval", seconds=cfg.sinks.spool.fsync_interval, id="spool_flush")
@@ -839,6 +914,7 @@ class Soak:
         notify(
             f"STATUS=replaying {pct:.0f}% ({elapsed:.0f}/{self.cfg.run.duration:.0f} s): "
             f"{st.completed} done, {st.failed} failed, {st.shed} shed, {self._replayer.pending} in flight"
+            + (f", ceiling {self._controller.batch.limit}" if self._controller is not None else "")
         )
 
     async def _tick_progress(self) -> None:

@@ -166,6 +166,7 @@ class EngineConfig(_Section):
     enable_prefix_caching: bool = True
     temperature: float = Field(default=0.0, ge=0)
     cudagraph_metrics: bool = True
+    scheduler_cls: str = ""
     per_request_spec_metrics: bool = True
     worker_extension: bool = True
     seed: int = 0
@@ -254,10 +255,58 @@ class SinksConfig(_Section):
     influx: InfluxConfig = InfluxConfig()
 
 
-class ControlConfig(_Section):
-    """[control]: the throttle-reacting control loop. Not part of this release: only `enabled = false`."""
+class BatchControlConfig(_Section):
+    """[control.batch]: the concurrency ceiling follows throttling (soakd.policies.downscale)."""
 
-    enabled: Literal[False] = False
+    enabled: bool = True
+    floor: int = Field(default=1, ge=1)
+    step: float = Field(default=0.25, gt=0, lt=1)
+    dwell: Duration = Field(default=30.0, ge=0)
+    settle: Duration = Field(default=60.0, ge=0)
+    cooldown: Duration = Field(default=300.0, ge=0)
+    sustain: Duration = Field(default=600.0, ge=0)
+    retry: Duration = Field(default=3600.0, ge=0)
+    lever: Literal["admission", "scheduler", "rebuild"] = "scheduler"
+
+
+class RecaptureControlConfig(_Section):
+    """[control.recapture]: CUDA-graph capture sizes for the traffic seen (soakd.policies.recapture)."""
+
+    enabled: bool = True
+    idle: Duration = Field(default=60.0, ge=0)
+    min_hit_rate: float = Field(default=0.9, ge=0, le=1)
+    min_gain: float = Field(default=0.05, ge=0, le=1)
+    min_steps: int = Field(default=1000, ge=1)
+    cooldown: Duration = Field(default=1800.0, ge=0)
+    long_idle: Duration = Field(default=3600.0, ge=0)
+    quantile: float = Field(default=0.99, gt=0, le=1)
+    max_sizes: int = Field(default=12, ge=1, le=128)
+    max_size: int = Field(default=0, ge=0)
+    align: int = Field(default=1, ge=1)
+    idle_below_running: int = Field(default=0, ge=0)
+    without_graphs: bool = False
+
+
+class MtpControlConfig(_Section):
+    """[control.mtp]: advice (and optionally action) when speculative acceptance drifts."""
+
+    enabled: bool = True
+    hold: Duration = Field(default=300.0, ge=0)
+    spec_off: bool = False
+    retry: Duration = Field(default=1800.0, ge=0)
+    workload_change: float = Field(default=0.25, gt=0, le=10)
+
+
+class ControlConfig(_Section):
+    """[control]: the control loop: policies over telemetry, one actuator, every action an event."""
+
+    enabled: bool = True
+    dry_run: bool = False
+    interval: Duration = Field(default=1.0, gt=0)
+    scope: Literal["any", "gpu", "host"] = "any"
+    batch: BatchControlConfig = BatchControlConfig()
+    recapture: RecaptureControlConfig = RecaptureControlConfig()
+    mtp: MtpControlConfig = MtpControlConfig()
 
 
 # A criterion set to false is not checked (TOML has no null, and a removed key takes its default).
@@ -356,8 +405,6 @@ def _reason(error: Any) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         return "unknown key"
-    if kind == "literal_error" and error["loc"][-1:] == ("enabled",):
-        return "the control loop is not part of this release; leave enabled = false"
     msg = str(error["msg"])
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]

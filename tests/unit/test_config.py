@@ -53,7 +53,8 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path) -> Non
         ),
         ("[telemetry]\ncollectors = ['host', 'gpux']\n", 2, "telemetry.collectors.1", "'host'"),
         ("[criteria]\nmax_error_rate = 1.5\n", 2, "criteria.max_error_rate", "less than or equal to 1"),
-        ("[control]\nenabled = true\n", 2, "control.enabled", "not part of this release"),
+        ("[control.batch]\nfloor = 0\n", 2, "control.batch.floor", "greater than or equal to 1"),
+        ("[control.batch]\nlever = 'magic'\n", 2, "control.batch.lever", "'admission'"),
         ("[nope]\nx = 1\n", 1, "nope", "unknown key"),
     ],
 )

@@ -77,6 +77,10 @@ class GpuThrottleWatch:
                 fields_out["clock_ratio"] = tr.clock_ratio
             self._on_event(kind, f"GPU {gpu}: {tr.from_state} -> {tr.to_state} ({tr.detail})", **fields_out)
 
+    def throttled(self) -> bool:
+        """Whether any GPU's detector is in the throttled state now (the control loop's input)."""
+        return any(det.state is ThrottleState.THROTTLED for det in self._detectors.values())
+
     def collect(self, now_ns: int) -> Sequence[Sample]:
         out = []
         for gpu, det in self._detectors.items():

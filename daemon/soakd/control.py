@@ -1,0 +1,344 @@
+"""The control loop: each `control.interval`, read the telemetry the policies need, run them, hand their
+actions to the actuator, keep the controller's state in the run directory, and write a `control` point.
+
+Inputs come in as callables (throttle state, output tokens, requests in flight, the run's
+tokens-per-step histogram, the acceptance-drift state), so the loop is tested with plain functions and
+the app wires the real collectors. Times are wall-clock seconds, so the saved state means the same to
+a daemon restarted on the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from soakd.config import ControlConfig
+from soakd.engine.base import EngineInfo
+from soakd.metric import FieldValue, Sample
+from soakd.policies.actuator import Actuator, write_limit
+from soakd.policies.downscale import BatchPolicy, BatchSettings
+from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
+
+log = structlog.get_logger(__name__)
+
+STATE_FILE = "control-state.json"
+LIMIT_FILE = "active-seqs"
+
+
+@dataclass(slots=True)
+class ControlInputs:
+    """What the policies read; each a callable so the app can hand in live views."""
+
+    throttled: Callable[[], bool]
+    """Whether the device(s) in `control.scope` are in the throttled state now."""
+    output_tokens: Callable[[], int]
+    """Output tokens received so far in the run (a running total)."""
+    in_flight: Callable[[], int]
+    """Requests in the engine now."""
+    tokens_per_step: Callable[[], Mapping[int, int]]
+    """The run's tokens-per-step histogram so far (a running total)."""
+    engine: Callable[[], EngineInfo | None]
+    """The running engine's facts (capture sizes, graphs, the live admission lever)."""
+    drifting: Callable[[], bool] = lambda: False
+    """Whether speculative acceptance is below its baseline by the drift threshold now."""
+
+
+class Controller:
+    """Collector `control` and the policy job. `tick()` is awaited every `control.interval`."""
+
+    name = "control"
+
+    def __init__(
+        self,
+        cfg: ControlConfig,
+        start_limit: int,
+        inputs: ControlInputs,
+        actuator: Actuator,
+        run_dir: Path,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.inputs = inputs
+        self.actuator = actuator
+        self._wall = wall
+        self.state_path = run_dir / STATE_FILE
+        b = cfg.batch
+        self.batch = BatchPolicy(
+            BatchSettings(
+                start=start_limit,
+                floor=min(b.floor, start_limit),
+                step=b.step,
+                dwell_s=b.dwell,
+                settle_s=b.settle,
+                cooldown_s=b.cooldown,
+                sustain_s=b.sustain,
+                retry_s=b.retry,
+            )
+        )
+        r = cfg.recapture
+        self.recapture_settings = RecaptureSettings(
+            idle_s=r.idle,
+            min_hit_rate=r.min_hit_rate,
+            min_gain=r.min_gain,
+            min_steps=r.min_steps,
+            cooldown_s=r.cooldown,
+            long_idle_s=r.long_idle,
+            quantile=r.quantile,
+            max_sizes=r.max_sizes,
+            max_size=r.max_size or None,
+            align=r.align,
+        )
+        self.recapture: RecapturePolicy | None = None
+        self.recapture_note = ""
+        self._hist_seen: Counter[int] = Counter()
+        self._last_tokens: int | None = None
+        self._last_t: float | None = None
+        self._idle_since: float | None = None
+        self._drift_since: float | None = None
+        self._advised = False
+        self.spec_off_since: float | None = None
+        self._workload_at_off: tuple[float, float] | None = None
+        self._workload = [0.0, 0.0, 0]  # input tokens, output tokens, requests (since the last check)
+        self.ticks = 0
+        self.recaptures = 0
+        self.restored = False
+        self._load_state()
+
+    # -- state ---------------------------------------------------------------------------------
+    def _load_state(self) -> None:
+        if not self.state_path.is_file():
+            return
+        try:
+            state = json.loads(self.state_path.read_text(encoding="utf-8"))
+            now = self._wall()
+            self.batch = BatchPolicy.from_state(self.batch.settings, state["batch"], now)
+            if state.get("recapture"):
+                self.recapture = RecapturePolicy.from_state(state["recapture"], self.recapture_settings)
+            self.spec_off_since = state.get("spec_off_since")
+            self.recaptures = int(state.get("recaptures", 0))
+            self.restored = True
+            log.info("control_state_restored", limit=self.batch.limit, sustained=self.batch.sustained)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            # A torn or foreign file must not stop the soak: start afresh and say so.
+            log.warning("control_state_unreadable", path=str(self.state_path), error=str(err)[:200])
+
+    def save_state(self) -> None:
+        now = self._wall()
+        state = {
+            "saved_at": now,
+            "batch": self.batch.to_state(now),
+            "recapture": None if self.recapture is None else self.recapture.to_state(),
+            "spec_off_since": self.spec_off_since,
+            "recaptures": self.recaptures,
+        }
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps(state, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, self.state_path)  # noqa: PTH105 - same as Path.replace, kept explicit
+
+    # -- the loop --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """The replay begins: the ceiling the controller holds (restored, or the start) takes effect."""
+        gate = self.actuator.gate
+        if gate is not None and gate.limit != self.batch.limit and not self.actuator.dry_run:
+            await gate.set_limit(self.batch.limit)
+        if self.actuator.limit_file is not None and self.batch.limit < self.batch.settings.start:
+            write_limit(self.actuator.limit_file, self.batch.limit)
+
+    def observe_request(self, input_tokens: int, output_tokens: int) -> None:
+        """A finished request (the workload signature for turning speculation back on)."""
+        self._workload[0] += input_tokens
+        self._workload[1] += output_tokens
+        self._workload[2] += 1
+
+    async def tick(self) -> None:
+        cfg = self.cfg
+        now = self._wall()
+        self.ticks += 1
+        tokens = self.inputs.output_tokens()
+        interval = 0.0 if self._last_t is None else now - self._last_t
+        delta = 0 if self._last_tokens is None else max(0, tokens - self._last_tokens)
+        self._last_tokens, self._last_t = tokens, now
+        changed = False
+        if cfg.batch.enabled:
+            for action in self.batch.update(now, self.inputs.throttled(), float(delta), interval):
+                await self.actuator.set_ceiling(action)
+                changed = True
+        if cfg.recapture.enabled:
+            changed |= await self._recapture(now)
+        if cfg.mtp.enabled:
+            changed |= await self._mtp(now)
+        if changed or self.ticks % 60 == 1:
+            self.save_state()
+
+    async def _recapture(self, now: float) -> bool:
+        info = self.inputs.engine()
+        if info is None:
+            return False
+        if self.recapture is None:
+            if not info.cudagraphs and not self.cfg.recapture.without_graphs:
+                self.recapture_note = "the engine runs without CUDA graphs: nothing to re-capture"
+                return False
+            self.recapture = RecapturePolicy(self.recapture_settings, info.capture_sizes)
+        hist = self.inputs.tokens_per_step()
+        delta = {k: v - self._hist_seen.get(k, 0) for k, v in hist.items() if v > self._hist_seen.get(k, 0)}
+        self._hist_seen = Counter(hist)
+        if delta:
+            self.recapture.observe_steps(delta)
+        running = self.inputs.in_flight()
+        if running <= self.cfg.recapture.idle_below_running:
+            if self._idle_since is None:
+                self._idle_since = now
+        else:
+            self._idle_since = None
+        idle_for = 0.0 if self._idle_since is None else now - self._idle_since
+        action = self.recapture.decide(now, idle_for)
+        if action is None:
+            return False
+        ok = await self.actuator.recapture(action)
+        if ok:
+            self.recapture.applied(self._wall(), action.sizes)
+            self.recaptures += 1
+        else:
+            self.recapture.failed(self._wall())
+        return True
+
+    async def _mtp(self, now: float) -> bool:
+        m = self.cfg.mtp
+        info = self.inputs.engine()
+        if self.spec_off_since is not None:
+            return await self._maybe_spec_on(now, info)
+        if info is None or not info.speculative_tokens or not self.inputs.drifting():
+            self._drift_since = None
+            self._advised = False
+            return False
+        if self._drift_since is None:
+            self._drift_since = now
+        held = now - self._drift_since
+        if held < m.hold or self._advised:
+            return False
+        self._advised = True
+        message = f"speculative acceptance below its baseline for {held:.0f} s (>= {m.hold:g} s)"
+        self.actuator.advise("mtp_advisory", message, drifting_for_s=round(held, 3), spec_off=m.spec_off)
+        if m.spec_off:
+            ok = await self.actuator.speculation(False, message)
+            if ok:
+                self.spec_off_since = self._wall()
+                self._workload_at_off = self._signature()
+        return True
+
+    def _signature(self) -> tuple[float, float] | None:
+        inp, out, n = self._workload
+        self._workload = [0.0, 0.0, 0]
+        return None if n == 0 else (inp / n, out / n)
+
+    async def _maybe_spec_on(self, now: float, info: EngineInfo | None) -> bool:
+        m = self.cfg.mtp
+        assert self.spec_off_since is not None
+        off_for = now - self.spec_off_since
+        reason = ""
+        if off_for >= m.retry:
+            reason = f"speculation off for {off_for:.0f} s (>= {m.retry:g} s): trying it again"
+        elif self._workload[2] >= 50 and self._workload_at_off is not None:
+            sig = self._signature()
+            base = self._workload_at_off
+            if sig is not None:
+                moved = max(abs(s - b) / b if b else 0.0 for s, b in zip(sig, base, strict=True))
+                if moved >= m.workload_change:
+                    reason = (
+                        f"workload changed by {moved:.0%} (mean prompt/output length) "
+                        "since speculation went off"
+                    )
+        if not reason:
+            return False
+        ok = await self.actuator.speculation(True, reason)
+        if ok:
+            self.spec_off_since = None
+            self._drift_since = None
+            self._advised = False
+        return True
+
+    # -- points ----------------------------------------------------------------------------------
+    def collect(self, now_ns: int) -> Sequence[Sample]:
+        gate = self.actuator.gate
+        fields: dict[str, FieldValue] = {
+            "policy_limit": self.batch.limit,
+            "throttled": int(self.inputs.throttled()),
+            "actions": self.batch.actions + self.recaptures,
+            "dry_run": self.actuator.dry_run,
+        }
+        if gate is not None:
+            fields["ceiling"] = gate.limit
+        if self.actuator.engine_limit is not None:
+            fields["engine_limit"] = self.actuator.engine_limit
+        if self.batch.sustained is not None:
+            fields["sustained_limit"] = int(self.batch.sustained["limit"])
+            tps = self.batch.sustained.get("tokens_per_s")
+            if tps is not None:
+                fields["sustained_tokens_per_s"] = float(tps)
+        if self._idle_since is not None:
+            fields["idle_s"] = self._wall() - self._idle_since
+        if self.spec_off_since is not None:
+            fields["spec_off"] = True
+        info = self.inputs.engine()
+        tags = {"config": info.config_id} if info is not None else {}
+        return [Sample("control", fields, now_ns, tags=tags)]
+
+    def summary(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "dry_run": self.actuator.dry_run,
+            "lever": self.actuator.lever,
+            "ceiling": self.batch.limit,
+            "start": self.batch.settings.start,
+            "sustained": self.batch.sustained,
+            "batch_actions": self.batch.actions,
+            "levels": self.batch.levels(),
+            "recaptures": self.recaptures,
+            "restored": self.restored,
+            "applied": self.actuator.applied,
+            "failed": self.actuator.failed,
+        }
+        if self.recapture is not None:
+            sizes = self.recapture.current_sizes
+            out["capture_sizes"] = list(sizes)
+            window = self.recapture.window()
+            if window and sizes:
+                cov = padding_stats(window, sizes)
+                out["graph_coverage_since_capture"] = {
+                    "hit_rate": cov.hit_rate,
+                    "padding_waste": cov.padding_waste,
+                }
+        elif self.recapture_note:
+            out["recapture"] = self.recapture_note
+        return out
+
+    def close(self) -> None:
+        return None
+
+
+def input_throttled(
+    scope: str, gpu: Callable[[], bool] | None, host: Callable[[], bool] | None
+) -> Callable[[], bool]:
+    """The `throttled` input for a scope: any GPU detector, the host's, or either."""
+    sources: list[Callable[[], bool]] = []
+    if scope in ("any", "gpu") and gpu is not None:
+        sources.append(gpu)
+    if scope in ("any", "host") and host is not None:
+        sources.append(host)
+    return lambda: any(f() for f in sources)
+
+
+def state_of(path: Path) -> dict[str, Any] | None:
+    """The saved controller state of a run directory, or None."""
+    try:
+        data = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,165 @@
+"""The one place that changes the engine or the admission ceiling: applies the policies' actions.
+
+Every action is an event sample (a Grafana annotation) with its reason and evidence, a structlog line
+and the systemd STATUS line, whether it is applied or (`dry_run`) only advised. Levers for the
+batch size, as `control.batch.lever` says:
+
+- admission: soakd's own concurrency ceiling (`AdmissionGate.set_limit`, immediate);
+- scheduler: also vLLM's admission limit, live, through soakd's scheduler class (engine/sched.py),
+  by rewriting the limit file it polls; where the engine does not run that class, admission only;
+- rebuild: also a rebuild with `max_num_seqs` = the ceiling (drains; minutes on a GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+from soakd.config import EngineChange
+from soakd.engine.supervisor import EngineSupervisor
+from soakd.metric import FieldValue
+from soakd.notify import notify
+from soakd.policies.downscale import BatchAction
+from soakd.policies.recapture import RecaptureAction
+from soakd.replay.admission import AdmissionGate
+
+log = structlog.get_logger(__name__)
+
+EventFn = Callable[..., None]
+Lever = Literal["admission", "scheduler", "rebuild"]
+
+
+def write_limit(path: Path, limit: int | None) -> None:
+    """Replace the limit file atomically: the scheduler never reads half a number."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("" if limit is None else str(int(limit)), encoding="ascii")
+    tmp.replace(path)
+
+
+def _evidence(evidence: dict[str, Any]) -> dict[str, FieldValue]:
+    out: dict[str, FieldValue] = {}
+    for k, v in evidence.items():
+        if isinstance(v, bool | int | float | str):
+            out[f"ev_{k}"] = v
+    return out
+
+
+class Actuator:
+    """Applies batch, re-capture and speculation actions; says each one."""
+
+    def __init__(
+        self,
+        engine: EngineSupervisor,
+        on_event: EventFn,
+        *,
+        lever: Lever = "admission",
+        limit_file: Path | None = None,
+        dry_run: bool = False,
+    ) -> None:
+        self._engine = engine
+        self._event = on_event
+        self.lever = lever
+        self.limit_file = limit_file
+        self.dry_run = dry_run
+        self.gate: AdmissionGate | None = None
+        """Set when the replay's gate exists (after warm-up)."""
+        self.applied = 0
+        self.failed = 0
+        self.engine_limit: int | None = None
+        """The limit last written for the engine's scheduler (None: as the engine started)."""
+        self._said_no_live = False
+
+    def _say(self, kind: str, message: str, **fields: FieldValue) -> None:
+        fields = {**fields, "dry_run": self.dry_run}
+        self._event(kind, message, **fields)
+        notify(f"STATUS={'advice' if self.dry_run else 'action'}: {message}"[:400])
+
+    async def set_ceiling(self, action: BatchAction) -> None:
+        reason = f"{action.kind}: {action.reason}"
+        fields: dict[str, FieldValue] = {
+            "from_limit": action.from_limit,
+            "to_limit": action.to_limit,
+            "reason": action.reason,
+            "lever": self.lever,
+            **_evidence(action.evidence),
+        }
+        if self.dry_run:
+            self._say(action.kind, f"advice only: {reason}", **fields)
+            return
+        if self.gate is not None:
+            await self.gate.set_limit(action.to_limit)
+        live = False
+        if self.lever == "scheduler" and self.limit_file is not None:
+            if self._engine.info.live_active_seqs:
+                write_limit(self.limit_file, action.to_limit)
+                self.engine_limit = action.to_limit
+                live = True
+            elif not self._said_no_live:
+                self._said_no_live = True
+                log.warning(
+                    "scheduler_lever_unavailable", reason="the engine does not run soakd's scheduler class"
+                )
+        fields["engine_live"] = live
+        ok = True
+        if self.lever == "rebuild":
+            change = EngineChange(
+                at=1.0, mode="drain", reason=f"batch {reason}", max_num_seqs=action.to_limit
+            )
+            ok = await self._engine.rebuild(change)
+            fields["rebuilt"] = ok
+        self.applied += ok
+        self.failed += not ok
+        self._say(action.kind, reason, **fields)
+
+    async def recapture(self, action: RecaptureAction) -> bool:
+        fields: dict[str, FieldValue] = {
+            "sizes": ",".join(map(str, action.sizes)),
+            "previous": ",".join(map(str, action.previous)),
+            "reason": action.reason,
+            **_evidence(dict(action.evidence)),
+        }
+        if self.dry_run:
+            self._say("recapture", f"advice only: re-capture CUDA graphs: {action.reason}", **fields)
+            return False
+        change = EngineChange(
+            at=1.0,
+            mode="drain",
+            reason=f"re-capture: {action.reason}",
+            cudagraph_capture_sizes=list(action.sizes),
+        )
+        ok = await self._engine.rebuild(change)
+        self.applied += ok
+        self.failed += not ok
+        fields["ok"] = ok
+        self._say(
+            "recapture", f"re-capture CUDA graphs ({'done' if ok else 'failed'}): {action.reason}", **fields
+        )
+        return ok
+
+    async def speculation(self, enabled: bool, reason: str, **evidence: FieldValue) -> bool:
+        kind = "mtp_on" if enabled else "mtp_off"
+        fields: dict[str, FieldValue] = {"reason": reason, **evidence}
+        if self.dry_run:
+            self._say(
+                kind, f"advice only: speculative decoding {'on' if enabled else 'off'}: {reason}", **fields
+            )
+            return False
+        change = EngineChange(at=1.0, mode="drain", reason=reason, speculative_enabled=enabled)
+        ok = await self._engine.rebuild(change)
+        self.applied += ok
+        self.failed += not ok
+        fields["ok"] = ok
+        self._say(
+            kind,
+            f"speculative decoding {'on' if enabled else 'off'} ({'done' if ok else 'failed'}): {reason}",
+            **fields,
+        )
+        return ok
+
+    def advise(self, kind: str, message: str, **fields: FieldValue) -> None:
+        """An advisory event: nothing to apply (the MTP acceptance advisory)."""
+        self._event(kind, message, **fields)
+        notify(f"STATUS=advisory: {message}"[:400])

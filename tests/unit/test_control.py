@@ -1,0 +1,263 @@
+"""The control loop with plain-function inputs and a stub engine: actions reach the gate, the limit file
+and the engine, each one is an event, dry runs only advise, and the state survives a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from soakd.config import ControlConfig, EngineChange, load
+from soakd.control import LIMIT_FILE, STATE_FILE, ControlInputs, Controller, input_throttled
+from soakd.engine.base import EngineInfo
+from soakd.engine.supervisor import EngineSupervisor
+from soakd.policies.actuator import Actuator
+from soakd.replay.admission import AdmissionGate
+
+
+@dataclass
+class StubEngine:
+    """What the actuator uses of the supervisor: info and rebuild."""
+
+    info: EngineInfo
+    rebuilds: list[EngineChange] = field(default_factory=list)
+    ok: bool = True
+
+    async def rebuild(self, change: EngineChange) -> bool:
+        self.rebuilds.append(change)
+        if self.ok and change.cudagraph_capture_sizes is not None:
+            self.info = replace(self.info, capture_sizes=tuple(change.cudagraph_capture_sizes))
+        return self.ok
+
+
+def info(**over: Any) -> EngineInfo:
+    base: dict[str, Any] = {
+        "kind": "vllm-local",
+        "version": "x",
+        "model": "m",
+        "config_id": "cfg1",
+        "vocab_size": 100,
+        "cudagraphs": True,
+        "capture_sizes": (1, 2),
+        "live_active_seqs": True,
+        "speculative_tokens": 3,
+    }
+    base.update(over)
+    return EngineInfo(**base)
+
+
+@dataclass
+class World:
+    """The inputs the controller reads, as plain values the test moves."""
+
+    throttled: bool = False
+    tokens: int = 0
+    in_flight: int = 5
+    hist: Counter[int] = field(default_factory=Counter)
+    drifting: bool = False
+
+
+def control_cfg(tmp_path: Path, text: str) -> ControlConfig:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return load(path).control
+
+
+def make(
+    tmp_path: Path, text: str = "", *, engine: StubEngine | None = None, start: int = 16
+) -> tuple[Controller, World, list[tuple[str, str, dict[str, Any]]], StubEngine, list[float]]:
+    world = World()
+    events: list[tuple[str, str, dict[str, Any]]] = []
+    eng = engine or StubEngine(info())
+    clock = [1000.0]
+    cfg = control_cfg(tmp_path, text)
+    actuator = Actuator(
+        cast(EngineSupervisor, eng),
+        lambda kind, msg, **f: events.append((kind, msg, f)),
+        lever=cfg.batch.lever,
+        limit_file=tmp_path / LIMIT_FILE,
+        dry_run=cfg.dry_run,
+    )
+    actuator.gate = AdmissionGate(start)
+    inputs = ControlInputs(
+        throttled=lambda: world.throttled,
+        output_tokens=lambda: world.tokens,
+        in_flight=lambda: world.in_flight,
+        tokens_per_step=lambda: world.hist,
+        engine=lambda: eng.info,
+        drifting=lambda: world.drifting,
+    )
+    return (
+        Controller(cfg, start, inputs, actuator, tmp_path, wall=lambda: clock[0]),
+        world,
+        events,
+        eng,
+        clock,
+    )
+
+
+def run_for(ctrl: Controller, world: World, clock: list[float], seconds: int, **change: Any) -> None:
+    for k, v in change.items():
+        setattr(world, k, v)
+    for _ in range(seconds):
+        clock[0] += 1
+        world.tokens += 100
+        asyncio.run(ctrl.tick())
+
+
+BATCH = """
+[control.batch]
+dwell = "5s"
+settle = "10s"
+cooldown = "20s"
+lever = "scheduler"
+[control.recapture]
+enabled = false
+"""
+
+
+def test_throttling_lowers_gate_and_engine_limit_with_an_event_then_raises_them(tmp_path: Path) -> None:
+    ctrl, world, events, _, clock = make(tmp_path, BATCH)
+    run_for(ctrl, world, clock, 3)
+    run_for(ctrl, world, clock, 6, throttled=True)
+    gate = ctrl.actuator.gate
+    assert gate is not None and gate.limit == 12
+    assert (tmp_path / LIMIT_FILE).read_text() == "12"  # vLLM's scheduler reads this file
+    (kind, msg, fields) = events[0]
+    assert kind == "downscale" and "throttled for 5 s" in msg
+    assert fields["from_limit"] == 16 and fields["to_limit"] == 12 and fields["engine_live"] is True
+    assert fields["ev_tokens_per_s_before"] == pytest.approx(100.0) and fields["dry_run"] is False
+    (point,) = ctrl.collect(1)
+    assert (
+        point.fields["ceiling"] == 12
+        and point.fields["engine_limit"] == 12
+        and point.fields["throttled"] == 1
+    )
+    assert point.tags == {"config": "cfg1"}
+    run_for(ctrl, world, clock, 25, throttled=False)
+    assert gate.limit == 15 and [e[0] for e in events] == ["downscale", "upscale"]
+    state = (tmp_path / STATE_FILE).read_text()
+    assert '"limit": 15' in state
+
+
+def test_dry_run_advises_and_changes_nothing(tmp_path: Path) -> None:
+    ctrl, world, events, _, clock = make(tmp_path, "[control]\ndry_run = true\n" + BATCH)
+    run_for(ctrl, world, clock, 7, throttled=True)
+    assert ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 16
+    assert not (tmp_path / LIMIT_FILE).exists()
+    assert events and events[0][0] == "downscale" and events[0][1].startswith("advice only")
+    assert events[0][2]["dry_run"] is True
+
+
+def test_rebuild_lever_rebuilds_with_the_smaller_batch(tmp_path: Path) -> None:
+    ctrl, world, events, eng, clock = make(tmp_path, BATCH.replace('"scheduler"', '"rebuild"'))
+    run_for(ctrl, world, clock, 7, throttled=True)
+    assert [c.max_num_seqs for c in eng.rebuilds] == [12]
+    assert eng.rebuilds[0].mode == "drain" and "throttled for" in eng.rebuilds[0].reason
+    assert events[0][2]["rebuilt"] is True
+
+
+def test_state_survives_a_restart_and_the_ceiling_is_restored(tmp_path: Path) -> None:
+    ctrl, world, _, _, clock = make(tmp_path, BATCH)
+    run_for(ctrl, world, clock, 7, throttled=True)
+    assert ctrl.batch.limit == 12
+    again, _, _, _, _ = make(tmp_path, BATCH)  # a new daemon on the same run directory
+    assert again.restored and again.batch.limit == 12 and again.batch.actions == 1
+    assert again.actuator.gate is not None
+    asyncio.run(again.start())
+    assert again.actuator.gate.limit == 12
+
+
+def test_torn_state_file_starts_afresh(tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).write_text('{"batch": ')
+    ctrl, *_ = make(tmp_path, BATCH)
+    assert not ctrl.restored and ctrl.batch.limit == 16
+
+
+RECAPTURE = """
+[control.batch]
+enabled = false
+[control.recapture]
+idle = "5s"
+min_steps = 100
+cooldown = "1h"
+max_sizes = 4
+"""
+
+
+def test_recapture_when_idle_after_traffic_the_sizes_miss(tmp_path: Path) -> None:
+    ctrl, world, events, eng, clock = make(tmp_path, RECAPTURE)
+    world.hist.update({6: 300, 7: 200, 12: 100})  # captured [1, 2]: every step ran eager
+    run_for(ctrl, world, clock, 10)  # busy: nothing
+    assert not eng.rebuilds
+    run_for(ctrl, world, clock, 6, in_flight=0)
+    (change,) = eng.rebuilds
+    assert change.cudagraph_capture_sizes is not None and max(change.cudagraph_capture_sizes) == 12
+    kinds = [e[0] for e in events]
+    assert kinds == ["recapture"] and events[0][2]["ok"] is True and "hit rate" in events[0][2]["reason"]
+    assert ctrl.recaptures == 1 and ctrl.summary()["capture_sizes"] == sorted(change.cudagraph_capture_sizes)
+    run_for(ctrl, world, clock, 10)  # cooldown: no second one
+    assert len(eng.rebuilds) == 1
+
+
+def test_no_recapture_without_graphs_unless_asked(tmp_path: Path) -> None:
+    eng = StubEngine(info(cudagraphs=False, capture_sizes=()))
+    ctrl, world, _, _, clock = make(tmp_path, RECAPTURE, engine=eng)
+    world.hist.update({6: 300})
+    run_for(ctrl, world, clock, 10, in_flight=0)
+    assert not eng.rebuilds and "without CUDA graphs" in str(ctrl.summary()["recapture"])
+    (tmp_path / "b").mkdir()
+    ctrl2, world2, _, eng2, clock2 = make(
+        tmp_path / "b",
+        RECAPTURE + "without_graphs = true\n",
+        engine=StubEngine(info(cudagraphs=False, capture_sizes=())),
+    )
+    world2.hist.update({6: 300})
+    run_for(ctrl2, world2, clock2, 10, in_flight=0)
+    assert len(eng2.rebuilds) == 1
+
+
+MTP = """
+[control.batch]
+enabled = false
+[control.recapture]
+enabled = false
+[control.mtp]
+hold = "10s"
+spec_off = true
+retry = "1h"
+workload_change = 0.3
+"""
+
+
+def test_mtp_drift_advises_turns_speculation_off_and_back_on_when_the_workload_changes(
+    tmp_path: Path,
+) -> None:
+    ctrl, world, events, eng, clock = make(tmp_path, MTP)
+    run_for(ctrl, world, clock, 5, drifting=True)
+    assert not events
+    for _ in range(60):
+        ctrl.observe_request(1000, 100)
+    run_for(ctrl, world, clock, 6)
+    assert [e[0] for e in events] == ["mtp_advisory", "mtp_off"]
+    assert eng.rebuilds[0].speculative_enabled is False
+    for _ in range(60):  # the same workload: speculation stays off
+        ctrl.observe_request(1000, 100)
+    run_for(ctrl, world, clock, 3, drifting=False)
+    assert len(eng.rebuilds) == 1 and ctrl.spec_off_since is not None
+    for _ in range(60):  # prompts twice as long: a workload the drift was not measured on
+        ctrl.observe_request(2000, 100)
+    run_for(ctrl, world, clock, 2)
+    assert [e[0] for e in events][-1] == "mtp_on" and eng.rebuilds[-1].speculative_enabled is True
+    assert "workload changed by 100%" in events[-1][2]["reason"]
+
+
+def test_input_throttled_by_scope() -> None:
+    gpu, host = (lambda: True), (lambda: False)
+    assert input_throttled("any", gpu, host)() is True
+    assert input_throttled("host", gpu, host)() is False
+    assert input_throttled("gpu", None, host)() is False
