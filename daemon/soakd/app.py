@@ -108,6 +108,27 @@ class SampleWriter:
             self([Sample("events", {"message": message, **fields}, self._wall_ns(), tags={"kind": kind})])
 
 
+class _JobHealth:
+    """Collector `scheduler`: the periodic jobs' misses and errors as a series, not only in the summary
+    (a slow tier that overruns its interval, a job that raised, fast-tier slots skipped)."""
+
+    name = "scheduler"
+
+    def __init__(self, soak: Soak) -> None:
+        self._soak = soak
+
+    def collect(self, now_ns: int) -> list[Sample]:
+        soak = self._soak
+        fields: dict[str, FieldValue] = {"missed": soak.scheduler_missed, "errors": soak.scheduler_errors}
+        for t in soak._tickers:
+            fields[f"{t.name}_missed"] = t.missed
+            fields[f"{t.name}_errors"] = t.errors
+        return [Sample("scheduler", fields, now_ns)]
+
+    def close(self) -> None:
+        return None
+
+
 @dataclass(slots=True)
 class RunResult:
     run_id: str
@@ -300,7 +321,7 @@ class Soak:
             build, self._engine_config(), on_event=writer.event, on_started=on_started
         )
         collectors = self._make_collectors(engine, engine_collector, writer)
-        runner = CollectorRunner(collectors, writer)
+        runner = CollectorRunner([*collectors, _JobHealth(self)], writer)
         controller = self._make_controller(engine, engine_collector, drift, writer)
         scheduler = self._make_scheduler(runner, spool, forwarder, engine)
         loop = asyncio.get_running_loop()
@@ -459,6 +480,8 @@ class Soak:
                 )
             await self._guard("influx_close", forwarder.writer.aclose())
         self._guard_sync("spool_close", spool.close)
+        if self._controller is not None:
+            self._guard_sync("control_state", self._controller.save_state)
         summary_doc = {
             "run_id": self.run_id,
             "verdict": verdict.word,

@@ -172,13 +172,13 @@ class Controller:
                 await self.actuator.set_ceiling(action)
                 changed = True
         if cfg.recapture.enabled:
-            changed |= await self._recapture(now)
+            changed |= await self._recapture(now, produced=delta > 0)
         if cfg.mtp.enabled:
             changed |= await self._mtp(now)
         if changed or self.ticks % 60 == 1:
             self.save_state()
 
-    async def _recapture(self, now: float) -> bool:
+    async def _recapture(self, now: float, produced: bool) -> bool:
         info = self.inputs.engine()
         if info is None:
             return False
@@ -192,8 +192,12 @@ class Controller:
         self._hist_seen = Counter(hist)
         if delta:
             self.recapture.observe_steps(delta)
+        # Idle: nothing in flight and no token produced since the last tick (light traffic finishes
+        # between two ticks, so an empty queue alone is not idle); or, when allowed, a few running.
+        below = self.cfg.recapture.idle_below_running
         running = self.inputs.in_flight()
-        if running <= self.cfg.recapture.idle_below_running:
+        idle = running <= below if below > 0 else running == 0 and not produced
+        if idle:
             if self._idle_since is None:
                 self._idle_since = now
         else:

@@ -4,7 +4,8 @@
   soakd's entry point) sends every step over the socket, /metrics is scraped, the worker extension
   answers over /collective_rpc; ngram speculation gives per-position and per-output-position acceptance.
 - attach mode: a server the test started, HTTP and /metrics only; the summary names what is missing.
-- a scheduled rebuild mid-run with other capture sizes and max_num_seqs: every request counted once.
+- the control loop on the real engine: a re-capture rebuild when idle and a downscale rebuild on recorded
+  H200 throttling: every request counted once.
 - the engine's worker killed mid-run: detected, restarted, counted, the run completes.
 """
 
@@ -150,33 +151,97 @@ def test_attach_mode_names_the_signals_it_cannot_see(
     assert_exact_accounting(doc, by)
 
 
-def test_rebuild_mid_run_with_other_capture_sizes_and_batch(tmp_path: Path, tiny_model: Path) -> None:
-    change = (
-        LIFECYCLE_CRITERIA
-        + """
-[[engine.changes]]
-at = "10s"
-mode = "drain"
-reason = "smaller batch"
-max_num_seqs = 4
-cudagraph_capture_sizes = [1, 2, 4]
+PHASES = Path(__file__).parents[1] / "data" / "h200" / "phases" / "nvml_phases.jsonl.gz"
+
+
+def test_control_loop_recaptures_when_idle_and_downscales_on_throttling(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The real CPU engine and the H200 phases recording as the GPU (a 700 W power cap at 12-32 s and
+    47-67 s of the replay): the controller re-captures graph sizes for the traffic seen once the engine
+    has been idle, and lowers the batch by a rebuild once the GPU has been throttled for the dwell.
+    Both rebuilds drain; every request is counted once; each action is an event with its reason."""
+    trace = tmp_path / "gap.jsonl"
+    rows = [{"format": "soakd-trace", "version": 1, "block_size": 16}]
+    # Busy 0-8 s, an idle gap, busy 30-40 s, then a request every 3 s to the end (a trace that ends
+    # ends the run).
+    times = [k * 0.5 for k in range(17)] + [30 + k * 0.5 for k in range(21)] + [43 + 3 * k for k in range(30)]
+    rows += [{"t": t, "input_tokens": 200, "output_tokens": 24} for t in times]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    control = f"""
+[telemetry]
+interval = "1s"
+collectors = ["host", "engine", "gpu"]
+gpu_recording = "{PHASES}"
+[control.batch]
+dwell = "15s"
+settle = "300s"
+cooldown = "10m"
+lever = "rebuild"
+[control.recapture]
+idle = "4s"
+min_steps = 20
+without_graphs = true
+cooldown = "1h"
+max_sizes = 4
+[control.mtp]
+enabled = false
 """
+    cfg = tmp_path / "control.toml"
+    cfg.write_text(
+        f"""
+[run]
+duration = "120s"
+output_dir = "{tmp_path / "runs"}"
+[trace]
+path = "{trace}"
+format = "native"
+[engine]
+model = "{tiny_model}"
+max_model_len = 1024
+max_num_seqs = 8
+extra_args = {{ compilation_config = {{ cudagraph_capture_sizes = [1] }} }}
+[engine.speculative]
+enabled = false
+[replay]
+loop = false
+warmup_requests = 2
+max_concurrency = 8
+{LIFECYCLE_CRITERIA}
+{control}
+""",
+        encoding="utf-8",
     )
-    cfg = write_config(tmp_path / "rebuild.toml", tiny_model, change, duration="25s")
     doc, by = run_ok(cfg)
-    events = [e for e in by["events"] if e.tags["kind"] == "engine_rebuild"]
-    assert len(events) == 1 and events[0].fields["ok"] == 1
-    ev = events[0].fields
-    assert ev["config_from"] != ev["config_to"]
-    lifecycle = doc["engine_telemetry"]["lifecycle"]
-    assert lifecycle["rebuilds"] == 1 and len(lifecycle["configs"]) == 2
-    assert {s.tags["config"] for s in by["engine"]} == {ev["config_from"], ev["config_to"]}
+    events = {
+        k: [e for e in by["events"] if e.tags["kind"] == k]
+        for k in ("recapture", "downscale", "engine_rebuild")
+    }
+    (recapture,) = events["recapture"]
+    (down,) = events["downscale"]
+    assert recapture.fields["ok"] is True and "hit rate" in str(recapture.fields["reason"])
+    sizes = [int(x) for x in str(recapture.fields["sizes"]).split(",")]
+    assert sizes == sorted(sizes) and len(sizes) <= 4 and recapture.fields["previous"] in ("1", "")
+    assert down.fields["from_limit"] == 8 and down.fields["to_limit"] == 6 and down.fields["rebuilt"] is True
+    assert "throttled for" in str(down.fields["reason"]) and float(down.fields["ev_throttled_for_s"]) >= 15
+    rebuilds = events["engine_rebuild"]
+    assert len(rebuilds) == 2 and all(e.fields["ok"] == 1 for e in rebuilds)
     meta = json.loads((Path(doc["run_dir"]) / "meta.json").read_text())
-    assert [e["details"]["max_num_seqs"] for e in meta["engines"]] == ["8", "4"]
+    engines = meta["engines"]
+    assert len(engines) == 3 and engines[-1]["details"]["max_num_seqs"] == "6"
+    control_doc = doc["control"]
+    assert (
+        control_doc["recaptures"] == 1 and control_doc["batch_actions"] == 1 and control_doc["ceiling"] == 6
+    )
+    points = by["control"]
+    assert {int(p.fields["policy_limit"]) for p in points} == {8, 6}
     assert_exact_accounting(doc, by)
     failed = [r for r in by["requests"] if r.tags["status"] == "error"]
-    assert len(failed) == ev["aborted"]  # drained requests finished; only aborted ones failed
-    print(f"rebuild downtime on CPU: {float(ev['downtime_s']):.1f} s")
+    assert len(failed) == sum(int(e.fields["aborted"]) for e in rebuilds)  # drained ones finished
+    state = json.loads((Path(doc["run_dir"]) / "control-state.json").read_text())
+    assert state["batch"]["limit"] == 6 and state["recaptures"] == 1
+    downtimes = [float(e.fields["downtime_s"]) for e in rebuilds]
+    print(f"control: recapture sizes {sizes}, rebuild downtimes {downtimes}")
 
 
 def _worker(root: psutil.Process) -> psutil.Process | None:

@@ -59,6 +59,8 @@ class World:
     in_flight: int = 5
     hist: Counter[int] = field(default_factory=Counter)
     drifting: bool = False
+    rate: int = 100
+    """Output tokens per second while requests run."""
 
 
 def control_cfg(tmp_path: Path, text: str) -> ControlConfig:
@@ -105,7 +107,7 @@ def run_for(ctrl: Controller, world: World, clock: list[float], seconds: int, **
         setattr(world, k, v)
     for _ in range(seconds):
         clock[0] += 1
-        world.tokens += 100
+        world.tokens += world.rate if world.in_flight else 0
         asyncio.run(ctrl.tick())
 
 
@@ -261,3 +263,17 @@ def test_input_throttled_by_scope() -> None:
     assert input_throttled("any", gpu, host)() is True
     assert input_throttled("host", gpu, host)() is False
     assert input_throttled("gpu", None, host)() is False
+
+
+def test_light_traffic_between_ticks_is_not_idle(tmp_path: Path) -> None:
+    # Requests that finish between two ticks leave the queue empty at every tick; tokens still flow.
+    ctrl, world, _, eng, clock = make(tmp_path, RECAPTURE)
+    world.hist.update({6: 300})
+    world.in_flight = 0
+    for _ in range(20):
+        clock[0] += 1
+        world.tokens += 50
+        asyncio.run(ctrl.tick())
+    assert not eng.rebuilds
+    run_for(ctrl, world, clock, 6)  # now truly idle: no tokens either
+    assert len(eng.rebuilds) == 1
