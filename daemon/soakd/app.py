@@ -142,6 +142,9 @@ class RunResult:
 ProgressFn = Callable[[float, float, ReplayStats], None]
 
 
+SNAPSHOT_FILE = "snapshot.json"
+
+
 def resolve_model(cfg: Config) -> str:
     """The model vLLM loads: a local folder, or `hf:NAME` passed through as a hub name.
 
@@ -918,6 +921,7 @@ class Soak:
         if self._progress is not None:
             scheduler.add_job(self._tick_progress, "interval", seconds=1.0, id="progress")
         scheduler.add_job(self._status, "interval", seconds=10.0, id="status")
+        scheduler.add_job(self._snapshot, "interval", seconds=cfg.run.snapshot_interval, id="snapshot")
         wd = watchdog_interval_s()
         if wd is not None:
 
@@ -926,6 +930,24 @@ class Soak:
 
             scheduler.add_job(watchdog, "interval", seconds=wd, id="watchdog")
         return scheduler
+
+    async def _snapshot(self) -> None:
+        """A mid-run snapshot a person can read without stopping the soak: `snapshot.json`."""
+        if self._replayer is None or self._progress_start is None:
+            return
+        doc: dict[str, Any] = {
+            "run_id": self.run_id,
+            "elapsed_s": self._clock.monotonic() - self._progress_start,
+            "replay": asdict(self._replayer.stats),
+            "points": dict(self._writer_counts or {}),
+        }
+        if self._controller is not None:
+            doc["control"] = self._controller.summary()
+        if self._gpu_watch is not None:
+            doc["gpu_throttle"] = self._gpu_watch.summary()
+        if self._ceiling is not None:
+            doc["decode_ceiling"] = self._ceiling.summary()
+        write_json_atomic(self.run_dir / SNAPSHOT_FILE, doc)
 
     async def _status(self) -> None:
         """systemd's STATUS line: what `systemctl status soakd` shows a person mid-run."""

@@ -58,6 +58,7 @@ class RunConfig(_Section):
     output_dir: str = "runs"
     host: str = ""
     seed: int = 0
+    snapshot_interval: Duration = Field(default=300.0, gt=0)
 
 
 class ArrivalConfig(_Section):

@@ -408,3 +408,14 @@ async def test_no_ceiling_without_a_bandwidth_says_why(tmp_path: Path) -> None:
     result = await Soak(config(tmp_path), engine_factory=lambda c, m, col: StubEngine(col)).run()
     reason = result.summary["decode_ceiling"]["reason"]
     assert result.summary["decode_ceiling"]["available"] is False and "unreadable" in reason
+
+
+async def test_snapshot_mid_run(tmp_path: Path) -> None:
+    soak = Soak(
+        config(tmp_path, **{"run.snapshot_interval": "1s"}), engine_factory=lambda c, m, col: StubEngine(col)
+    )
+    result = await soak.run()
+    snap = json.loads((result.run_dir / "snapshot.json").read_text())
+    assert snap["run_id"] == result.run_id and 0 < snap["elapsed_s"] < 3.5
+    assert 0 < snap["replay"]["scheduled"] <= result.summary["replay"]["scheduled"]
+    assert snap["control"]["ceiling"] == 16 and snap["points"]["requests"] > 0
