@@ -426,6 +426,8 @@ class Soak:
             notify("STOPPING=1\nSTATUS=stopping")
             # Each step on its own: one failing (a full disk, say) must not keep the engine running.
             await self._guard("progress", self._tick_progress())
+            if self._controller is not None:
+                await self._guard("control_finish", self._controller.finish())
             self._guard_sync("final_collect", runner.run_once)
             self._guard_sync("scheduler", lambda: scheduler.shutdown(wait=False))
             for ticker in self._tickers:
@@ -483,8 +485,6 @@ class Soak:
                 )
             await self._guard("influx_close", forwarder.writer.aclose())
         self._guard_sync("spool_close", spool.close)
-        if self._controller is not None:
-            self._guard_sync("control_state", self._controller.save_state)
         summary_doc = {
             "run_id": self.run_id,
             "verdict": verdict.word,

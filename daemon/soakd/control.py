@@ -9,11 +9,13 @@ a daemon restarted on the same run.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,7 @@ class Controller:
         self.ticks = 0
         self.recaptures = 0
         self.restored = False
+        self._rebuilding: asyncio.Task[None] | None = None
         self._load_state()
 
     # -- state ---------------------------------------------------------------------------------
@@ -171,9 +174,10 @@ class Controller:
             for action in self.batch.update(now, self.inputs.throttled(), float(delta), interval):
                 await self.actuator.set_ceiling(action)
                 changed = True
-        if cfg.recapture.enabled:
+        # One rebuild at a time; the batch policy above is never held up by one.
+        if cfg.recapture.enabled and not self.rebuilding:
             changed |= await self._recapture(now, produced=delta > 0)
-        if cfg.mtp.enabled:
+        if cfg.mtp.enabled and not self.rebuilding:
             changed |= await self._mtp(now)
         if changed or self.ticks % 60 == 1:
             self.save_state()
@@ -206,12 +210,17 @@ class Controller:
         action = self.recapture.decide(now, idle_for)
         if action is None:
             return False
-        ok = await self.actuator.recapture(action)
-        if ok:
-            self.recapture.applied(self._wall(), action.sizes)
-            self.recaptures += 1
-        else:
-            self.recapture.failed(self._wall())
+        policy = self.recapture
+
+        async def apply() -> None:
+            ok = await self.actuator.recapture(action)
+            if ok:
+                policy.applied(self._wall(), action.sizes)
+                self.recaptures += 1
+            else:
+                policy.failed(self._wall())
+
+        await self._background(apply())
         return True
 
     async def _mtp(self, now: float) -> bool:
@@ -232,10 +241,13 @@ class Controller:
         message = f"speculative acceptance below its baseline for {held:.0f} s (>= {m.hold:g} s)"
         self.actuator.advise("mtp_advisory", message, drifting_for_s=round(held, 3), spec_off=m.spec_off)
         if m.spec_off:
-            ok = await self.actuator.speculation(False, message)
-            if ok:
-                self.spec_off_since = self._wall()
-                self._workload_at_off = self._signature()
+
+            async def apply() -> None:
+                if await self.actuator.speculation(False, message):
+                    self.spec_off_since = self._wall()
+                    self._workload_at_off = self._signature()
+
+            await self._background(apply())
         return True
 
     def _signature(self) -> tuple[float, float] | None:
@@ -262,12 +274,40 @@ class Controller:
                     )
         if not reason:
             return False
-        ok = await self.actuator.speculation(True, reason)
-        if ok:
-            self.spec_off_since = None
-            self._drift_since = None
-            self._advised = False
+
+        async def apply() -> None:
+            if await self.actuator.speculation(True, reason):
+                self.spec_off_since = None
+                self._drift_since = None
+                self._advised = False
+
+        await self._background(apply())
         return True
+
+    async def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a rebuild (minutes on a GPU) beside the loop: the batch policy keeps reacting to
+        throttling meanwhile; re-capture and speculation wait for it to finish."""
+
+        async def run() -> None:
+            try:
+                await work
+            finally:
+                self.save_state()
+
+        self._rebuilding = asyncio.create_task(run(), name="soakd-control-rebuild")
+        await asyncio.sleep(0)  # let it start now (a quick one finishes within this tick)
+
+    @property
+    def rebuilding(self) -> bool:
+        return self._rebuilding is not None and not self._rebuilding.done()
+
+    async def finish(self) -> None:
+        """At the end of the run: wait for a rebuild in progress (cancelling one would leave the engine
+        half started), then save the state."""
+        if self._rebuilding is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._rebuilding)
+        self.save_state()
 
     # -- points ----------------------------------------------------------------------------------
     def collect(self, now_ns: int) -> Sequence[Sample]:

@@ -174,7 +174,7 @@ interval = "1s"
 collectors = ["host", "engine", "gpu"]
 gpu_recording = "{PHASES}"
 [control.batch]
-dwell = "15s"
+dwell = "10s"
 settle = "300s"
 cooldown = "10m"
 lever = "rebuild"
@@ -223,7 +223,7 @@ max_concurrency = 8
     sizes = [int(x) for x in str(recapture.fields["sizes"]).split(",")]
     assert sizes == sorted(sizes) and len(sizes) <= 4 and recapture.fields["previous"] in ("1", "")
     assert down.fields["from_limit"] == 8 and down.fields["to_limit"] == 6 and down.fields["rebuilt"] is True
-    assert "throttled for" in str(down.fields["reason"]) and float(down.fields["ev_throttled_for_s"]) >= 15
+    assert "throttled for" in str(down.fields["reason"]) and float(down.fields["ev_throttled_for_s"]) >= 10
     rebuilds = events["engine_rebuild"]
     assert len(rebuilds) == 2 and all(e.fields["ok"] == 1 for e in rebuilds)
     meta = json.loads((Path(doc["run_dir"]) / "meta.json").read_text())

@@ -277,3 +277,39 @@ def test_light_traffic_between_ticks_is_not_idle(tmp_path: Path) -> None:
     assert not eng.rebuilds
     run_for(ctrl, world, clock, 6)  # now truly idle: no tokens either
     assert len(eng.rebuilds) == 1
+
+
+def test_batch_policy_keeps_acting_while_a_recapture_rebuild_runs(tmp_path: Path) -> None:
+    release = asyncio.Event()
+
+    class SlowEngine(StubEngine):
+        async def rebuild(self, change: EngineChange) -> bool:
+            await release.wait()  # a GPU rebuild takes a minute
+            return await super().rebuild(change)
+
+    eng = SlowEngine(info())
+    text = RECAPTURE.replace(
+        "[control.batch]\nenabled = false", BATCH.split("[control.recapture]", maxsplit=1)[0]
+    )
+    ctrl, world, events, _, clock = make(tmp_path, text, engine=eng)
+    world.hist.update({6: 300})
+
+    async def scenario() -> None:
+        async def ticks(n: int) -> None:
+            for _ in range(n):
+                clock[0] += 1
+                world.tokens += world.rate if world.in_flight else 0
+                await ctrl.tick()
+
+        world.in_flight = 0
+        await ticks(6)  # idle: the re-capture starts and waits inside the engine
+        assert ctrl.rebuilding and not eng.rebuilds
+        world.throttled = True
+        await ticks(6)  # the batch policy does not wait for it
+        assert ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 12
+        release.set()
+        await ctrl.finish()
+
+    asyncio.run(scenario())
+    assert [e[0] for e in events] == ["downscale", "recapture"] and len(eng.rebuilds) == 1
+    assert not ctrl.rebuilding and ctrl.recaptures == 1
