@@ -165,7 +165,7 @@ def test_control_loop_recaptures_when_idle_and_downscales_on_throttling(
     rows = [{"format": "soakd-trace", "version": 1, "block_size": 16}]
     # Busy 0-8 s, an idle gap, busy 30-40 s, then a request every 3 s to the end (a trace that ends
     # ends the run).
-    times = [k * 0.5 for k in range(17)] + [30 + k * 0.5 for k in range(21)] + [43 + 3 * k for k in range(30)]
+    times = [k * 0.5 for k in range(17)] + [30 + k * 0.5 for k in range(21)] + [43 + 3 * k for k in range(36)]
     rows += [{"t": t, "input_tokens": 200, "output_tokens": 24} for t in times]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
     control = f"""
@@ -191,7 +191,7 @@ enabled = false
     cfg.write_text(
         f"""
 [run]
-duration = "120s"
+duration = "150s"
 output_dir = "{tmp_path / "runs"}"
 [trace]
 path = "{trace}"
