@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 
 FieldValue = float | int | bool | str
 
-_MEAS_ESC = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\n"})
-_TAG_ESC = str.maketrans({",": r"\,", " ": r"\ ", "=": r"\=", "\n": r"\n"})
+# A backslash in a name is escaped too, or one before a space, comma or "n" would change the line's
+# meaning (InfluxDB reads a doubled backslash as one).
+_MEAS_ESC = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\n", "\\": r"\\"})
+_TAG_ESC = str.maketrans({",": r"\,", " ": r"\ ", "=": r"\=", "\n": r"\n", "\\": r"\\"})
 _STR_ESC = str.maketrans({'"': r"\"", "\\": r"\\", "\n": r"\n"})
 
 
@@ -60,19 +62,27 @@ def _unescape(text: str) -> str:
     return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), text)
 
 
-def _split_unescaped(text: str, sep: str) -> list[str]:
+def _split_unescaped(text: str, sep: str, *, strings: bool = True) -> list[str]:
+    """`text` split at each unescaped `sep`, and with `strings` not inside a string field value.
+
+    A double quote opens a string only right after a field's `=`: in a measurement, tag or field key
+    it is an ordinary character.
+    """
     out: list[str] = []
     cur: list[str] = []
     i = 0
     in_str = False
+    prev = ""
     while i < len(text):
         ch = text[i]
         if ch == "\\" and i + 1 < len(text):
             cur.append(text[i : i + 2])
             i += 2
+            prev = ""
             continue
-        if ch == '"':
+        if ch == '"' and strings and (in_str or prev == "="):
             in_str = not in_str
+        prev = ch
         if ch == sep and not in_str:
             out.append("".join(cur))
             cur = []
@@ -123,15 +133,19 @@ def parse_line(line: str) -> Sample:
     line = line.rstrip("\n")
     if "\\" not in line and '"' not in line:
         return _parse_plain(line)
-    sections = _split_unescaped(line, " ")
-    if len(sections) != 3:
-        raise ValueError(f"expected 'measurement,tags fields time', got {len(sections)} parts")
-    head, body, ts = sections
-    head_parts = _split_unescaped(head, ",")
+    # Measurement and tags end at the first unescaped space; quotes there are ordinary characters.
+    head = _split_unescaped(line, " ", strings=False)[0]
+    sections = _split_unescaped(line[len(head) + 1 :], " ")
+    if line[len(head) : len(head) + 1] != " " or len(sections) != 2:
+        raise ValueError("expected 'measurement,tags fields time'")
+    body, ts = sections
+    head_parts = _split_unescaped(head, ",", strings=False)
     tags: dict[str, str] = {}
     for item in head_parts[1:]:
-        key, _, value = item.partition("=")
-        tags[_unescape(key)] = _unescape(value)
+        kv = _split_unescaped(item, "=", strings=False)
+        if len(kv) != 2:
+            raise ValueError(f"bad tag {item!r}")
+        tags[_unescape(kv[0])] = _unescape(kv[1])
     fields: dict[str, FieldValue] = {}
     for item in _split_unescaped(body, ","):
         kv = _split_unescaped(item, "=")

@@ -23,7 +23,7 @@ log = structlog.get_logger(__name__)
 
 SEGMENT_RE = re.compile(r"^seg-(\d{8})\.lp$")
 # Same escaping as Sample.to_line applies to a measurement name.
-_MEAS_ESC = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\n"})
+_MEAS_ESC = str.maketrans({",": r"\,", " ": r"\ ", "\n": r"\n", "\\": r"\\"})
 
 
 def segment_name(index: int) -> str:

@@ -19,6 +19,7 @@ import hashlib
 import io
 import itertools
 import json
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -269,7 +270,7 @@ def detect(source: Traversable, name: str) -> str:
     with _open(source, name, None) as fh:
         try:
             head = fh.read(1 << 16)
-        except (OSError, EOFError, gzip.BadGzipFile) as err:
+        except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as err:
             raise TraceError(f"cannot read: {err}", file=name) from None
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if not text:
@@ -285,7 +286,7 @@ def detect(source: Traversable, name: str) -> str:
     if text.startswith(b"{"):
         try:
             row = json.loads(first_line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             row = None
         if isinstance(row, dict):
             if native.is_header(row):
@@ -297,7 +298,10 @@ def detect(source: Traversable, name: str) -> str:
             if sharegpt.looks_like(row):
                 return "sharegpt"
     else:
-        header = next(csv.reader([first_line.decode("utf-8", "replace")]), [])
+        try:
+            header = next(csv.reader([first_line.decode("utf-8", "replace")]), [])
+        except csv.Error:  # e.g. a lone CR: not a CSV header either
+            header = []
         if azure.looks_like(header):
             return "azure"
         if burstgpt.looks_like(header):
@@ -333,11 +337,28 @@ def _read(
                 parse = {"native": native.read, "mooncake": mooncake.read, "bailian": bailian.read}[fmt]
                 yield from parse(_json_rows(fh, name), name)
         except UnicodeDecodeError:
-            raise TraceError("not UTF-8 text", file=name) from None
+            raise TraceError("not UTF-8 text", file=name, line=_bad_utf8_line(source, name)) from None
         except csv.Error as err:
             raise TraceError(f"not CSV: {err}", file=name) from None
-        except (OSError, EOFError, gzip.BadGzipFile) as err:
+        except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as err:
             raise TraceError(f"cannot read: {getattr(err, 'strerror', None) or err}", file=name) from None
+
+
+def _bad_utf8_line(source: Traversable, name: str) -> int | None:
+    """The 1-based line of a file's first invalid UTF-8, or None.
+
+    A second read, on the error path only: the CSV readers decode in chunks, which hides the line.
+    """
+    try:
+        with _open(source, name, None) as fh:
+            for number, raw in enumerate(fh, start=1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    return number
+    except (OSError, EOFError, zlib.error, TraceError):
+        pass
+    return None
 
 
 def _json_rows(fh: Iterable[bytes], name: str) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -131,12 +131,16 @@ class RowReader:
         value = self._get(key, required=True)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.error(f"expected a number, got {_json_type(value)}", key)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond float range
+            raise self.error(f"expected a finite number, got {str(value)[:40]}...", key) from None
         # Python's json accepts NaN and Infinity, which would break every ordering check downstream.
-        if not math.isfinite(value):
+        if not math.isfinite(number):
             raise self.error(f"expected a finite number, got {value}", key)
-        if minimum is not None and value < minimum:
+        if minimum is not None and number < minimum:
             raise self.error(f"must be >= {minimum:g}, got {value}", key)
-        return float(value)
+        return number
 
     def string(self, key: str, *, default: str) -> str:
         value = self._get(key, required=False)
@@ -280,6 +284,9 @@ def json_lines(fh: Iterable[bytes], file: str) -> Iterator[tuple[int, dict[str, 
             obj = json.loads(text)
         except json.JSONDecodeError as err:
             yield line, TraceError(f"not JSON: {err.msg} at column {err.colno}", file=file, line=line)
+            continue
+        except (ValueError, RecursionError) as err:  # a 4300+ digit integer; nesting too deep
+            yield line, TraceError(f"not usable JSON: {str(err)[:80]}", file=file, line=line)
             continue
         if not isinstance(obj, dict):
             yield line, TraceError(f"expected a JSON object, got {type(obj).__name__}", file=file, line=line)

@@ -122,7 +122,10 @@ def _sampling(r: RowReader) -> tuple[tuple[str, float], ...]:
     for name, v in value.items():
         if not isinstance(v, int | float) or (isinstance(v, float) and not math.isfinite(v)):
             raise r.error(f"expected a number or boolean, got {v!r:.40}", f"sampling.{name}")
-        out.append((str(name), float(v)))
+        try:
+            out.append((str(name), float(v)))
+        except OverflowError:  # an integer beyond float range
+            raise r.error(f"expected a finite number, got {str(v)[:40]}...", f"sampling.{name}") from None
     return tuple(out)
 
 

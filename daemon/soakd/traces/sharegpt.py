@@ -152,7 +152,9 @@ def _array_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
                 continue
             yield 0, where, obj
     except ijson.JSONError as err:
-        raise TraceError(f"not JSON: {str(err)[:120]}", file=file) from None
+        # yajl's message draws the spot over more lines; its first line says what is wrong.
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise TraceError(f"not JSON: {first[:120]}", file=file) from None
 
 
 def _line_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
@@ -166,6 +168,8 @@ def _turns(obj: dict[str, Any], file: str, line: int, where: str, opts: Options)
     def error(reason: str, key: str) -> TraceError:
         return TraceError(reason, file=file, line=line or None, key=f"{where}.{key}" if where else key)
 
+    if isinstance(obj.get("id"), list | dict):  # becomes the session name; str() of deep nesting recurses
+        raise error("expected a string or a number", "id")
     if "prompt" in obj and "conversations" not in obj and "conversation" not in obj:
         prompt = obj["prompt"]
         if not isinstance(prompt, str) or not prompt:
