@@ -378,28 +378,45 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
             reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))
             raise ConfigError(f"TOML syntax: {reason}", file=p, line=line) from None
         base_dir = p.resolve().parent
+    overridden: list[tuple[str, ...]] = []
     for dotted, value in (overrides or {}).items():
-        _set_dotted(data, dotted.split("."), value)
+        keys = dotted.split(".")
+        clash = _set_dotted(data, keys, value)
+        if clash is not None:
+            file, line = _blame(source, text, clash, overridden)
+            key = ".".join(clash)
+            raise ConfigError(f"expected a table (to set {dotted})", file=file, line=line, key=key)
+        overridden.append(tuple(keys))
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         loc = _key_path(data, first["loc"])
         key = ".".join(loc) if loc else "(top level)"
-        line = _find_line(text, loc) if text else None
-        reason = _reason(first)
-        raise ConfigError(reason, file=source, line=line, key=key) from None
+        file, line = _blame(source, text, loc, overridden)
+        raise ConfigError(_reason(first), file=file, line=line, key=key) from None
     if cfg.replay.end and cfg.replay.end <= cfg.replay.start:
-        line = _find_line(text, ["replay", "end"]) if text else None
+        file, line = _blame(source, text, ["replay", "end"], overridden)
         raise ConfigError(
             f"must be after replay.start ({cfg.replay.start:g} s), or 0 for the end of the trace",
-            file=source,
+            file=file,
             line=line,
             key="replay.end",
         )
     cfg._base_dir = base_dir
     cfg._source = source
     return cfg
+
+
+def _blame(
+    source: str, text: str, loc: Sequence[str], overridden: Sequence[tuple[str, ...]]
+) -> tuple[str | None, int | None]:
+    """(file, line) to name for a bad value at `loc`: none for a value from the command line, which the
+    file's own line for that key would misattribute."""
+    key = tuple(loc)
+    if key and any(key[: len(k)] == k or k[: len(key)] == key for k in overridden):
+        return None, None
+    return source, _find_line(text, loc) if text else None
 
 
 def _reason(error: Any) -> str:
@@ -435,11 +452,15 @@ def _key_path(data: Any, loc: Sequence[int | str]) -> list[str]:
 _UNION_TAGS = {"constrained-float", "float", "int", "str", "bool", "literal[False]", "list", "dict"}
 
 
-def _set_dotted(data: dict[str, Any], keys: Sequence[str], value: Any) -> None:
+def _set_dotted(data: dict[str, Any], keys: Sequence[str], value: Any) -> list[str] | None:
+    """Set data[k1][k2]... = value; the path of a value that is not a table in the way, if any."""
     node = data
-    for key in keys[:-1]:
+    for depth, key in enumerate(keys[:-1]):
         node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            return list(keys[: depth + 1])
     node[keys[-1]] = value
+    return None
 
 
 def _decode_error_line(message: str) -> int | None:
@@ -454,11 +475,17 @@ _KEY = re.compile(r"""^\s*("[^"]*"|'[^']*'|[A-Za-z0-9_.-]+)\s*=""")
 def _find_line(text: str, loc: Sequence[str]) -> int | None:
     """The 1-based line that sets the key at `loc` (or opens its table), for error messages."""
     table: list[str] = []
+    items: dict[tuple[str, ...], int] = {}  # [[array]] headers seen so far, per array
     best: int | None = None
     for number, raw in enumerate(text.splitlines(), start=1):
         header = _HEADER.match(raw)
         if header:
             table = [part.strip().strip("\"'") for part in header.group(1).split(".")]
+            if raw.lstrip().startswith("[["):
+                # The n-th [[a.b]] opens item n of array a.b, which pydantic's location names a.b.n.
+                n = items.get(tuple(table), 0)
+                items[tuple(table)] = n + 1
+                table.append(str(n))
             if table == list(loc[: len(table)]) and best is None:
                 best = number
             continue

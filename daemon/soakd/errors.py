@@ -41,7 +41,14 @@ class InputError(SoakdError):
         if self.file is not None:
             where = self.file + (f":{self.line}" if self.line is not None else "")
         what = f"{self.key}: " if self.key else ""
-        return f"{where}: {what}{self.reason}" if where else f"{what}{self.reason}"
+        return _one_line(f"{where}: {what}{self.reason}" if where else f"{what}{self.reason}")
+
+
+def _one_line(text: str) -> str:
+    """`text` with control characters escaped: a key read from the input may hold a newline."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class ConfigError(InputError):
