@@ -12,12 +12,34 @@ from soakd.policies.throttle import (
     ThrottleInput,
     ThrottleSettings,
     ThrottleState,
+    Transition,
     counters_from_fields,
 )
 
 EventFn = Callable[..., None]
-_STATE_CODE = {ThrottleState.OK: 0, ThrottleState.THROTTLED: 1, ThrottleState.RECOVERING: 2}
+STATE_CODE = {ThrottleState.OK: 0, ThrottleState.THROTTLED: 1, ThrottleState.RECOVERING: 2}
 _GPU_IDLE = 0x1
+
+
+_EVENT_KIND = {
+    ThrottleState.THROTTLED: "throttle_enter",
+    ThrottleState.RECOVERING: "throttle_recovering",
+    ThrottleState.OK: "throttle_leave",
+}
+
+
+def emit_transition(on_event: EventFn, tr: Transition, who: str, ident: Mapping[str, FieldValue]) -> None:
+    """One detector transition as a `throttle_*` event; `ident` names the device (`gpu`, or `scope`)."""
+    fields: dict[str, FieldValue] = {
+        **ident,
+        "from_state": str(tr.from_state),
+        "to_state": str(tr.to_state),
+        "reasons": ",".join(tr.reasons),
+        "detail": tr.detail[:300],
+    }
+    if tr.clock_ratio is not None:
+        fields["clock_ratio"] = tr.clock_ratio
+    on_event(_EVENT_KIND[tr.to_state], f"{who}: {tr.from_state} -> {tr.to_state} ({tr.detail})", **fields)
 
 
 class GpuThrottleWatch:
@@ -61,21 +83,7 @@ class GpuThrottleWatch:
         )
         for tr in det.update(inp):
             self.transitions += 1
-            kind = {
-                ThrottleState.THROTTLED: "throttle_enter",
-                ThrottleState.RECOVERING: "throttle_recovering",
-                ThrottleState.OK: "throttle_leave",
-            }[tr.to_state]
-            fields_out: dict[str, FieldValue] = {
-                "gpu": gpu,
-                "from_state": str(tr.from_state),
-                "to_state": str(tr.to_state),
-                "reasons": ",".join(tr.reasons),
-                "detail": tr.detail[:300],
-            }
-            if tr.clock_ratio is not None:
-                fields_out["clock_ratio"] = tr.clock_ratio
-            self._on_event(kind, f"GPU {gpu}: {tr.from_state} -> {tr.to_state} ({tr.detail})", **fields_out)
+            emit_transition(self._on_event, tr, f"GPU {gpu}", {"gpu": gpu})
 
     def throttled(self) -> bool:
         """Whether any GPU's detector is in the throttled state now (the control loop's input)."""
@@ -85,7 +93,7 @@ class GpuThrottleWatch:
         out = []
         for gpu, det in self._detectors.items():
             fields: dict[str, FieldValue] = {
-                "state": _STATE_CODE[det.state],
+                "state": STATE_CODE[det.state],
                 "throttled_s": det.throttled_s,
             }
             for name, secs in det.per_reason_s.items():

@@ -4,19 +4,12 @@ with `scope=host` per interval."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
+from soakd.collectors.gpu_throttle import STATE_CODE, EventFn, emit_transition
 from soakd.collectors.host import HostThrottleReading
 from soakd.metric import FieldValue, Sample
 from soakd.policies.throttle import ThrottleDetector, ThrottleSettings, ThrottleState, host_input
-
-EventFn = Callable[..., None]
-_STATE_CODE = {ThrottleState.OK: 0, ThrottleState.THROTTLED: 1, ThrottleState.RECOVERING: 2}
-_EVENT_KIND = {
-    ThrottleState.THROTTLED: "throttle_enter",
-    ThrottleState.RECOVERING: "throttle_recovering",
-    ThrottleState.OK: "throttle_leave",
-}
 
 
 class HostThrottleWatch:
@@ -52,17 +45,7 @@ class HostThrottleWatch:
         inp = host_input(t_s, reading.cpu_mhz, None, counts, reading.thermal_margin_c, active=active)
         for tr in self._detector.update(inp):
             self.transitions += 1
-            fields: dict[str, FieldValue] = {
-                "scope": "host",
-                "from_state": str(tr.from_state),
-                "to_state": str(tr.to_state),
-                "reasons": ",".join(tr.reasons),
-                "detail": tr.detail[:300],
-            }
-            if tr.clock_ratio is not None:
-                fields["clock_ratio"] = tr.clock_ratio
-            text = f"host CPUs: {tr.from_state} -> {tr.to_state} ({tr.detail})"
-            self._on_event(_EVENT_KIND[tr.to_state], text, **fields)
+            emit_transition(self._on_event, tr, "host CPUs", {"scope": "host"})
 
     @property
     def state(self) -> ThrottleState:
@@ -70,7 +53,7 @@ class HostThrottleWatch:
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
         det = self._detector
-        fields: dict[str, FieldValue] = {"state": _STATE_CODE[det.state], "throttled_s": det.throttled_s}
+        fields: dict[str, FieldValue] = {"state": STATE_CODE[det.state], "throttled_s": det.throttled_s}
         for name, events in det.per_reason_events.items():
             fields[f"throttle_{name}_events_total"] = events
         return [Sample("throttle", fields, now_ns, tags={"scope": "host"})]
