@@ -61,6 +61,17 @@ from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
 from soakd.report.criteria import RequestFolder
 from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, judge
 from soakd.report.verdict import Verdict, write_json_atomic
+from soakd.resume import (
+    JOURNAL_FILE,
+    Checkpoint,
+    DueJournal,
+    Interruption,
+    ResumeState,
+    find_resumable,
+    fingerprint,
+    load_state,
+    shifted,
+)
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.influx import make_writer
 from soakd.sinks.spool import Spool
@@ -137,6 +148,8 @@ class RunResult:
     summary: dict[str, Any]
     error: str = ""
     """Why the run ended early on its own (engine failure, trace changed); the CLI exits 3."""
+    stopped_by: str = ""
+    """The signal that stopped the run early (SIGTERM: a service stop), or empty."""
 
 
 ProgressFn = Callable[[float, float, ReplayStats], None]
@@ -211,6 +224,7 @@ class Soak:
         progress: ProgressFn | None = None,
         clock: Clock | None = None,
         engine_factory: Callable[[Config, str, EngineCollector], Engine] | None = None,
+        resume: bool = False,
     ) -> None:
         self.cfg = cfg
         self._progress = progress
@@ -221,11 +235,29 @@ class Soak:
         # Everything that can reject the input is checked here, before anything is written.
         self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
         self.model = resolve_model(cfg)
-        self.run_id = new_run_id(cfg.run.name)
         self.host = cfg.run.host or socket.gethostname()
         out_dir = cfg.resolve(cfg.run.output_dir)
-        self.run_dir = out_dir / self.run_id
         _check_writable(out_dir, cfg.source)
+        self.fingerprint = fingerprint(cfg.model_dump(mode="json"), asdict(self.trace.summary))
+        self._resume_from: Checkpoint | None = None
+        found = (
+            find_resumable(out_dir, cfg.run.name, self.fingerprint, cfg.run.resume_within) if resume else None
+        )
+        if found is not None:
+            self.run_dir, self._resume_from = found
+            self.run_id = self._resume_from.run_id
+        else:
+            self.run_id = new_run_id(cfg.run.name)
+            self.run_dir = out_dir / self.run_id
+        self.resumed: ResumeState | None = None
+        self._offset_s = 0.0
+        """Replay time already done before this start (a resumed run)."""
+        self._checkpoint: Checkpoint | None = None
+        self._journal: DueJournal | None = None
+        self._journal_errors = 0
+        self.stopped_by = ""
+        self._stop_task: asyncio.Task[None] | None = None
+        self._last_collect = time.monotonic()
         self.interrupted = False
         self.error = ""
         self.started_utc = datetime.now(UTC).isoformat()
@@ -258,6 +290,7 @@ class Soak:
             "soakd_version": __version__,
             "python": platform.python_version(),
             "started_utc": self.started_utc,
+            "resumes": len(self._checkpoint.interruptions) if self._checkpoint is not None else 0,
             "config_source": self.cfg.source,
             "config": self.cfg.model_dump(mode="json"),
             "trace": asdict(self.trace.summary),
@@ -268,6 +301,12 @@ class Soak:
     def _on_signal(self, signame: str) -> None:
         log.warning("signal_received", signal=signame)
         self.interrupted = True
+        if not self.stopped_by:
+            self.stopped_by = signame
+            pending = self._replayer.pending if self._replayer is not None else 0
+            notify(f"STOPPING=1\nSTATUS=stopping ({signame}): draining {pending} requests in flight")
+            with contextlib.suppress(RuntimeError):
+                self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
         if self._replayer is not None:
             self._replayer.stop()
         elif not self._engine_started:
@@ -287,10 +326,20 @@ class Soak:
     async def run(self) -> RunResult:
         cfg = self.cfg
         bind(run_id=self.run_id, host=self.host)
-        self.run_dir.mkdir(parents=True, exist_ok=False)
+        t_start = time.monotonic()
+        if self._resume_from is not None:
+            self._begin_resumed(self._resume_from)
+        else:
+            # 0700: the run's files may name hosts, models and traffic; only the service user reads them.
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+            self._checkpoint = Checkpoint(self.run_id, self.fingerprint, self.started_utc, cfg.run.duration)
+            self._checkpoint.write(self.run_dir)
+        self._journal = DueJournal(self.run_dir / JOURNAL_FILE)
         self._write_meta({})
         spool = Spool(self.run_dir / SPOOL_DIR, cfg.sinks.spool.segment_bytes, cfg.sinks.spool.fsync_interval)
         writer = SampleWriter(spool, {"run_id": self.run_id, "host": self.host})
+        if self.resumed is not None:
+            writer.counts.update(self.resumed.points)
         self._writer_counts = writer.counts
         forwarder = self._make_forwarder(writer)
         dcfg = cfg.telemetry.spec_drift
@@ -331,12 +380,24 @@ class Soak:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig.name)
-        writer.event("run_start", f"soak {self.run_id} starting", planned_s=cfg.run.duration)
+        if self.resumed is not None:
+            last = self._checkpoint.interruptions[-1] if self._checkpoint is not None else None
+            writer.event(
+                "run_resume",
+                f"soak {self.run_id} resumed at {self._offset_s:.0f} s of {cfg.run.duration:.0f} s"
+                + (f" after {last.down_s:.0f} s down, {last.lost_in_flight} requests lost" if last else ""),
+                at_s=self._offset_s,
+                down_s=last.down_s if last else 0.0,
+                lost_in_flight=last.lost_in_flight if last else 0,
+                planned_s=cfg.run.duration,
+            )
+        else:
+            writer.event("run_start", f"soak {self.run_id} starting", planned_s=cfg.run.duration)
         notify(f"STATUS=starting engine ({cfg.engine.kind})")
         scheduler.start()
         for ticker in self._tickers:
             ticker.start()
-        folder = RequestFolder()
+        folder = self.resumed.folder if self.resumed is not None else RequestFolder()
         started = False
         t_run0 = t_run1 = self._clock.monotonic()
         stats = ReplayStats()
@@ -370,7 +431,7 @@ class Soak:
                     self._scraper.rebase()
             if started and not self.interrupted and not self.error:
                 summary = self.trace.summary
-                scheduled = schedule(
+                scheduled: Iterable[Scheduled] = schedule(
                     self.trace,
                     span_s=summary.span_s,
                     requests=summary.requests,
@@ -378,6 +439,9 @@ class Soak:
                     duration_s=cfg.run.duration,
                     loop=cfg.replay.loop,
                 )
+                if self.resumed is not None:
+                    # The trace's next request after the crash point, on a clock that starts there.
+                    scheduled = shifted(scheduled, self.resumed.due, self._offset_s)
 
                 def on_record(record: RequestRecord) -> None:
                     sample = record.to_sample(self._clock.wall_ns())
@@ -399,12 +463,15 @@ class Soak:
                     max_pending=cfg.replay.max_pending,
                     max_model_len=info.max_model_len,
                     drain_timeout_s=cfg.replay.drain_timeout,
-                    duration_s=cfg.run.duration,
+                    duration_s=max(0.0, cfg.run.duration - self._offset_s),
                     seed=cfg.run.seed,
                     sessions=cfg.replay.sessions,
                     spec_sink=profile.add if "engine" in cfg.telemetry.collectors else None,
+                    on_due=self._journal_due,
                 )
                 notify("READY=1\nSTATUS=replaying")
+                if self.resumed is not None:
+                    log.info("resume_replaying", resume_s=round(time.monotonic() - t_start, 3))
                 if controller is not None:
                     await controller.start()
                     runner.add(controller)
@@ -423,7 +490,8 @@ class Soak:
             elif self.interrupted:
                 log.warning("stopped_before_replay")
         finally:
-            notify("STOPPING=1\nSTATUS=stopping")
+            if not self.stopped_by:
+                notify("STOPPING=1\nSTATUS=stopping")
             # Each step on its own: one failing (a full disk, say) must not keep the engine running.
             await self._guard("progress", self._tick_progress())
             if self._controller is not None:
@@ -435,7 +503,10 @@ class Soak:
             if started:
                 await self._guard("engine_stop", engine.stop())
             self._guard_sync("collectors_close", runner.close)
-        ran_s = t_run1 - t_run0
+        ran_s = self._offset_s + (t_run1 - t_run0)
+        self._guard_sync("checkpoint", lambda: self._write_checkpoint(ran_s))
+        if self._journal is not None:
+            self._guard_sync("journal_close", self._journal.close)
         writer.event(
             "run_end",
             f"replay ended after {ran_s:.1f} s" + (" (interrupted)" if self.interrupted else ""),
@@ -451,6 +522,7 @@ class Soak:
             planned_s=cfg.run.duration,
             interrupted=self.interrupted or bool(self.error),
             requests=folder.summary(),
+            interruptions=self._interruptions(),
         )
         self._guard_sync(
             "run_point",
@@ -527,9 +599,82 @@ class Soak:
             if self._ceiling is not None
             else {"available": False, "reason": self._ceiling_reason},
         }
+        if self.resumed is not None or self._interruptions():
+            summary_doc["resume"] = {
+                "interruptions": self._interruptions(),
+                "requests_before": self.resumed.finished if self.resumed is not None else 0,
+                "journal_errors": self._journal_errors,
+            }
         write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
+        if self._stop_task is not None:
+            self._stop_task.cancel()
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
-        return RunResult(self.run_id, self.run_dir, verdict, summary_doc, self.error)
+        return RunResult(self.run_id, self.run_dir, verdict, summary_doc, self.error, self.stopped_by)
+
+    # -- crash-resume -------------------------------------------------------------------------------
+
+    def _begin_resumed(self, checkpoint: Checkpoint) -> None:
+        """Take up an unfinished run: its accounting from journal and spool, the crash as an interruption."""
+        state = self.resumed = load_state(self.run_dir, checkpoint)
+        self._offset_s = state.offset_s
+        self.started_utc = checkpoint.started_utc
+        down_s = max(0.0, (time.time_ns() - state.last_seen_ns) / 1e9)
+        checkpoint.interruptions.append(
+            Interruption(state.offset_s, down_s, len(state.lost), datetime.now(UTC).isoformat())
+        )
+        checkpoint.elapsed_s = state.offset_s
+        self._checkpoint = checkpoint
+        checkpoint.write(self.run_dir)
+        log.warning(
+            "run_resumed",
+            at_s=round(state.offset_s, 3),
+            down_s=round(down_s, 3),
+            finished=state.finished,
+            lost_in_flight=len(state.lost),
+            remaining_s=round(state.remaining_s, 3),
+        )
+
+    def _interruptions(self) -> list[dict[str, Any]]:
+        return [asdict(i) for i in self._checkpoint.interruptions] if self._checkpoint is not None else []
+
+    def _journal_due(self, item: Scheduled) -> None:
+        """Journal a request that came due, at its place on the whole run's replay clock."""
+        if self._journal is None:
+            return
+        try:
+            self._journal.append((item.loop, item.spec.index, item.spec.copy), item.due_s + self._offset_s)
+        except OSError as err:
+            # The request is still sent and recorded; a resume would only count it as lost if in flight.
+            self._journal_errors += 1
+            if self._journal_errors == 1 or self._journal_errors % 1000 == 0:
+                log.error("journal_write_failed", error=str(err), errors=self._journal_errors)
+
+    def _elapsed(self) -> float:
+        """Replay time reached, across resumes."""
+        if self._progress_start is None:
+            return self._offset_s
+        return self._offset_s + self._clock.monotonic() - self._progress_start
+
+    def _write_checkpoint(self, elapsed_s: float | None = None) -> None:
+        if self._checkpoint is None:
+            return
+        self._checkpoint.elapsed_s = self._elapsed() if elapsed_s is None else elapsed_s
+        self._checkpoint.write(self.run_dir)
+
+    async def _checkpoint_job(self) -> None:
+        if self._journal is not None:
+            self._journal.sync()
+        self._write_checkpoint()
+
+    async def _extend_stop(self) -> None:
+        """While a stop drains, ask the service manager for more time, in slices, up to a bound: the
+        drain, the final shipping and the engine's shutdown, which the config bounds one by one."""
+        step_s = 10.0
+        budget = self.cfg.replay.drain_timeout + self.cfg.sinks.influx.final_drain_timeout + 120.0
+        deadline = time.monotonic() + budget
+        while time.monotonic() < deadline:
+            notify(f"EXTEND_TIMEOUT_USEC={int(3 * step_s * 1e6)}")
+            await asyncio.sleep(step_s)
 
     def _add_engine_collectors(
         self,
@@ -691,12 +836,12 @@ class Soak:
         def on_event(kind: str, fields: dict[str, float | int | str]) -> None:
             writer.event(kind, f"InfluxDB {kind.removeprefix('sink_')}", **fields)
 
-        return Forwarder(
-            self.run_dir / SPOOL_DIR,
-            make_writer(icfg, os.environ),
-            icfg.batch_lines,
-            on_event=on_event,
-        )
+        lines = make_writer(icfg, os.environ)
+        # Read once; then out of the environment, so that the engine's processes (which inherit it, and
+        # whose /proc/PID/environ other tools read) never hold the secret.
+        for name in (icfg.token_env, icfg.password_env):
+            os.environ.pop(name, None)
+        return Forwarder(self.run_dir / SPOOL_DIR, lines, icfg.batch_lines, on_event=on_event)
 
     def _engine_config(self) -> EngineConfig:
         """The engine configuration to start: the config's, with soakd's scheduler class when the batch
@@ -867,6 +1012,7 @@ class Soak:
         # Jobs are coroutines so they run on the event loop, never in APScheduler's thread pool.
         async def collect() -> None:
             runner.run_once()
+            self._last_collect = time.monotonic()
 
         async def flush() -> None:
             spool.flush(fsync=True)
@@ -922,14 +1068,30 @@ class Soak:
             scheduler.add_job(self._tick_progress, "interval", seconds=1.0, id="progress")
         scheduler.add_job(self._status, "interval", seconds=10.0, id="status")
         scheduler.add_job(self._snapshot, "interval", seconds=cfg.run.snapshot_interval, id="snapshot")
+        scheduler.add_job(
+            self._checkpoint_job, "interval", seconds=cfg.run.checkpoint_interval, id="checkpoint"
+        )
         wd = watchdog_interval_s()
         if wd is not None:
-
-            async def watchdog() -> None:
-                notify("WATCHDOG=1")
-
-            scheduler.add_job(watchdog, "interval", seconds=wd, id="watchdog")
+            scheduler.add_job(self._watchdog, "interval", seconds=wd, id="watchdog")
         return scheduler
+
+    def healthy(self) -> tuple[bool, str]:
+        """Whether the main loop is doing its work: the loop runs (else this is not called at all) and
+        the collection cycle ran within a few intervals (a wedged job or a stuck collector stops it)."""
+        limit = max(3 * self.cfg.telemetry.interval, 10.0)
+        age = time.monotonic() - self._last_collect
+        if age > limit:
+            return False, f"no collection cycle for {age:.0f} s"
+        return True, ""
+
+    async def _watchdog(self) -> None:
+        """WATCHDOG=1 only while healthy: systemd then kills (SIGABRT) and restarts a hung daemon."""
+        ok, why = self.healthy()
+        if ok:
+            notify("WATCHDOG=1")
+        else:
+            log.error("watchdog_withheld", reason=why)
 
     async def _snapshot(self) -> None:
         """A mid-run snapshot a person can read without stopping the soak: `snapshot.json`."""
@@ -937,7 +1099,7 @@ class Soak:
             return
         doc: dict[str, Any] = {
             "run_id": self.run_id,
-            "elapsed_s": self._clock.monotonic() - self._progress_start,
+            "elapsed_s": self._elapsed(),
             "replay": asdict(self._replayer.stats),
             "points": dict(self._writer_counts or {}),
         }
@@ -954,7 +1116,7 @@ class Soak:
         if self._replayer is None or self._progress_start is None:
             return
         st = self._replayer.stats
-        elapsed = self._clock.monotonic() - self._progress_start
+        elapsed = self._elapsed()
         pct = min(100.0, 100.0 * elapsed / self.cfg.run.duration)
         notify(
             f"STATUS=replaying {pct:.0f}% ({elapsed:.0f}/{self.cfg.run.duration:.0f} s): "
@@ -965,6 +1127,4 @@ class Soak:
     async def _tick_progress(self) -> None:
         if self._progress is None or self._replayer is None:
             return
-        now = self._clock.monotonic()
-        elapsed = now - (self._progress_start if self._progress_start is not None else now)
-        self._progress(elapsed, self.cfg.run.duration, self._replayer.stats)
+        self._progress(self._elapsed(), self.cfg.run.duration, self._replayer.stats)

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     _set_flag(run, "replay.speed=2")
     run.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest unfinished run of this config (after a crash) instead of a new one",
+    )
     _trace_reading_flags(run)
 
     rep = sub.add_parser("report", help="re-judge a finished run from its spool")
@@ -219,7 +224,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = _load_config(args.config, overrides)
     show = not args.no_progress and sys.stderr.isatty()
     progress = Progress(enabled=show)
-    soak = Soak(cfg, progress=progress.update)
+    soak = Soak(cfg, progress=progress.update, resume=args.resume)
     try:
         result = asyncio.run(soak.run())
     finally:
@@ -234,6 +239,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # The verdict is written (FAIL), but the run did not end normally: not a plain FAIL.
         print(f"soakd: run ended early: {result.error}", file=sys.stderr)
         return EXIT_ERROR
+    if result.stopped_by == "SIGTERM":
+        # A service stop is a clean end: drained, flushed, verdict (marked interrupted) written.
+        return 0
     return result.verdict.exit_code
 
 

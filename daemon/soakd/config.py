@@ -59,6 +59,12 @@ class RunConfig(_Section):
     host: str = ""
     seed: int = 0
     snapshot_interval: Duration = Field(default=300.0, gt=0)
+    # How often the replay time reached is checkpointed for a resume (the journal of requests that came
+    # due is exact; this bounds the replay time a resume repeats in a quiet stretch of the trace).
+    checkpoint_interval: Duration = Field(default=5.0, gt=0)
+    # `soakd run --resume` continues an unfinished run only if it was active this recently: a restart
+    # after a crash resumes, last week's abandoned run does not.
+    resume_within: Duration = Field(default=3600.0, gt=0)
 
 
 class ArrivalConfig(_Section):
@@ -322,6 +328,9 @@ class CriteriaConfig(_Section):
     ttft_p99_ms: Millis = 5000.0
     tpot_p99_ms: Millis = 500.0
     min_completed_ratio: Ratio = 0.95
+    # Daemon crashes resumed during the run. Each one restarted the engine, so the soak did not show
+    # `run.duration` of continuous serving: by default an interrupted soak cannot pass.
+    max_interruptions: Annotated[int, Field(ge=0)] | Literal[False] = 0
 
 
 class Config(_Section):

@@ -39,12 +39,21 @@ def test_criteria_pass_and_fail() -> None:
     cfg = load(None).criteria
     good = summarize([req("ok") for _ in range(50)])
     results = evaluate(cfg, good, ran_s=120, planned_s=120)
-    assert all(r.passed for r in results) and len(results) == 5
+    assert all(r.passed for r in results) and len(results) == 6
     slow = summarize([req("ok", ttft=9.0) for _ in range(50)])
     failed = {r.name for r in evaluate(cfg, slow, ran_s=120, planned_s=120) if not r.passed}
     assert failed == {"ttft_p99_ms"}
     short = {r.name for r in evaluate(cfg, good, ran_s=60, planned_s=120) if not r.passed}
     assert short == {"duration_completed_s"}
+    # A resumed crash fails by default (the engine did not serve the whole duration in one piece)...
+    crashed = [r for r in evaluate(cfg, good, ran_s=120, planned_s=120, interruptions=1, lost_in_flight=3)]
+    bad = {r.name: r for r in crashed if not r.passed}
+    assert set(bad) == {"interruptions"} and "3 requests lost" in bad["interruptions"].detail
+    # ...and passes where the config allows it.
+    lenient = load(None, {"criteria.max_interruptions": 1}).criteria
+    assert all(r.passed for r in evaluate(lenient, good, ran_s=120, planned_s=120, interruptions=1))
+    off = load(None, {"criteria.max_interruptions": False}).criteria
+    assert "interruptions" not in {r.name for r in evaluate(off, good, ran_s=120, planned_s=120)}
 
 
 def test_no_data_fails_and_switched_off_criteria_are_skipped() -> None:

@@ -48,6 +48,8 @@ class RequestRecord:
     """How late the pacer handed the request on, against its due time (harness fidelity)."""
     turn: int = 0
     """Turn within the session (0 when the request has no session)."""
+    copy: int = 0
+    """Rate-scale copy of the trace request (0: the request itself)."""
     queue_s: float = 0.0
     """Time waiting for admission (the concurrency ceiling)."""
     ttft_s: float | None = None
@@ -99,6 +101,8 @@ class RequestRecord:
                 fields[name] = float(value)
         if self.session:
             fields["session"] = self.session
+        if self.copy:
+            fields["copy"] = self.copy
         if self.spec_drafted:
             fields["spec_accepted"] = self.spec_accepted
             fields["spec_drafted"] = self.spec_drafted
@@ -143,6 +147,8 @@ class ReplayStats:
 
 
 RecordSink = Callable[[RequestRecord], None]
+DueSink = Callable[[Scheduled], None]
+"""Told of each request as it comes due, before it is sent (the crash-resume journal)."""
 SpecSink = Callable[[list[int], list[int], int], None]
 """Receives a finished request's per-step accepted and drafted counts, and its turn."""
 
@@ -187,8 +193,10 @@ class Replayer:
         seed: int = 0,
         sessions: str = "closed",
         spec_sink: SpecSink | None = None,
+        on_due: DueSink | None = None,
     ) -> None:
         self._engine = engine
+        self._on_due = on_due
         self._spec_sink = spec_sink
         self._scheduled = scheduled
         self._prompts = prompts
@@ -313,6 +321,8 @@ class Replayer:
         """The record of a request that has come due (counted as scheduled), with its lateness."""
         stats = self.stats
         stats.scheduled += 1
+        if self._on_due is not None:
+            self._on_due(item)
         lateness = max(0.0, self._clock.monotonic() - deadline)
         stats.lateness_max_s = max(stats.lateness_max_s, lateness)
         self._late_sum += lateness
@@ -326,6 +336,7 @@ class Replayer:
             loop=item.loop,
             session=spec.session,
             turn=spec.turn,
+            copy=spec.copy,
             due_wall_ns=due_wall_ns,
             lateness_s=lateness,
             input_tokens_trace=spec.input_tokens,

@@ -243,6 +243,8 @@ def evaluate(
     ran_s: float,
     planned_s: float,
     interrupted: bool = False,
+    interruptions: int = 0,
+    lost_in_flight: int = 0,
 ) -> list[CriterionResult]:
     """Judge the summary. A criterion whose value cannot be measured fails: no data is no evidence."""
     results: list[CriterionResult] = []
@@ -276,4 +278,12 @@ def evaluate(
         summary.completed_ratio,
         f"{summary.completed} of {summary.scheduled} scheduled",
     )
+    if criteria.max_interruptions is not False:
+        check(
+            "interruptions",
+            "<=",
+            criteria.max_interruptions,
+            float(interruptions),
+            f"daemon restarts resumed; {lost_in_flight} requests lost in flight" if interruptions else "",
+        )
     return results

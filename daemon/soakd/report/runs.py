@@ -15,6 +15,8 @@ from soakd.sinks.spool import iter_samples
 META_FILE = "meta.json"
 SUMMARY_FILE = "summary.json"
 SPOOL_DIR = "spool"
+# Written by soakd.resume (which imports this module, hence the name here).
+CHECKPOINT_FILE = "checkpoint.json"
 
 
 def find_run(arg: str, output_dir: Path) -> Path:
@@ -49,6 +51,16 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
+    """The crashes a run was resumed from, as its checkpoint lists them (none without one)."""
+    try:
+        data = json.loads((run_dir / CHECKPOINT_FILE).read_text(encoding="utf-8"))
+        items = data.get("interruptions", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
+
+
 def judge(
     run_dir: Path,
     run_id: str,
@@ -58,14 +70,31 @@ def judge(
     planned_s: float,
     interrupted: bool,
     requests: RequestSummary | None = None,
+    interruptions: list[dict[str, Any]] | None = None,
 ) -> Verdict:
     """Evaluate the criteria over the run's request records (read from its spool unless `requests` is
     given, already folded); write verdict.json."""
     if requests is None:
         requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests"))
-    results = evaluate(criteria, requests, ran_s=ran_s, planned_s=planned_s, interrupted=interrupted)
+    if interruptions is None:
+        interruptions = read_interruptions(run_dir)
+    results = evaluate(
+        criteria,
+        requests,
+        ran_s=ran_s,
+        planned_s=planned_s,
+        interrupted=interrupted,
+        interruptions=len(interruptions),
+        lost_in_flight=sum(int(i.get("lost_in_flight", 0)) for i in interruptions),
+    )
     verdict = make_verdict(
-        run_id, results, requests, ran_s=ran_s, planned_s=planned_s, interrupted=interrupted
+        run_id,
+        results,
+        requests,
+        ran_s=ran_s,
+        planned_s=planned_s,
+        interrupted=interrupted,
+        interruptions=interruptions,
     )
     write_json_atomic(run_dir / VERDICT_FILE, verdict.to_dict())
     return verdict

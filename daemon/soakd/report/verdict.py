@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ class Verdict:
     ran_s: float
     planned_s: float
     interrupted: bool
+    interruptions: list[dict[str, Any]] = field(default_factory=list)
+    """Daemon crashes the run was resumed from: replay time, downtime, requests lost in flight."""
 
     @property
     def word(self) -> str:
@@ -41,6 +43,8 @@ class Verdict:
             "ran_s": self.ran_s,
             "planned_s": self.planned_s,
             "interrupted": self.interrupted,
+            "interruptions": self.interruptions,
+            "lost_in_flight": sum(int(i.get("lost_in_flight", 0)) for i in self.interruptions),
             "criteria": [asdict(c) for c in self.criteria],
             "requests": self.requests.to_dict(),
         }
@@ -53,6 +57,11 @@ class Verdict:
             mark = "ok  " if c.passed else "FAIL"
             extra = f"  ({c.detail})" if c.detail else ""
             out.append(f"  {mark} {c.name} = {value} (must be {c.op} {c.threshold:g}){extra}")
+        for i in self.interruptions:
+            out.append(
+                f"  resumed after a crash at {float(i['at_s']):.0f} s of replay: down "
+                f"{float(i['down_s']):.1f} s, {int(i['lost_in_flight'])} requests lost in flight"
+            )
         return out
 
 
@@ -64,9 +73,10 @@ def make_verdict(
     ran_s: float,
     planned_s: float,
     interrupted: bool,
+    interruptions: list[dict[str, Any]] | None = None,
 ) -> Verdict:
     passed = bool(criteria) and all(c.passed for c in criteria)
-    return Verdict(run_id, passed, criteria, requests, ran_s, planned_s, interrupted)
+    return Verdict(run_id, passed, criteria, requests, ran_s, planned_s, interrupted, interruptions or [])
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -78,8 +88,8 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
-        # mkstemp creates 0600; run files are for the reviewers too (the service's UMask still applies).
-        Path(tmp).chmod(0o644)
+        # mkstemp creates 0600, which run files keep: they sit in the run's 0700 directory and may name
+        # hosts, models and traffic; reviewers read them as the service user.
         Path(tmp).replace(path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,287 @@
+"""Crash-resume: what a run leaves on disk so that a restarted daemon continues it, and reading it back.
+
+A run directory holds everything a resume needs, written as the run goes:
+
+- `checkpoint.json` (atomic, every `run.checkpoint_interval` and at each (re)start): run id, the config's
+  fingerprint, the replay time reached, and the interruptions so far;
+- `replay.journal`: one line per request that came due (`loop index copy due_s`), appended with one
+  unbuffered write each, so a SIGKILL loses none of it;
+- the spool, whose `requests` records say which of those finished (the verdict is rebuilt from them);
+- `control-state.json` and the forwarder's cursor, which their owners already read back.
+
+The journal minus the finished records is exactly the requests that were in flight at the crash: they
+are counted as lost, never replayed twice, and the replay continues with the trace's next request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from soakd.metric import Sample, parse_line
+from soakd.replay.pacer import Scheduled
+from soakd.report.criteria import RequestFolder
+from soakd.report.runs import CHECKPOINT_FILE, SPOOL_DIR, SUMMARY_FILE
+from soakd.report.verdict import write_json_atomic
+from soakd.sinks.spool import iter_lines, list_segments
+
+log = structlog.get_logger(__name__)
+
+JOURNAL_FILE = "replay.journal"
+
+RequestKey = tuple[int, int, int]
+"""(loop, trace index, rate-scale copy): one scheduled request of a run."""
+
+
+def fingerprint(config: dict[str, Any], trace: dict[str, Any]) -> str:
+    """A short hash of the validated config and the trace's summary: a run resumes only under the same
+    configuration and trace (anything else would splice two different soaks into one verdict)."""
+    doc = json.dumps({"config": config, "trace": trace}, sort_keys=True, default=str)
+    return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+@dataclass(slots=True)
+class Interruption:
+    """One crash (or kill) of the daemon that a later start resumed from."""
+
+    at_s: float
+    """Replay time reached before the crash."""
+    down_s: float
+    """From the run's last sign of life to the resumed start."""
+    lost_in_flight: int
+    """Requests that had come due and had not finished when the daemon died."""
+    resumed_utc: str
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    run_id: str
+    fingerprint: str
+    started_utc: str
+    planned_s: float
+    elapsed_s: float = 0.0
+    """Replay time reached (seconds of trace replayed, across resumes)."""
+    wall_ns: int = 0
+    """When this checkpoint was written."""
+    interruptions: list[Interruption] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "fingerprint": self.fingerprint,
+            "started_utc": self.started_utc,
+            "planned_s": self.planned_s,
+            "elapsed_s": self.elapsed_s,
+            "wall_ns": self.wall_ns,
+            "interruptions": [
+                {
+                    "at_s": i.at_s,
+                    "down_s": i.down_s,
+                    "lost_in_flight": i.lost_in_flight,
+                    "resumed_utc": i.resumed_utc,
+                }
+                for i in self.interruptions
+            ],
+        }
+
+    def write(self, run_dir: Path) -> None:
+        self.wall_ns = time.time_ns()
+        write_json_atomic(run_dir / CHECKPOINT_FILE, self.to_dict())
+
+
+def read_checkpoint(run_dir: Path) -> Checkpoint | None:
+    """The run's checkpoint, or None when it has none or it cannot be read (then it is not resumable)."""
+    try:
+        data = json.loads((run_dir / CHECKPOINT_FILE).read_text(encoding="utf-8"))
+        return Checkpoint(
+            run_id=str(data["run_id"]),
+            fingerprint=str(data["fingerprint"]),
+            started_utc=str(data["started_utc"]),
+            planned_s=float(data["planned_s"]),
+            elapsed_s=float(data["elapsed_s"]),
+            wall_ns=int(data["wall_ns"]),
+            interruptions=[
+                Interruption(
+                    float(i["at_s"]), float(i["down_s"]), int(i["lost_in_flight"]), str(i["resumed_utc"])
+                )
+                for i in data.get("interruptions", [])
+            ],
+        )
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("checkpoint_unreadable", run_dir=str(run_dir), error=f"{type(err).__name__}: {err}")
+        return None
+
+
+class DueJournal:
+    """Appends one line per request that came due; each line is one write(2), durable across a SIGKILL
+    of the daemon (the page cache keeps it), fsynced with the spool."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def append(self, key: RequestKey, due_s: float) -> None:
+        if self._fd < 0:
+            return
+        loop, index, copy = key
+        os.write(self._fd, f"{loop} {index} {copy} {due_s:.6f}\n".encode())
+
+    def sync(self) -> None:
+        if self._fd >= 0:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_journal(path: Path) -> dict[RequestKey, float]:
+    """Every request the journal says came due, with its replay due time; a torn last line is ignored."""
+    due: dict[RequestKey, float] = {}
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return due
+    for raw in data.split(b"\n")[:-1]:  # the part after the last newline is torn (or empty)
+        parts = raw.split()
+        if len(parts) != 4:
+            log.warning("journal_line_skipped", path=str(path), line=raw[:80].decode(errors="replace"))
+            continue
+        try:
+            due[(int(parts[0]), int(parts[1]), int(parts[2]))] = float(parts[3])
+        except ValueError:
+            log.warning("journal_line_skipped", path=str(path), line=raw[:80].decode(errors="replace"))
+    return due
+
+
+def request_key(sample: Sample) -> RequestKey:
+    """The scheduled request a `requests` record is about."""
+    f = sample.fields
+    return (int(f.get("loop", 0)), int(f.get("index", 0)), int(f.get("copy", 0)))
+
+
+@dataclass(slots=True)
+class ResumeState:
+    """What a resumed run starts from, read from its directory."""
+
+    checkpoint: Checkpoint
+    due: dict[RequestKey, float]
+    """Requests that came due before the crash."""
+    folder: RequestFolder
+    """The verdict's fold over the records already written."""
+    finished: int
+    lost: list[RequestKey]
+    """Came due, never finished: in flight at the crash."""
+    offset_s: float
+    """Replay time to continue from."""
+    points: dict[str, int]
+    """Points per measurement already in the spool."""
+    last_seen_ns: int
+    """The run's last sign of life (newest write to its spool, journal or checkpoint)."""
+
+    @property
+    def remaining_s(self) -> float:
+        return max(0.0, self.checkpoint.planned_s - self.offset_s)
+
+
+def _last_seen_ns(run_dir: Path, checkpoint: Checkpoint) -> int:
+    newest = checkpoint.wall_ns
+    for path in [*list_segments(run_dir / SPOOL_DIR), run_dir / JOURNAL_FILE]:
+        with contextlib.suppress(OSError):
+            newest = max(newest, path.stat().st_mtime_ns)
+    return newest
+
+
+def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
+    """Rebuild the run's accounting from its journal and spool (one pass over the spool)."""
+    due = read_journal(run_dir / JOURNAL_FILE)
+    folder = RequestFolder()
+    finished: set[RequestKey] = set()
+    points: dict[str, int] = {}
+    for line in iter_lines(run_dir / SPOOL_DIR):
+        # The measurement is the line's first unescaped ',' or ' '; soakd's names need no escaping.
+        end = min((i for i in (line.find(","), line.find(" ")) if i >= 0), default=len(line))
+        name = line[:end]
+        points[name] = points.get(name, 0) + 1
+        if name == "requests":
+            sample = parse_line(line)
+            folder.add(sample)
+            finished.add(request_key(sample))
+    lost = sorted(k for k in due if k not in finished)
+    offset = max([checkpoint.elapsed_s, *due.values()])
+    return ResumeState(
+        checkpoint=checkpoint,
+        due=due,
+        folder=folder,
+        finished=len(finished),
+        lost=lost,
+        offset_s=offset,
+        points=points,
+        last_seen_ns=_last_seen_ns(run_dir, checkpoint),
+    )
+
+
+def find_resumable(
+    out_dir: Path, name: str, fp: str, within_s: float, now_ns: int | None = None
+) -> tuple[Path, Checkpoint] | None:
+    """The newest unfinished run of this name under out_dir that may be resumed, or None (with the reason
+    logged). Only the newest one is considered: an older unfinished run was already given up on."""
+    now = time.time_ns() if now_ns is None else now_ns
+    try:
+        # Run ids are STAMP-NAME-XXXX (new_run_id): a 16-character UTC stamp and 4 hex digits.
+        candidates = sorted(
+            (p for p in out_dir.iterdir() if p.is_dir() and p.name[17:-5] == name), reverse=True
+        )
+    except FileNotFoundError:
+        candidates = []
+    for run_dir in candidates:
+        checkpoint = read_checkpoint(run_dir)
+        if checkpoint is None:
+            continue
+        if (run_dir / SUMMARY_FILE).exists():
+            log.info("resume_none", reason="the newest run finished", run_dir=str(run_dir))
+            return None
+        if checkpoint.fingerprint != fp:
+            log.warning(
+                "resume_skipped", run_dir=str(run_dir), reason="config or trace changed since it started"
+            )
+            return None
+        age_s = (now - _last_seen_ns(run_dir, checkpoint)) / 1e9
+        if age_s > within_s:
+            log.warning(
+                "resume_skipped",
+                run_dir=str(run_dir),
+                reason=f"last active {age_s:.0f} s ago (run.resume_within = {within_s:.0f} s)",
+                hint=f"judge it with `soakd report {run_dir.name}`",
+            )
+            return None
+        return run_dir, checkpoint
+    log.info("resume_none", reason="no unfinished run", output_dir=str(out_dir))
+    return None
+
+
+def shifted(
+    items: Iterable[Scheduled], done: dict[RequestKey, float], offset_s: float
+) -> Iterator[Scheduled]:
+    """The schedule's requests that have not come due yet, due `offset_s` earlier (the resumed replay's
+    clock starts at the crash point). Later session turns that were waiting on their previous turn at the
+    crash are due before the offset: they go at once."""
+    for item in items:
+        key = (item.loop, item.spec.index, item.spec.copy)
+        if key in done:
+            continue
+        yield Scheduled(spec=item.spec, loop=item.loop, due_s=max(0.0, item.due_s - offset_s))
