@@ -1,0 +1,155 @@
+"""sd_notify from a whole soak, read from a real AF_UNIX datagram socket standing in for systemd's
+NOTIFY_SOCKET: READY=1, WATCHDOG=1 stopping while the main loop hangs, STOPPING=1 and
+EXTEND_TIMEOUT_USEC on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_app import StubEngine, config
+
+from soakd.app import Soak
+from soakd.collectors.engine import EngineCollector
+from soakd.config import Config
+
+
+class NotifySocket:
+    """A bound datagram socket and a thread that keeps (monotonic time, message) for each datagram."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.1)
+        self.got: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._recv, daemon=True)
+        self._thread.start()
+
+    def _recv(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            self.got.append((time.monotonic(), data.decode()))
+
+    def times(self, message: str) -> list[float]:
+        return [t for t, m in self.got if message in m.split("\n")]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NotifySocket]:
+    s = NotifySocket(tmp_path / "notify")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(s.path))
+    monkeypatch.setenv("WATCHDOG_USEC", "400000")  # a ping every 0.2 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    yield s
+    s.close()
+
+
+def _factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+    return StubEngine(collector)
+
+
+async def test_watchdog_pings_stop_while_the_main_loop_hangs(
+    tmp_path: Path, notify_socket: NotifySocket
+) -> None:
+    soak = Soak(
+        config(tmp_path, **{"run.duration": "5s", "telemetry.interval": "0.2s"}), engine_factory=_factory
+    )
+    loop = asyncio.get_running_loop()
+    hang: list[float] = []
+
+    def block() -> None:
+        hang.append(time.monotonic())
+        time.sleep(1.5)  # the event loop is wedged: no job, no ping can run
+        hang.append(time.monotonic())
+
+    def when_ready() -> None:
+        if notify_socket.times("READY=1"):
+            loop.call_later(1.0, block)
+        else:
+            loop.call_later(0.05, when_ready)
+
+    loop.call_soon(when_ready)
+    await asyncio.wait_for(soak.run(), 60)
+    pings = notify_socket.times("WATCHDOG=1")
+    start, end = hang
+    before = [t for t in pings if t < start]
+    during = [t for t in pings if start + 0.05 < t < end]
+    after = [t for t in pings if t > end]
+    assert len(before) >= 3 and len(after) >= 3, pings
+    assert during == []
+    # The pings resume only after the hang: the gap spans it.
+    assert min(after) - max(before) >= 1.4
+
+
+async def test_no_ping_while_collection_has_stalled(tmp_path: Path, notify_socket: NotifySocket) -> None:
+    soak = Soak(
+        config(tmp_path, **{"run.duration": "4s", "telemetry.interval": "0.2s"}), engine_factory=_factory
+    )
+    loop = asyncio.get_running_loop()
+    stalled: list[float] = []
+
+    def stall() -> None:
+        # As if the collection job had not run for a long time (a stuck collector): the loop itself runs.
+        soak._last_collect = time.monotonic() - 1000.0
+        stalled.append(time.monotonic())
+
+    def when_ready() -> None:
+        if notify_socket.times("READY=1"):
+            loop.call_later(1.0, stall)
+        else:
+            loop.call_later(0.05, when_ready)
+
+    loop.call_soon(when_ready)
+    assert soak.healthy()[0]
+    await asyncio.wait_for(soak.run(), 60)
+    (t,) = stalled
+    pings = notify_socket.times("WATCHDOG=1")
+    assert [p for p in pings if p < t], "no ping before the stall"
+    # The next collection cycle (0.2 s later) makes the loop healthy again; until then, no ping.
+    after = [p for p in pings if p > t]
+    assert after and min(after) - t >= 0.15
+
+
+async def test_sigterm_says_stopping_extends_the_timeout_and_drains(
+    tmp_path: Path, notify_socket: NotifySocket
+) -> None:
+    soak = Soak(config(tmp_path, **{"run.duration": "60s"}), engine_factory=_factory)
+    loop = asyncio.get_running_loop()
+
+    def when_ready() -> None:
+        if notify_socket.times("READY=1"):
+            loop.call_later(1.0, os.kill, os.getpid(), signal.SIGTERM)
+        else:
+            loop.call_later(0.05, when_ready)
+
+    loop.call_soon(when_ready)
+    try:
+        result = await asyncio.wait_for(soak.run(), 60)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    assert result.stopped_by == "SIGTERM"
+    await asyncio.sleep(0.2)  # the last datagrams reach the reader thread
+    messages = [m for _, m in notify_socket.got]
+    stopping = next(i for i, m in enumerate(messages) if "STOPPING=1" in m)
+    assert "SIGTERM" in messages[stopping]
+    assert any(m == "EXTEND_TIMEOUT_USEC=30000000" for m in messages[stopping:])
+    assert messages[-1].startswith("STATUS=done: FAIL")  # interrupted: the verdict cannot be PASS
+    # Nothing in flight was left: every request that came due has its record.
+    assert result.summary["replay"]["scheduled"] == result.verdict.requests.scheduled > 0
