@@ -258,6 +258,7 @@ class Soak:
         self.stopped_by = ""
         self._stop_task: asyncio.Task[None] | None = None
         self._last_collect = time.monotonic()
+        self._scheduler: AsyncIOScheduler | None = None
         self.interrupted = False
         self.error = ""
         self.started_utc = datetime.now(UTC).isoformat()
@@ -303,6 +304,9 @@ class Soak:
         self.interrupted = True
         if not self.stopped_by:
             self.stopped_by = signame
+            if self._checkpoint is not None:
+                self._checkpoint.stopped_by = signame
+                self._guard_sync("checkpoint", self._write_checkpoint)
             pending = self._replayer.pending if self._replayer is not None else 0
             notify(f"STOPPING=1\nSTATUS=stopping ({signame}): draining {pending} requests in flight")
             with contextlib.suppress(RuntimeError):
@@ -375,7 +379,7 @@ class Soak:
         collectors = self._make_collectors(engine, engine_collector, writer)
         runner = CollectorRunner([*collectors, _JobHealth(self)], writer)
         controller = self._make_controller(engine, engine_collector, drift, writer)
-        scheduler = self._make_scheduler(runner, spool, forwarder, engine)
+        scheduler = self._scheduler = self._make_scheduler(runner, spool, forwarder, engine)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -1079,7 +1083,9 @@ class Soak:
     def healthy(self) -> tuple[bool, str]:
         """Whether the main loop is doing its work: the loop runs (else this is not called at all) and
         the collection cycle ran within a few intervals (a wedged job or a stuck collector stops it)."""
-        limit = max(3 * self.cfg.telemetry.interval, 10.0)
+        # Two missed pings' worth (a slow cycle is not a hang), and never below three collection intervals.
+        wd = watchdog_interval_s()
+        limit = max(3 * self.cfg.telemetry.interval, 2 * wd if wd is not None else 10.0)
         age = time.monotonic() - self._last_collect
         if age > limit:
             return False, f"no collection cycle for {age:.0f} s"

@@ -222,6 +222,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides["run.duration"] = args.duration
     _reading_overrides(args, overrides)
     cfg = _load_config(args.config, overrides)
+    # Whatever the daemon or the engine creates is the service user's alone (spool, state, logs; the
+    # run files are also created 0600 explicitly); systemd's UMask= applies the same outside soakd.
+    os.umask(0o077)
     show = not args.no_progress and sys.stderr.isatty()
     progress = Progress(enabled=show)
     soak = Soak(cfg, progress=progress.update, resume=args.resume)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -24,6 +23,7 @@ import structlog
 
 from soakd.config import ControlConfig
 from soakd.engine.base import EngineInfo
+from soakd.files import write_private
 from soakd.metric import FieldValue, Sample
 from soakd.policies.actuator import Actuator, write_limit
 from soakd.policies.downscale import BatchPolicy, BatchSettings
@@ -142,9 +142,7 @@ class Controller:
             "spec_off_since": self.spec_off_since,
             "recaptures": self.recaptures,
         }
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(state, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, self.state_path)  # noqa: PTH105 - same as Path.replace, kept explicit
+        write_private(self.state_path, json.dumps(state, sort_keys=True).encode())
 
     # -- the loop --------------------------------------------------------------------------------
     async def start(self) -> None:

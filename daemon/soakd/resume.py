@@ -27,6 +27,7 @@ from typing import Any
 
 import structlog
 
+from soakd.files import open_private_append
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled
 from soakd.report.criteria import RequestFolder
@@ -73,6 +74,9 @@ class Checkpoint:
     wall_ns: int = 0
     """When this checkpoint was written."""
     interruptions: list[Interruption] = field(default_factory=list)
+    stopped_by: str = ""
+    """Set when the run was stopped on purpose (SIGTERM, SIGINT): such a run is never resumed, even if
+    the stop outlasted the service manager's timeout and was cut short by SIGKILL."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +86,7 @@ class Checkpoint:
             "planned_s": self.planned_s,
             "elapsed_s": self.elapsed_s,
             "wall_ns": self.wall_ns,
+            "stopped_by": self.stopped_by,
             "interruptions": [
                 {
                     "at_s": i.at_s,
@@ -115,6 +120,7 @@ def read_checkpoint(run_dir: Path) -> Checkpoint | None:
                 )
                 for i in data.get("interruptions", [])
             ],
+            stopped_by=str(data.get("stopped_by", "")),
         )
     except FileNotFoundError:
         return None
@@ -129,7 +135,7 @@ class DueJournal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd = open_private_append(path)
 
     def append(self, key: RequestKey, due_s: float) -> None:
         if self._fd < 0:
@@ -254,6 +260,9 @@ def find_resumable(
             continue
         if (run_dir / SUMMARY_FILE).exists():
             log.info("resume_none", reason="the newest run finished", run_dir=str(run_dir))
+            return None
+        if checkpoint.stopped_by:
+            log.info("resume_none", reason=f"the newest run was stopped ({checkpoint.stopped_by})")
             return None
         if checkpoint.fingerprint != fp:
             log.warning(

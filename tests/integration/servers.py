@@ -254,14 +254,16 @@ def start_vllm(
             time.sleep(0.25)  # poll interval
 
 
-def start_soakd(config: Path, cwd: Path) -> subprocess.Popen[str]:
-    """`python -m soakd run --config CONFIG --json --no-progress` as a user runs it, in its own process
-    group (so the engine's children can be stopped with it)."""
+def start_soakd(
+    config: Path, cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`python -m soakd run --config CONFIG --json --no-progress [ARGS]` as a user runs it, in its own
+    process group (so the engine's children can be stopped with it); `env` adds to the environment."""
     import sys
 
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "soakd", "run", "--config", str(config), "--json", "--no-progress"],
+        [sys.executable, "-m", "soakd", "run", "--config", str(config), "--json", "--no-progress", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

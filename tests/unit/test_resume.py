@@ -92,6 +92,14 @@ def test_which_run_is_resumed(tmp_path: Path) -> None:
     assert find_resumable(out, "soak", "other-config", 3600.0, now) is None
     assert find_resumable(out, "other-name", "fp1", 3600.0, now) is None
     assert find_resumable(out, "soak", "fp1", 60.0, now + int(3600e9)) is None  # too long ago
+    cp = read_checkpoint(run_dir)
+    assert cp is not None
+    cp.stopped_by = "SIGTERM"  # stopped on purpose, then cut short: not a crash
+    cp.write(run_dir)
+    assert find_resumable(out, "soak", "fp1", 3600.0, now) is None
+    cp.stopped_by = ""
+    cp.write(run_dir)
+    assert find_resumable(out, "soak", "fp1", 3600.0, time.time_ns()) is not None
     (run_dir / "summary.json").write_text("{}")
     assert find_resumable(out, "soak", "fp1", 3600.0, now) is None  # it finished
 

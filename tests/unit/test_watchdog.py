@@ -65,12 +65,15 @@ def _factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
     return StubEngine(collector)
 
 
+def _soak(tmp_path: Path, duration: str) -> Soak:
+    cfg = config(tmp_path, **{"run.duration": duration, "telemetry.interval": "0.2s"})
+    return Soak(cfg, engine_factory=_factory)
+
+
 async def test_watchdog_pings_stop_while_the_main_loop_hangs(
     tmp_path: Path, notify_socket: NotifySocket
 ) -> None:
-    soak = Soak(
-        config(tmp_path, **{"run.duration": "5s", "telemetry.interval": "0.2s"}), engine_factory=_factory
-    )
+    soak = _soak(tmp_path, "5s")
     loop = asyncio.get_running_loop()
     hang: list[float] = []
 
@@ -99,32 +102,38 @@ async def test_watchdog_pings_stop_while_the_main_loop_hangs(
 
 
 async def test_no_ping_while_collection_has_stalled(tmp_path: Path, notify_socket: NotifySocket) -> None:
-    soak = Soak(
-        config(tmp_path, **{"run.duration": "4s", "telemetry.interval": "0.2s"}), engine_factory=_factory
-    )
+    soak = _soak(tmp_path, "5s")
     loop = asyncio.get_running_loop()
     stalled: list[float] = []
 
-    def stall() -> None:
-        # As if the collection job had not run for a long time (a stuck collector): the loop itself runs.
-        soak._last_collect = time.monotonic() - 1000.0
+    def pause() -> None:
+        # The loop keeps running; only the collection cycle stops (a wedged collector job).
+        assert soak._scheduler is not None
+        soak._scheduler.pause_job("collect")
+        stalled.append(time.monotonic())
+        loop.call_later(1.5, unpause)
+
+    def unpause() -> None:
+        assert soak._scheduler is not None
+        soak._scheduler.resume_job("collect")
         stalled.append(time.monotonic())
 
     def when_ready() -> None:
         if notify_socket.times("READY=1"):
-            loop.call_later(1.0, stall)
+            loop.call_later(1.0, pause)
         else:
             loop.call_later(0.05, when_ready)
 
     loop.call_soon(when_ready)
     assert soak.healthy()[0]
     await asyncio.wait_for(soak.run(), 60)
-    (t,) = stalled
+    start, end = stalled
     pings = notify_socket.times("WATCHDOG=1")
-    assert [p for p in pings if p < t], "no ping before the stall"
-    # The next collection cycle (0.2 s later) makes the loop healthy again; until then, no ping.
-    after = [p for p in pings if p > t]
-    assert after and min(after) - t >= 0.15
+    before = [p for p in pings if p < start]
+    # Unhealthy once no cycle ran for 2 ping intervals (0.4 s, or 3 collection intervals: 0.6 s).
+    during = [p for p in pings if start + 0.9 < p < end]
+    after = [p for p in pings if p > end]
+    assert before and after and during == [], (stalled, pings)
 
 
 async def test_sigterm_says_stopping_extends_the_timeout_and_drains(

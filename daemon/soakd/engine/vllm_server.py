@@ -32,6 +32,7 @@ from soakd.engine.openai_http import OpenAIEngine
 from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import OPTIONAL_ARGS, SCHEDULER_CLS, config_id, engine_kwargs
 from soakd.errors import EngineError
+from soakd.files import open_private_append
 
 log = structlog.get_logger(__name__)
 
@@ -155,7 +156,8 @@ class VllmServerEngine:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         env.update(cfg.server.env)
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self._log_path.open("ab") as out:
+        # The server's log may hold request details: 0600 like the run's other files.
+        with os.fdopen(open_private_append(self._log_path), "ab") as out:
             out.write(f"# soakd: {' '.join(self.argv)}\n".encode())
             out.flush()
             try:

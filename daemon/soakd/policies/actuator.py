@@ -20,6 +20,7 @@ import structlog
 
 from soakd.config import EngineChange
 from soakd.engine.supervisor import EngineSupervisor
+from soakd.files import write_private
 from soakd.metric import FieldValue
 from soakd.notify import notify
 from soakd.policies.downscale import BatchAction
@@ -34,9 +35,7 @@ Lever = Literal["admission", "scheduler", "rebuild"]
 
 def write_limit(path: Path, limit: int | None) -> None:
     """Replace the limit file atomically: the scheduler never reads half a number."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("" if limit is None else str(int(limit)), encoding="ascii")
-    tmp.replace(path)
+    write_private(path, b"" if limit is None else str(int(limit)).encode())
 
 
 def _evidence(evidence: dict[str, Any]) -> dict[str, FieldValue]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol, cast
 
 import httpx
@@ -22,7 +23,7 @@ from influxdb_client.domain.write_precision import WritePrecision
 from influxdb_client.rest import ApiException
 
 from soakd.config import InfluxConfig
-from soakd.errors import SinkError, SinkRejected
+from soakd.errors import ConfigError, SinkError, SinkRejected
 
 log = structlog.get_logger(__name__)
 
@@ -187,22 +188,53 @@ def _describe(err: InfluxDBError | urllib3.exceptions.HTTPError | OSError) -> st
     return f"{type(err).__name__}: {_short(str(err))}"
 
 
+def read_secret(name: str, env: Mapping[str, str], *, key: str) -> str:
+    """The secret `name` names: the systemd credential of that name (LoadCredential=NAME:...) when the
+    service manager passed one in $CREDENTIALS_DIRECTORY, else the environment variable, else "".
+
+    A credential never enters the process environment, so the engine's processes and /proc/PID/environ
+    never see it. The value is never logged; errors name the file and the config key (`key`), not the value.
+    """
+    directory = env.get("CREDENTIALS_DIRECTORY", "")
+    # A name from the config becomes a file name: one path component, nothing that walks out.
+    if directory and name and "/" not in name and name not in (".", ".."):
+        path = Path(directory) / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            raise ConfigError(f"credential {path}: {err.strerror or type(err).__name__}", key=key) from None
+        else:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                # `from None`: the decode error quotes the offending bytes.
+                raise ConfigError(f"credential {path}: not UTF-8 text", key=key) from None
+            if name in env:
+                log.warning("influx_secret_from_credential", name=name, ignored="environment variable")
+            # A file written with `echo` or an editor ends in a line break that is not part of the secret.
+            return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+    return env.get(name, "")
+
+
 def make_writer(cfg: InfluxConfig, env: Mapping[str, str]) -> LineWriter:
-    """The writer `cfg.api` asks for; secrets come from the environment variables the config names."""
+    """The writer `cfg.api` asks for. Secrets: the systemd credentials or environment variables named by
+    `password_env` / `token_env` (read_secret), read only when this api uses them."""
     if cfg.api == "v1":
         return V1Writer(
             cfg.url,
             cfg.database,
             retention_policy=cfg.retention_policy,
             username=cfg.username,
-            password=env.get(cfg.password_env, ""),
+            password=read_secret(cfg.password_env, env, key="sinks.influx.password_env"),
             timeout_s=cfg.timeout,
         )
     bucket = cfg.bucket or (
         f"{cfg.database}/{cfg.retention_policy}" if cfg.retention_policy else cfg.database
     )
-    token = env.get(cfg.token_env, "")
+    token = read_secret(cfg.token_env, env, key="sinks.influx.token_env")
     if not token and cfg.username:
         # InfluxDB 1.8's v2 API takes "user:password" as its token.
-        token = f"{cfg.username}:{env.get(cfg.password_env, '')}"
+        token = f"{cfg.username}:{read_secret(cfg.password_env, env, key='sinks.influx.password_env')}"
     return V2Writer(cfg.url, cfg.org, bucket, token, timeout_s=cfg.timeout)

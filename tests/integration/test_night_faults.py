@@ -1,0 +1,193 @@
+"""A night's faults, with real processes: InfluxDB killed mid-run and restarted, then the daemon itself
+SIGKILLed and started again with --resume, through a real vLLM CPU engine.
+
+At the end: the same run id; every request the trace schedules is recorded exactly once or counted as
+lost in flight at the kill; InfluxDB holds exactly the spool's points, per measurement (the outage was
+backfilled, nothing shipped twice); the InfluxDB secret appears in no output, file, command line or
+engine environment; run files are 0600 in 0700 directories. About three minutes (two engine starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from conftest import InfluxStarter
+from servers import finish_soakd, start_soakd
+from test_soak_e2e import expected_requests, write_mooncake
+
+from soakd.metric import parse_line
+from soakd.resume import JOURNAL_FILE, read_journal
+from soakd.sinks.spool import iter_samples
+
+pytestmark = pytest.mark.integration
+
+DURATION_S = 40.0
+DB = "night_faults"
+
+
+def _query(url: str, q: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{url}/query", params={"db": DB, "q": q, "epoch": "ns"}, timeout=30)
+    r.raise_for_status()
+    result = r.json()["results"][0]
+    assert "error" not in result, result
+    return list(result.get("series", []))
+
+
+def _journal_len(runs: Path) -> int:
+    journals = list(runs.glob(f"*/{JOURNAL_FILE}"))
+    return len(journals[0].read_bytes().splitlines()) if journals else 0
+
+
+def _wait(pred: Any, what: str, proc: Any, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            pytest.fail(f"soakd exited while waiting for {what}: {err[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _process_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def test_influx_outage_then_sigkill_then_resume(
+    tmp_path: Path, influxdb_starter: InfluxStarter, tiny_model: Path
+) -> None:
+    secret = "s3cret-" + secrets.token_hex(16)
+    env = {"SOAKD_INFLUX_PASSWORD": secret}
+    influx = influxdb_starter(tmp_path / "influx")
+    times = write_mooncake(tmp_path / "trace.jsonl")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(
+        f"""
+[run]
+name = "night"
+duration = "{DURATION_S:.0f}s"
+output_dir = "runs"
+checkpoint_interval = "1s"
+[trace]
+path = "trace.jsonl"
+format = "mooncake"
+[engine]
+model = "{tiny_model}"
+max_model_len = 1024
+[telemetry]
+interval = "1s"
+[sinks.influx]
+enabled = true
+url = "{influx.url}"
+api = "v1"
+database = "{DB}"
+username = "soakd"
+interval = "0.5s"
+timeout = "2s"
+[criteria]
+ttft_p99_ms = 60000.0
+tpot_p99_ms = 5000.0
+max_interruptions = 1
+""",
+        encoding="utf-8",
+    )
+    runs = tmp_path / "runs"
+
+    # -- the first process: the database goes away for a while, then the daemon is killed -------------
+    first = start_soakd(cfg, tmp_path, env=env)
+    try:
+        _wait(lambda: _journal_len(runs) >= 5, "the replay", first)
+        # The secret is in no command line, and no engine process inherited it.
+        for proc in _process_tree(first.pid):
+            assert secret not in " ".join(proc.cmdline())
+            if proc.pid != first.pid:
+                assert secret.encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes()
+        ports = (influx.ports["http"], influx.ports["rpc"])
+        influx.stop()
+        time.sleep(8.0)  # the replay goes on; the forwarder backs off and the spool keeps everything
+        assert first.poll() is None
+        influx = influxdb_starter(tmp_path / "influx", *ports)
+        seen = _journal_len(runs)
+        _wait(lambda: _journal_len(runs) >= seen + 15, "more traffic", first)
+        os.killpg(first.pid, signal.SIGKILL)  # the daemon and its engine, as systemd kills a cgroup
+        first.wait(timeout=30)
+    finally:
+        _, _, first_err = finish_soakd(first, timeout_s=30)
+    (run_dir,) = runs.iterdir()
+    assert not (run_dir / "summary.json").exists()
+    due = read_journal(run_dir / JOURNAL_FILE)
+    finished = {
+        (int(s.fields["loop"]), int(s.fields["index"]), int(s.fields.get("copy", 0)))
+        for s in iter_samples(run_dir / "spool", "requests")
+    }
+    lost = set(due) - finished
+    assert 0.0 < max(due.values()) < DURATION_S
+
+    # -- the restart: same run, from where it stopped ----------------------------------------------------
+    t_restart = time.monotonic()
+    second = start_soakd(cfg, tmp_path, "--resume", env=env)
+    _wait(lambda: _journal_len(runs) > len(due), "the resumed replay", second)
+    resume_s = time.monotonic() - t_restart
+    code, out, err = finish_soakd(second, timeout_s=400)
+    assert code in (0, 1), err[-3000:]
+    summary = json.loads(out)
+    assert summary["run_id"] == run_dir.name and Path(summary["run_dir"]) == run_dir
+
+    # Every scheduled request: recorded once, or lost in flight at the kill (and counted as such).
+    want = expected_requests(times, DURATION_S)
+    records = Counter(
+        (int(s.fields["loop"]), int(s.fields["index"]), int(s.fields.get("copy", 0)))
+        for s in iter_samples(run_dir / "spool", "requests")
+    )
+    assert max(records.values()) == 1
+    assert not set(records) & lost
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert verdict["requests"]["scheduled"] == sum(records.values()) == want - len(lost)
+    assert verdict["lost_in_flight"] == len(lost)
+    (gap,) = verdict["interruptions"]
+    assert gap["down_s"] > 0 and gap["at_s"] >= max(due.values())
+    assert verdict["exit_code"] == code
+
+    # InfluxDB has exactly the spool's points, measurement by measurement: the outage was backfilled,
+    # the resumed forwarder shipped nothing twice, and no point of the two processes collides.
+    spool: Counter[str] = Counter()
+    keys: Counter[tuple[str, tuple[tuple[str, str], ...], int]] = Counter()
+    for seg in sorted((run_dir / "spool").glob("seg-*.lp")):
+        for line in seg.read_text(encoding="utf-8").splitlines():
+            p = parse_line(line)
+            spool[p.measurement] += 1
+            keys[(p.measurement, tuple(sorted(p.tags.items())), p.time_ns)] += 1
+    assert max(keys.values()) == 1
+    assert summary["influx"]["all_shipped"] is True
+    for measurement, n in spool.items():
+        series = _query(
+            influx.url, f'SELECT count(*) FROM "{measurement}" WHERE "run_id" = \'{run_dir.name}\''
+        )
+        got = max(series[0]["values"][0][1:]) if series else 0
+        assert got == n, (measurement, got, n)
+    kinds = Counter(s.tags["kind"] for s in iter_samples(run_dir / "spool", "events"))
+    assert kinds["sink_outage"] >= 1 and kinds["sink_backfill"] >= 1
+    assert kinds["run_start"] == 1 and kinds["run_resume"] == 1
+
+    # The secret is nowhere: not in the daemon's output (logs included), nor in any file of the run.
+    for text in (first_err, out, err):
+        assert secret not in text
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    # 0700 directories, 0600 files: the run's data is the service user's alone.
+    for path in [run_dir, *run_dir.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+
+    print(f"\nresume: replaying again {resume_s:.1f} s after the restart; lost in flight {len(lost)}")
