@@ -1,14 +1,19 @@
 """The bad-input corpus (tests/data/bad_input): every case is refused with exit code 2, one line on
 stderr naming file, line and key, no traceback, and nothing written.
 
-Each case runs the real CLI in-process, in a temporary copy of the corpus (so a case that wrongly writes
+Each case runs the real CLI in-process (or, marked `subprocess`, as `python -m soakd` in a child process
+whose crash cannot take the test run down), in a temporary copy of the corpus (so a case that wrongly writes
 a run directory or an output file writes it there, and the test sees it). The copy is shared by the
 cases, to keep the test fast; a case that changes it fails and leaves the next one a fresh copy.
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import shutil
+import subprocess
+import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,7 @@ class Case:
     line: int | None = None
     key: str | None = None
     xfail: str | None = None
+    subprocess: bool = False
 
 
 def _load_cases() -> list[Case]:
@@ -40,6 +46,9 @@ def _load_cases() -> list[Case]:
 
 
 CASES = _load_cases()
+# Address space for a `subprocess` case: ample for the CLI, and a regression that allocates without
+# bound fails with MemoryError in seconds instead of pushing the machine into swap.
+_CHILD_MEMORY = 2 << 30
 
 
 def _params() -> list[Any]:
@@ -64,6 +73,26 @@ def test_manifest_is_well_formed() -> None:
     for case in CASES:
         assert case.line is None or case.file is not None, f"{case.id}: a line needs a file"
         assert case.reason, f"{case.id}: every case names its reason"
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (_CHILD_MEMORY, _CHILD_MEMORY))
+
+
+def _run_child(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the CLI run in a child process; a signal is a negative code."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SOAKD_CONFIG", "JOURNAL_STREAM")}
+    done = subprocess.run(
+        [sys.executable, "-m", "soakd", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=_limit_memory,
+        check=False,
+    )
+    return done.returncode, done.stdout, done.stderr
 
 
 def _fresh_copy(root: Path) -> Path:
@@ -94,8 +123,11 @@ def test_bad_input_is_refused_in_one_line(
     monkeypatch.delenv("JOURNAL_STREAM", raising=False)
     before = _tree(sandbox)
 
-    code = main(case.argv)
-    out, err = capsys.readouterr()
+    if case.subprocess:
+        code, out, err = _run_child(case.argv, work)
+    else:
+        code = main(case.argv)
+        out, err = capsys.readouterr()
 
     assert "Traceback" not in err
     assert code == EXIT_INPUT, err

@@ -25,11 +25,13 @@ import pytest
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from soakd.config import TraceConfig, TraceFormat
+from soakd.config import ArrivalConfig, TraceConfig, TraceFormat
 from soakd.errors import InputError
 from soakd.metric import FieldValue, Sample, parse_line
 from soakd.sinks.spool import Spool, iter_lines, iter_samples, list_segments
-from soakd.traces import open_trace
+from soakd.traces import open_trace, sharegpt
+from soakd.traces.model import MAX_TOKENS
+from soakd.traces.sharegpt import MAX_DEPTH
 
 _FUZZ = settings(
     max_examples=150,
@@ -42,31 +44,27 @@ Row = dict[str, str]  # key -> raw JSON text of its value, so values json.dumps 
 
 # --- Damage shared by every format ----------------------------------------------------------------
 
-# Raw JSON values a reader must refuse cleanly (or accept): wrong types, non-finite and huge numbers,
-# integers past Python's 4300-digit str limit, nesting past the recursion limit, lone surrogates.
+# Raw JSON values a reader must refuse cleanly (or accept): wrong types, non-finite and huge numbers
+# (token counts just past MAX_TOKENS too), integers past Python's 4300-digit str limit, nesting past the
+# recursion limit (and past sharegpt.MAX_DEPTH in the array layout), lone surrogates.
 _DEEP = "[" * 1500 + "]" * 1500
 _WEIRD_JSON = [
     "null", "true", "false", '""', '"x"', '"\\ud800"', '"é漢🙂"', "[]", "{}", "[1,2]", '{"a":1}',
     "0", "-1", "-0", "1.5", "-1e-9", "1e308", "1e400", "-1e400", "NaN", "Infinity", "-Infinity",
     str(2**63), str(2**64 + 1), str(-(2**63) - 1), str(10**400), str(-(10**400)), "1" * 5000, _DEEP,
+    str(MAX_TOKENS + 1), "10000000000",
 ]  # fmt: skip
-# Token fields of rows that get a made-up session prefix: a huge count there is the known finding
-# of test_huge_prompt_in_a_session_is_refused_cleanly, kept out of the fuzzing so it can find others.
-_CHAINED_TOKEN_KEYS = frozenset({"input_tokens", "input_length", "Request tokens"})
-_SMALL_JSON = [w for w in _WEIRD_JSON if w not in (str(2**63), str(2**64 + 1), str(10**400))]
 _WEIRD_CELLS = [
     "", " ", "0", "-1", "1.5", "52.0", "nan", "inf", "-inf", "1e400", "1e300", "1_000", "٣", "²",
     "abc", '"', "x,y", "a\nb", "2023-13-45 25:61:61", "2024-05-10 00:00:00.+00:00", "2024-05-10T00:00:00-99",
     "2024-05-10 00:00:00.5+05:30:00", "0001-01-01 00:00:00", "9999-12-31 23:59:59.9999999-23:59",
-    "1" * 5000, "x" * 200_000,
+    "1" * 5000, "x" * 200_000, "33554433", "1e10",
 ]  # fmt: skip
-_SMALL_CELLS = [c for c in _WEIRD_CELLS if c not in ("1e300",)]
 _KEYS = st.sampled_from(["extra", "t", "timestamp", "input_tokens", "hash_ids", "session", "", "é"])
 
 
-def _weird_json(key: str) -> st.SearchStrategy[str]:
-    pool = _SMALL_JSON if key in _CHAINED_TOKEN_KEYS else _WEIRD_JSON
-    return st.one_of(st.sampled_from(pool), st.text(max_size=8).map(json.dumps))
+def _weird_json() -> st.SearchStrategy[str]:
+    return st.one_of(st.sampled_from(_WEIRD_JSON), st.text(max_size=8).map(json.dumps))
 
 
 @st.composite
@@ -78,11 +76,9 @@ def _mutated_row(draw: st.DrawFn, row: Row) -> Row:
         if action == "drop" and out:
             out.pop(draw(st.sampled_from(sorted(out))))
         elif action == "add":
-            key = draw(_KEYS)
-            out[key] = draw(_weird_json(key))
+            out[draw(_KEYS)] = draw(_weird_json())
         elif out:
-            key = draw(st.sampled_from(sorted(out)))
-            out[key] = draw(_weird_json(key))
+            out[draw(st.sampled_from(sorted(out)))] = draw(_weird_json())
     return out
 
 
@@ -226,9 +222,7 @@ def _csv_lines(draw: st.DrawFn, header: list[str], rows: list[dict[str, str]]) -
         cells = [row.get(name, "") for name in header]
         damage = draw(st.sampled_from(["none"] * 12 + ["cell"] * 2 + ["short", "long", "junk"]))
         if damage == "cell" and cells:
-            at = draw(st.integers(0, len(cells) - 1))
-            pool = _SMALL_CELLS if header[at] in _CHAINED_TOKEN_KEYS else _WEIRD_CELLS
-            cells[at] = draw(st.sampled_from(pool))
+            cells[draw(st.integers(0, len(cells) - 1))] = draw(st.sampled_from(_WEIRD_CELLS))
         elif damage == "short":
             cells = cells[: draw(st.integers(0, len(cells)))]
         elif damage == "long":
@@ -315,12 +309,8 @@ def _sharegpt(draw: st.DrawFn) -> list[bytes]:
             row = {"id": json.dumps(f"conv{n}"), key: json.dumps(messages)}
         rows.append(row)
     if draw(st.booleans()):  # the JSON array layout: one document, so no per-line damage
-        # No deep nesting here: ijson's C backend builds nested items recursively and, under
-        # hypothesis' deep call stack, overflows the C stack at ~1500 levels (a segfault, not an
-        # exception: a known finding, see the closing notes); JSON Lines keep the deep values.
         mutated = [draw(_mutated_row(r)) for r in rows]
-        shallow = [{k: ("[]" if v == _DEEP else v) for k, v in r.items()} for r in mutated]
-        return [b"[" + b",".join(_json_object(r).encode() for r in shallow) + b"]"]
+        return [b"[" + b",".join(_json_object(r).encode() for r in mutated) + b"]"]
     return draw(_json_lines(rows))
 
 
@@ -526,8 +516,11 @@ _FOUND: dict[str, tuple[TraceFormat, bytes]] = {
     # RecursionError: nesting past the recursion limit (json_lines, detect, sharegpt.first_item).
     "deep-nesting": ("mooncake", f'{{"timestamp":0,{_MOONCAKE_ROW},"x":{_DEEP}}}\n'.encode()),
     "deep-nesting-sharegpt": ("sharegpt", f'{{{_TWO_TURNS},"x":{_DEEP}}}\n'.encode()),
-    # RecursionError: str() of a deeply nested conversation id (sharegpt._turns).
+    # RecursionError: str() of a deeply nested conversation id (sharegpt._turns); now the depth guard.
     "deep-id": ("sharegpt", f'[{{"id":{_DEEP},{_TWO_TURNS}}}]'.encode()),
+    # Segfault (C stack) in ijson's item builder: deep nesting in a later element of the array layout
+    # (sharegpt._elements; tests/data/bad_input has the 100000-level case, run in a child process).
+    "deep-nesting-sharegpt-array": ("sharegpt", f'[{{{_TWO_TURNS}}},{{{_TWO_TURNS},"x":{_DEEP}}}]'.encode()),
     # zlib.error (not an OSError): a damaged deflate stream in a .gz trace (loader._read, detect).
     "bad-deflate": (
         "native",
@@ -569,14 +562,109 @@ def test_found_line_protocol_round_trips(sample: Sample) -> None:
     assert _typed(parse_line(line)) == _typed(sample)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="a BurstGPT row `0,1e300,5,s` (huge prompt in a session) crashes the session prefix chaining "
-    "in loader._specs (tuple(range(...)) of ceil(1e300/16) made-up block ids) instead of a TraceError; "
-    "moderately large counts (1e10) allocate until MemoryError",
+_NATIVE_HEADER = '{"format":"soakd-trace","version":1,"block_size":16}\n'
+_BURSTGPT_HEADER = "Timestamp,Request tokens,Response tokens,Session ID\n"
+_BAILIAN_ROW = '{{"chat_id":{},"parent_chat_id":{},"timestamp":0,"input_length":{},"output_length":1}}\n'
+# (format, file content, line, key) of token counts past MAX_TOKENS. In a session (BurstGPT, native) the
+# loader made up ceil(count / 16) prefix block ids: 1e300 raised OverflowError, 1e10 ran out of memory.
+_HUGE_COUNTS: dict[str, tuple[TraceFormat, str, int, str]] = {
+    "burstgpt-session-1e300": ("burstgpt", _BURSTGPT_HEADER + "0,1e300,5,s\n", 2, "Request tokens"),
+    "burstgpt-session-1e10": (
+        "burstgpt",
+        _BURSTGPT_HEADER + "0,5,8,s\n1,10000000000,5,s\n",
+        3,
+        "Request tokens",
+    ),
+    "burstgpt-output": ("burstgpt", _BURSTGPT_HEADER + f"0,5,{MAX_TOKENS + 1},s\n", 2, "Response tokens"),
+    "azure": (
+        "azure",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-05-10 00:00:00,1e10,5\n",
+        2,
+        "ContextTokens",
+    ),
+    "native-session": (
+        "native",
+        _NATIVE_HEADER + '{"t":0,"input_tokens":10000000000,"output_tokens":1,"session":"s"}\n',
+        2,
+        "input_tokens",
+    ),
+    "mooncake-301-digits": (
+        "mooncake",
+        f'{{"timestamp":0,"input_length":{10**300},"output_length":1}}\n',
+        1,
+        "input_length",
+    ),
+    "bailian-session": (
+        "bailian",
+        _BAILIAN_ROW.format(1, -1, 1) + _BAILIAN_ROW.format(2, 1, MAX_TOKENS + 1),
+        2,
+        "input_length",
+    ),
+    "sharegpt-output": ("sharegpt", '{"prompt":"hi","output_tokens":10000000000}\n', 1, "output_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_HUGE_COUNTS))
+def test_huge_token_counts_are_refused_cleanly(case: str, tmp_path: Path) -> None:
+    fmt, content, line, key = _HUGE_COUNTS[case]
+    path = tmp_path / "trace"
+    path.write_text(content)
+    as_formats: tuple[TraceFormat, ...] = (fmt, "auto")
+    for as_format in as_formats:
+        with pytest.raises(InputError) as info:
+            open_trace(TraceConfig(path=str(path), format=as_format), Path, 7)
+        err = info.value
+        assert (err.file, err.line, err.key) == (str(path), line, key)
+        assert err.reason.startswith(f"must be <= {MAX_TOKENS} (more tokens than any model's context), got ")
+
+
+def test_token_counts_up_to_the_bound_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "n.jsonl"
+    path.write_text(_NATIVE_HEADER + f'{{"t":0,"input_tokens":{MAX_TOKENS},"output_tokens":{MAX_TOKENS}}}\n')
+    (spec,) = open_trace(TraceConfig(path=str(path)), Path, 7)
+    assert (spec.input_tokens, spec.output_tokens) == (MAX_TOKENS, MAX_TOKENS)
+
+
+def _nested_conversation(levels: int) -> str:
+    """A conversation whose extra field reaches `levels` of nesting, the enclosing array counted."""
+    # The array is level 1 and the object level 2, so the field's brackets start at level 3.
+    brackets = levels - 2
+    return f'{{{_TWO_TURNS},"x":{"[" * brackets}{"]" * brackets}}}'
+
+
+def test_sharegpt_array_nesting_up_to_the_bound_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(f"[{_nested_conversation(MAX_DEPTH)}]")
+    assert len(list(open_trace(TraceConfig(path=str(path)), Path, 7))) == 2
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH + 1, 100_000])
+def test_sharegpt_array_element_nested_too_deep_is_a_bad_row(levels: int, tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(f"[{_nested_conversation(3)},{_nested_conversation(levels)},{_nested_conversation(3)}]")
+    with pytest.raises(InputError) as info:
+        open_trace(TraceConfig(path=str(path)), Path, 7)
+    assert (info.value.key, info.value.reason) == (
+        "[1]",
+        f"nested more than {MAX_DEPTH} levels deep (a conversation is 4)",
+    )
+    # The parser skips the element and reads on: the rows after it are kept with skip_bad_rows.
+    trace = open_trace(TraceConfig(path=str(path), skip_bad_rows=True), Path, 7)
+    assert (trace.summary.requests, trace.summary.bad_rows) == (4, 1)
+
+
+@pytest.mark.parametrize(
+    ("row", "count", "key"),
+    [
+        # Each message within the bound, the conversation before the reply ([1]) past it.
+        (f'{{"id":"c",{_TWO_TURNS}}}', MAX_TOKENS // 2 + 1, "conversations[1].value"),
+        ('{"prompt":"x"}', MAX_TOKENS + 1, "prompt"),
+    ],
 )
-def test_huge_prompt_in_a_session_is_refused_cleanly(tmp_path: Path) -> None:
-    path = tmp_path / "b.csv"
-    path.write_text("Timestamp,Request tokens,Response tokens,Session ID\n0,1e300,5,s\n")
-    _read_or_refuse(path, "burstgpt")
+def test_sharegpt_counted_tokens_past_the_bound_are_refused(row: str, count: int, key: str) -> None:
+    # A text long enough to count past MAX_TOKENS (134 MB) is too big for a test: the counter says so.
+    opts = sharegpt.Options(ArrivalConfig(), 7, 16, lambda text: count)
+    (item,) = sharegpt.read(io.BufferedReader(io.BytesIO(f"{row}\n".encode())), "s.jsonl", opts)
+    assert isinstance(item, InputError)
+    assert (item.line, item.key) == (1, key)
+    assert item.reason.startswith(f"must be <= {MAX_TOKENS} ")

@@ -97,8 +97,8 @@ def read(text: IO[str], file: str) -> Iterator[Row | TraceError | Skip]:
                     "(expected YYYY-MM-DD HH:MM:SS[.fraction][+HH:MM|Z])",
                     "TIMESTAMP",
                 ) from None
-            input_tokens = r.integer("ContextTokens", minimum=1)
-            output_tokens = r.integer("GeneratedTokens", minimum=0)
+            input_tokens = r.tokens("ContextTokens")
+            output_tokens = r.tokens("GeneratedTokens", minimum=0)
             images = r.integer("NumImages", minimum=0) if has_images else 0
         except TraceError as err:
             yield err

@@ -55,8 +55,8 @@ def read(rows: Iterable[tuple[int, dict[str, Any]]], file: str) -> Iterator[Row 
             chat = _chat_id(r, "chat_id")
             parent = _chat_id(r, "parent_chat_id")
             t = r.number("timestamp", minimum=0)
-            input_tokens = r.integer("input_length", minimum=1)
-            output_tokens = r.integer("output_length", minimum=1)
+            input_tokens = r.tokens("input_length")
+            output_tokens = r.tokens("output_length")
             turn = r.integer("turn", minimum=0, default=0)
             hash_ids = r.hash_ids(
                 "hash_ids", input_tokens=input_tokens, input_key="input_length", block_size=BLOCK_SIZE

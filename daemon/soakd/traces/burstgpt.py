@@ -46,8 +46,8 @@ def read(text: IO[str], file: str) -> Iterator[Row | TraceError | Skip]:
     for line, r in rows:
         try:
             t = r.number("Timestamp", minimum=0)
-            input_tokens = r.integer("Request tokens", minimum=1)
-            output_tokens = r.integer("Response tokens", minimum=0)
+            input_tokens = r.tokens("Request tokens")
+            output_tokens = r.tokens("Response tokens", minimum=0)
             session = r.optional("Session ID")
         except TraceError as err:
             yield err

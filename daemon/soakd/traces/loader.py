@@ -278,7 +278,7 @@ def detect(source: Traversable, name: str) -> str:
     first_line_no = head[: len(head) - len(text)].count(b"\n") + 1
     if text.startswith(b"["):
         with _open(source, name, None) as fh:
-            _, first = sharegpt.first_item(fh)
+            _, first = sharegpt.first_item(fh, name)
         if sharegpt.looks_like(first):
             return "sharegpt"
         raise TraceError("a JSON array, but its first element is not a conversation", file=name)

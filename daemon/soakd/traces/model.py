@@ -16,6 +16,12 @@ from typing import IO, Any
 
 from soakd.errors import TraceError
 
+# The most tokens a trace may give one prompt or answer. The longest context any model offers is 10M
+# tokens (Llama 4 Scout); 2**25 (~33.5M) leaves room to grow while bounding what one row can make the
+# loader build: a session turn without block ids gets ceil(tokens / block_size) made-up block ids, so
+# a count like 1e300 or 1e10 in a 20-byte row would otherwise overflow or exhaust memory.
+MAX_TOKENS = 1 << 25
+
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
@@ -127,6 +133,13 @@ class RowReader:
             raise self.error(f"must be >= {minimum}, got {value}", key)
         return value
 
+    def tokens(self, key: str, *, minimum: int = 1) -> int:
+        """A token count: an integer from `minimum` to MAX_TOKENS."""
+        value = self.integer(key, minimum=minimum)
+        if value > MAX_TOKENS:
+            raise self.error(too_many_tokens(value), key)
+        return value
+
     def number(self, key: str, *, minimum: float | None = None) -> float:
         value = self._get(key, required=True)
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -171,6 +184,14 @@ class RowReader:
                     key,
                 )
         return tuple(value)
+
+
+def too_many_tokens(got: object) -> str:
+    """The reason a token count above MAX_TOKENS is refused, for every format alike."""
+    shown = str(got)
+    if len(shown) > 24:
+        shown = f"{shown[:20]}..."
+    return f"must be <= {MAX_TOKENS} (more tokens than any model's context), got {shown}"
 
 
 def _json_type(value: object) -> str:
@@ -227,6 +248,13 @@ class CsvRow:
             value = int(as_float)
         if minimum is not None and value < minimum:
             raise self.error(f"must be >= {minimum}, got {value}", key)
+        return value
+
+    def tokens(self, key: str, *, minimum: int = 1) -> int:
+        """A token count: an integer from `minimum` to MAX_TOKENS."""
+        value = self.integer(key, minimum=minimum)
+        if value > MAX_TOKENS:
+            raise self.error(too_many_tokens(self.text(key)), key)  # as written: 1e300, not 301 digits
         return value
 
     def number(self, key: str, *, minimum: float | None = None) -> float:

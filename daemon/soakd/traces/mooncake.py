@@ -40,8 +40,8 @@ def read(rows: Iterable[tuple[int, dict[str, Any]]], file: str) -> Iterator[Row 
         r = RowReader(obj, file, line)
         try:
             ms = r.number("timestamp")
-            input_tokens = r.integer("input_length", minimum=1)
-            output_tokens = r.integer("output_length", minimum=1)
+            input_tokens = r.tokens("input_length")
+            output_tokens = r.tokens("output_length")
             hash_ids = r.hash_ids(
                 "hash_ids", input_tokens=input_tokens, input_key="input_length", block_size=BLOCK_SIZE
             )

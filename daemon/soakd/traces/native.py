@@ -15,8 +15,8 @@ Every following line is one request, in arrival order:
 - `t` (number >= 0, required): arrival, in seconds from the start of the trace. It must never decrease
   from one record to the next; replay times requests from the first one's `t`, so the first request
   is sent at once whatever its `t`.
-- `input_tokens` (integer >= 1, required): prompt length.
-- `output_tokens` (integer >= 1, required): tokens to generate.
+- `input_tokens` (integer >= 1, required): prompt length; at most 2**25 (MAX_TOKENS), as every token count.
+- `output_tokens` (integer >= 1, required): tokens to generate (at most 2**25).
 - `hash_ids` (array of integers >= 0, optional): one id per `block_size` tokens of the prompt, so its
   length is exactly ceil(input_tokens / block_size); the last block may be partial. Requests with equal
   ids at the same position share that block's content, hence a prefix the engine can cache. Left out
@@ -95,12 +95,12 @@ def _row(r: RowReader, obj: dict[str, Any], block_size: int) -> Row:
     if "prompt" in obj and not isinstance(obj["prompt"], str | list):
         raise r.error("expected a string or an array", "prompt")
     r.string("api", default="")
-    input_tokens = r.integer("input_tokens", minimum=1)
+    input_tokens = r.tokens("input_tokens")
     return Row(
         line=r.line,
         t_s=r.number("t", minimum=0),
         input_tokens=input_tokens,
-        output_tokens=r.integer("output_tokens", minimum=1),
+        output_tokens=r.tokens("output_tokens"),
         block_size=block_size,
         hash_ids=r.hash_ids(
             "hash_ids", input_tokens=input_tokens, input_key="input_tokens", block_size=block_size

@@ -5,7 +5,8 @@ Accepted layouts (the first non-blank byte tells an array from JSON lines):
 - A JSON array of conversations, as in ShareGPT_V3 and `vllm bench serve --dataset-name sharegpt`:
   `[{"id": "x", "conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}]`
   (`from`/`value` or `role`/`content`; human|user, gpt|assistant|chatgpt|bard|bing, system). Streamed
-  with ijson: the V3 file is ~670 MB and is never held whole.
+  with ijson: the V3 file is ~670 MB and is never held whole. An element nested more than 64 levels
+  deep (a conversation is 4) is a bad row.
 - JSON lines, one conversation object per line (same keys), or one vLLM-bench custom row per line:
   `{"prompt": "...", "output_tokens": 128}` (`output_tokens` optional: trace.default_output_tokens).
 
@@ -31,7 +32,7 @@ from typing import IO, Any
 from soakd.config import ArrivalConfig
 from soakd.errors import TraceError
 from soakd.traces.arrivals import arrival_stream, think_times
-from soakd.traces.model import Row, Skip, json_lines
+from soakd.traces.model import MAX_TOKENS, Row, Skip, json_lines, too_many_tokens
 
 NAME = "sharegpt"
 TIME_KEY = "conversations"
@@ -39,6 +40,9 @@ CHARS_PER_TOKEN = 4
 _USER = frozenset({"human", "user"})
 _ASSISTANT = frozenset({"gpt", "assistant", "chatgpt", "bard", "bing", "model"})
 _SYSTEM = frozenset({"system"})
+# Levels of nesting an array element may reach, the array itself counted: a message's text is at 4.
+# Bounds what the element builder holds, and keeps deep junk out of code that recurses (str(), repr()).
+MAX_DEPTH = 64
 
 Counter = Callable[[str], int]
 
@@ -80,8 +84,11 @@ def looks_like(first: Any) -> bool:
     )
 
 
-def first_item(fh: IO[bytes]) -> tuple[bool, Any]:
-    """(is an array, its first item or first line's object) for detection; None when there is none."""
+def first_item(fh: IO[bytes], file: str) -> tuple[bool, Any]:
+    """(is an array, its first item or first line's object) for detection; None when there is none.
+
+    An array whose first item is nested too deep is raised as the TraceError the reader would give.
+    """
     head = fh.read(1 << 16)
     stripped = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if stripped.startswith(b"["):
@@ -89,13 +96,16 @@ def first_item(fh: IO[bytes]) -> tuple[bool, Any]:
 
         fh.seek(0)
         try:
-            return True, next(ijson.items(fh, "item"), None)
+            first = next(_elements(fh), None)
         except ijson.JSONError:
             return True, None
+        if first is _TOO_DEEP:
+            raise _too_deep(file, "[0]")
+        return True, first
     line = stripped.split(b"\n", 1)[0]
     try:
         return False, json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False, None
 
 
@@ -145,8 +155,11 @@ def _array_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
     import ijson
 
     try:
-        for i, obj in enumerate(ijson.items(fh, "item", use_float=True)):
+        for i, obj in enumerate(_elements(fh)):
             where = f"[{i}]"
+            if obj is _TOO_DEEP:
+                yield 0, where, _too_deep(file, where)
+                continue
             if not isinstance(obj, dict):
                 yield 0, where, TraceError("expected a conversation object", file=file, key=where)
                 continue
@@ -155,6 +168,80 @@ def _array_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
         # yajl's message draws the spot over more lines; its first line says what is wrong.
         first = (str(err).strip().splitlines() or [""])[0]
         raise TraceError(f"not JSON: {first[:120]}", file=file) from None
+
+
+class _TooDeep:
+    """Stands for an array element nested deeper than MAX_DEPTH (whose events were skipped)."""
+
+
+_TOO_DEEP = _TooDeep()
+
+
+def _too_deep(file: str, where: str) -> TraceError:
+    return TraceError(f"nested more than {MAX_DEPTH} levels deep (a conversation is 4)", file=file, key=where)
+
+
+def _elements(fh: IO[bytes]) -> Iterator[Any]:
+    """The elements of the JSON array `fh` holds, streamed; _TOO_DEEP for one nested too deep.
+
+    Built here from ijson's event stream, not by ijson.items: its C backend builds an item recursively
+    and keeps a prefix string per level, so deep nesting (a few kB of brackets) overflows the C stack,
+    a segfault, or takes memory quadratic in the depth (100000 levels: tens of GB). The event parser
+    itself keeps its nesting in a flat stack, so a too-deep element is skipped and reading goes on.
+    Raises ijson.JSONError for text that is not JSON.
+    """
+    import ijson
+
+    events = ijson.basic_parse(fh, use_float=True)
+    stack: list[dict[str, Any] | list[Any]] = []  # the containers of the element being built
+    key = ""
+    depth = 0  # containers open, the top-level array included
+    for event, value in events:
+        if event == "map_key":
+            key = value
+        elif event in {"start_map", "start_array"}:
+            depth += 1
+            if depth == 1:  # the top-level array
+                continue
+            if depth > MAX_DEPTH:
+                _skip_element(events, depth)
+                depth = 1
+                stack.clear()
+                yield _TOO_DEEP
+                continue
+            container: dict[str, Any] | list[Any] = {} if event == "start_map" else []
+            if stack:
+                top = stack[-1]
+                if isinstance(top, list):
+                    top.append(container)
+                else:
+                    top[key] = container
+            stack.append(container)
+        elif event in {"end_map", "end_array"}:
+            depth -= 1
+            if depth:  # depth 0: the top-level array closed (the parser still checks what follows)
+                done = stack.pop()
+                if not stack:
+                    yield done
+        elif stack:
+            top = stack[-1]
+            if isinstance(top, list):
+                top.append(value)
+            else:
+                top[key] = value
+        elif depth == 1:  # a scalar element
+            yield value
+
+
+def _skip_element(events: Iterator[tuple[str, Any]], depth: int) -> None:
+    """Consume events until the element open at `depth` (> 1) closes, leaving the array at depth 1."""
+    for event, _ in events:
+        if event in {"start_map", "start_array"}:
+            depth += 1
+        elif event in {"end_map", "end_array"}:
+            depth -= 1
+            if depth == 1:
+                return
 
 
 def _line_items(fh: IO[bytes], file: str) -> Iterator[_Item]:
@@ -177,7 +264,12 @@ def _turns(obj: dict[str, Any], file: str, line: int, where: str, opts: Options)
         out = obj.get("output_tokens", opts.default_output_tokens)
         if isinstance(out, bool) or not isinstance(out, int) or out < 1:
             raise error("expected an integer >= 1", "output_tokens")
-        return [(opts.count(prompt), out)]
+        if out > MAX_TOKENS:
+            raise error(too_many_tokens(out), "output_tokens")
+        tokens = opts.count(prompt)
+        if tokens > MAX_TOKENS:
+            raise error(too_many_tokens(f"{tokens} tokens"), "prompt")
+        return [(tokens, out)]
     key = "conversations" if "conversations" in obj else "conversation"
     messages = obj.get(key)
     if not isinstance(messages, list):
@@ -206,4 +298,7 @@ def _turns(obj: dict[str, Any], file: str, line: int, where: str, opts: Options)
             pending_user = pending_user or role in _USER
         else:
             raise error(f"unknown role {role[:20]!r}", f"{key}[{i}].from")
+        # Every prompt and reply is at most the conversation so far, so this bounds them all.
+        if context > MAX_TOKENS:
+            raise error(too_many_tokens(f"{context} tokens up to here"), f"{key}[{i}].value")
     return [(max(1, c), o) for c, o in turns]
