@@ -89,10 +89,19 @@ class SampleWriter:
     other, so times are kept strictly increasing per series.
     """
 
-    def __init__(self, spool: Spool, tags: dict[str, str], wall_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(
+        self,
+        spool: Spool,
+        tags: dict[str, str],
+        wall_ns: Callable[[], int] = time.time_ns,
+        after_ns: int = 0,
+    ) -> None:
         self._spool = spool
         self._tags = tags
         self._wall_ns = wall_ns
+        self._after_ns = after_ns
+        """Every point is later than this (a resumed run's newest point), even if the clock was set back."""
+        self.clock_behind = 0
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
         self.counts: dict[str, int] = {}
 
@@ -102,6 +111,11 @@ class SampleWriter:
             tags = {**s.tags, **self._tags}
             key = (s.measurement, tuple(sorted(tags.items())))
             t = s.time_ns
+            if t <= self._after_ns:
+                self.clock_behind += 1
+                if self.clock_behind == 1:
+                    log.warning("clock_behind_spool", behind_s=(self._after_ns - t) / 1e9)
+                t = self._after_ns + 1
             last = self._last.get(key)
             if last is not None and t <= last:
                 t = last + 1
@@ -341,7 +355,11 @@ class Soak:
         self._journal = DueJournal(self.run_dir / JOURNAL_FILE)
         self._write_meta({})
         spool = Spool(self.run_dir / SPOOL_DIR, cfg.sinks.spool.segment_bytes, cfg.sinks.spool.fsync_interval)
-        writer = SampleWriter(spool, {"run_id": self.run_id, "host": self.host})
+        writer = SampleWriter(
+            spool,
+            {"run_id": self.run_id, "host": self.host},
+            after_ns=self.resumed.last_point_ns if self.resumed is not None else 0,
+        )
         if self.resumed is not None:
             writer.counts.update(self.resumed.points)
         self._writer_counts = writer.counts

@@ -198,6 +198,9 @@ class ResumeState:
     """Points per measurement already in the spool."""
     last_seen_ns: int
     """The run's last sign of life (newest write to its spool, journal or checkpoint)."""
+    last_point_ns: int = 0
+    """The newest point time in the spool: points after the resume must come later (a wall clock set
+    back meanwhile would otherwise overwrite earlier points of the same series in InfluxDB)."""
 
     @property
     def remaining_s(self) -> float:
@@ -218,7 +221,12 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
     folder = RequestFolder()
     finished: set[RequestKey] = set()
     points: dict[str, int] = {}
+    newest = 0
     for line in iter_lines(run_dir / SPOOL_DIR):
+        # The timestamp is the last field of a line.
+        stamp = line[line.rfind(" ") + 1 :]
+        if stamp.isdigit():
+            newest = max(newest, int(stamp))
         # The measurement is the line's first unescaped ',' or ' '; soakd's names need no escaping.
         end = min((i for i in (line.find(","), line.find(" ")) if i >= 0), default=len(line))
         name = line[:end]
@@ -238,6 +246,7 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
         offset_s=offset,
         points=points,
         last_seen_ns=_last_seen_ns(run_dir, checkpoint),
+        last_point_ns=newest,
     )
 
 

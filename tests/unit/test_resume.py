@@ -14,7 +14,7 @@ from pathlib import Path
 
 from test_app import config
 
-from soakd.app import Soak
+from soakd.app import SampleWriter, Soak
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.resume import (
@@ -81,6 +81,16 @@ def test_state_of_a_crashed_run(tmp_path: Path) -> None:
     assert state.offset_s == 12.0  # the journal's last due time beats the 9 s checkpoint
     assert state.remaining_s == 48.0
     assert state.points == {"requests": 3, "host": 1}
+    assert state.last_point_ns == 20
+
+
+def test_points_after_a_resume_come_after_the_spool_even_if_the_clock_went_back(tmp_path: Path) -> None:
+    with Spool(tmp_path, 1 << 20, 1.0) as spool:
+        w = SampleWriter(spool, {"run_id": "r"}, after_ns=1_000)
+        w([Sample("m", {"a": 1}, 500), Sample("m", {"a": 2}, 500), Sample("n", {"a": 3}, 2_000)])
+    times = [(s.measurement, s.time_ns) for s in iter_samples(tmp_path)]
+    assert times == [("m", 1_001), ("m", 1_002), ("n", 2_000)]
+    assert w.clock_behind == 2
 
 
 def test_which_run_is_resumed(tmp_path: Path) -> None:
@@ -118,7 +128,7 @@ _SOAK = """
 import asyncio, json, sys
 sys.path.insert(0, {here!r})
 from test_app import StubEngine, config
-from soakd.app import Soak
+from soakd.app import SampleWriter, Soak
 
 class Slow(StubEngine):
     async def generate(self, request):
