@@ -73,6 +73,7 @@ from soakd.resume import (
     shifted,
 )
 from soakd.sinks.forwarder import Forwarder
+from soakd.sinks.health import SinkHealth, SpoolHealth
 from soakd.sinks.influx import make_writer
 from soakd.sinks.spool import Spool
 from soakd.ticker import Ticker
@@ -130,7 +131,11 @@ class SampleWriter:
         After the spool is closed (the very end of a run) events go to the log only."""
         log.info("event", kind=kind, message=message, **fields)
         if not self._spool.closed:
-            self([Sample("events", {"message": message, **fields}, self._wall_ns(), tags={"kind": kind})])
+            # One `events` measurement holds every kind's fields, and InfluxDB refuses a batch whose field
+            # type differs from what the shard has (an `ok` bool here, an integer there; 0 beside 0.5):
+            # numbers are written as floats, whatever their Python type.
+            values = {k: float(v) if isinstance(v, int) else v for k, v in fields.items()}
+            self([Sample("events", {"message": message, **values}, self._wall_ns(), tags={"kind": kind})])
 
 
 class _JobHealth:
@@ -354,7 +359,14 @@ class Soak:
             self._checkpoint.write(self.run_dir)
         self._journal = DueJournal(self.run_dir / JOURNAL_FILE)
         self._write_meta({})
-        spool = Spool(self.run_dir / SPOOL_DIR, cfg.sinks.spool.segment_bytes, cfg.sinks.spool.fsync_interval)
+        scfg = cfg.sinks.spool
+        spool = Spool(
+            self.run_dir / SPOOL_DIR,
+            scfg.segment_bytes,
+            scfg.fsync_interval,
+            max_bytes=scfg.max_bytes,
+            min_free_bytes=scfg.min_free_bytes,
+        )
         writer = SampleWriter(
             spool,
             {"run_id": self.run_id, "host": self.host},
@@ -363,6 +375,14 @@ class Soak:
         if self.resumed is not None:
             writer.counts.update(self.resumed.points)
         self._writer_counts = writer.counts
+
+        def on_spool(kind: str, fields: dict[str, FieldValue]) -> None:
+            what = "degraded" if kind == "spool_degraded" else "recovered"
+            writer.event(
+                kind, f"spool {what}: {fields.get('state', '')} {fields.get('reason', '')}".strip(), **fields
+            )
+
+        spool.on_event = on_spool
         forwarder = self._make_forwarder(writer)
         dcfg = cfg.telemetry.spec_drift
         drift = AcceptanceDrift(
@@ -395,7 +415,10 @@ class Soak:
             build, self._engine_config(), on_event=writer.event, on_started=on_started
         )
         collectors = self._make_collectors(engine, engine_collector, writer)
-        runner = CollectorRunner([*collectors, _JobHealth(self)], writer)
+        health: list[Collector] = [SpoolHealth(spool)]
+        if forwarder is not None:
+            health.append(SinkHealth(forwarder))
+        runner = CollectorRunner([*collectors, _JobHealth(self), *health], writer)
         controller = self._make_controller(engine, engine_collector, drift, writer)
         scheduler = self._scheduler = self._make_scheduler(runner, spool, forwarder, engine)
         loop = asyncio.get_running_loop()
@@ -592,6 +615,9 @@ class Soak:
                 "bytes": spool.bytes_written,
                 "segments": spool.segments_created,
                 "fsyncs": spool.fsyncs,
+                "total_bytes": spool.total_bytes,
+                "state": spool.state,
+                "dropped": dict(sorted(spool.dropped.items())),
             },
             "influx": None
             if forwarder is None
@@ -1080,10 +1106,12 @@ class Soak:
         if forwarder is not None:
 
             async def ship() -> None:
+                # Ship for most of one interval, then yield to the next tick: a backlog after an outage
+                # drains at the database's pace without the job outliving its interval (a skipped run).
                 spool.flush(fsync=False)
-                for _ in range(20):
-                    if await forwarder.step() == 0:
-                        break
+                budget = time.monotonic() + 0.8 * cfg.sinks.influx.interval
+                while await forwarder.step() > 0 and time.monotonic() < budget:
+                    pass
 
             scheduler.add_job(ship, "interval", seconds=cfg.sinks.influx.interval, id="forward")
         if self._progress is not None:

@@ -230,10 +230,21 @@ class TelemetryConfig(_Section):
 
 
 class SpoolConfig(_Section):
-    """[sinks.spool]: the durable local spool every sample goes through first."""
+    """[sinks.spool]: the durable local spool every sample goes through first.
+
+    At `max_bytes` (0: unbounded), or with less than `min_free_bytes` free on its filesystem, the spool
+    keeps only essential measurements; on a full disk it writes nothing; both are counted and reported
+    (soakd.sinks.spool.Spool)."""
 
     segment_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
     fsync_interval: Duration = Field(default=1.0, gt=0)
+    # The H200 runs in tests/data/h200 spooled 8.8-14.2 kB/s (26-44 lines/s, 10-19 req/s, one GPU):
+    # 0.25-0.41 GB in 8 h. 4 GiB is ten times that: room for 8 GPUs (~2.1 kB/s each) at 100 req/s
+    # (~420 B a request), about 1.9 GB in 8 h, twice over.
+    max_bytes: int = Field(default=4 * 1024**3, ge=0)
+    # Kept free for everything else on the disk; essential lines (requests: ~5 kB/s at 12 req/s) may
+    # still use it, which at that rate lasts about 15 h.
+    min_free_bytes: int = Field(default=256 * 1024**2, ge=0)
 
 
 class InfluxConfig(_Section):

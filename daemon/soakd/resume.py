@@ -198,6 +198,8 @@ class ResumeState:
     """Points per measurement already in the spool."""
     last_seen_ns: int
     """The run's last sign of life (newest write to its spool, journal or checkpoint)."""
+    damaged_lines: int = 0
+    """`requests` lines of the spool that could not be parsed (skipped, each logged)."""
     last_point_ns: int = 0
     """The newest point time in the spool: points after the resume must come later (a wall clock set
     back meanwhile would otherwise overwrite earlier points of the same series in InfluxDB)."""
@@ -222,6 +224,7 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
     finished: set[RequestKey] = set()
     points: dict[str, int] = {}
     newest = 0
+    damaged = 0
     for line in iter_lines(run_dir / SPOOL_DIR):
         # The timestamp is the last field of a line.
         stamp = line[line.rfind(" ") + 1 :]
@@ -232,7 +235,13 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
         name = line[:end]
         points[name] = points.get(name, 0) + 1
         if name == "requests":
-            sample = parse_line(line)
+            try:
+                sample = parse_line(line)
+            except ValueError as err:
+                # A damaged line (a power loss can leave NULs) is not a request to count: said, not fatal.
+                damaged += 1
+                log.warning("spool_line_damaged", run_dir=str(run_dir), error=str(err)[:200])
+                continue
             folder.add(sample)
             finished.add(request_key(sample))
     lost = sorted(k for k in due if k not in finished)
@@ -246,6 +255,7 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
         offset_s=offset,
         points=points,
         last_seen_ns=_last_seen_ns(run_dir, checkpoint),
+        damaged_lines=damaged,
         last_point_ns=newest,
     )
 

@@ -419,3 +419,17 @@ async def test_snapshot_mid_run(tmp_path: Path) -> None:
     assert snap["run_id"] == result.run_id and 0 < snap["elapsed_s"] < 3.5
     assert 0 < snap["replay"]["scheduled"] <= result.summary["replay"]["scheduled"]
     assert snap["control"]["ceiling"] == 16 and snap["points"]["requests"] > 0
+
+
+def test_event_numbers_are_floats_whatever_their_python_type(tmp_path: Path) -> None:
+    # InfluxDB refuses a batch whose field type differs from the shard's: one kind's `ok` was a bool,
+    # another's an integer.
+    spool = Spool(tmp_path, 1 << 20, 1.0)
+    w = SampleWriter(spool, {"run_id": "r"}, wall_ns=lambda: 5)
+    w.event("recapture", "m", ok=True, sizes="1,2")
+    w.event("engine_rebuild", "m", ok=1, down_s=0)
+    spool.close()
+    lines = [line for seg in sorted(tmp_path.glob("seg-*.lp")) for line in seg.read_text().splitlines()]
+    assert all("ok=1i" not in line and "ok=true" not in line for line in lines)
+    assert [s.fields["ok"] for s in iter_samples(tmp_path)] == [1.0, 1.0]
+    assert "down_s=0i" not in lines[1] and 'sizes="1,2"' in lines[0]

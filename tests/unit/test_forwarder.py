@@ -207,6 +207,10 @@ async def test_outage_keeps_cursor_loses_nothing_and_reports_events(tmp_path: Pa
     writer.fail_next = 1
     _fill(spool, 80, 1)
     assert await fwd.step() == 0
+    attempts = writer.attempts
+    assert await fwd.step() == 0  # backing off: no attempt before backoff_initial_s has passed
+    assert writer.attempts == attempts
+    clock.now += 0.5
     assert await fwd.step() == 1
     assert [k for k, _ in events] == ["sink_outage", "sink_backfill", "sink_outage", "sink_backfill"]
     assert fwd.failures == 4
@@ -446,4 +450,172 @@ async def test_a_refused_batch_is_set_aside_not_retried_forever(tmp_path: Path) 
     kept = (tmp_path / REJECTED_FILE).read_text().splitlines()
     assert kept == [line for line in iter_lines(tmp_path)][:3]
     assert events == ["sink_rejected"]
+    spool.close()
+
+
+# -- backlog as a series, backoff, a full disk ---------------------------------------------------------
+
+
+def _fresh_count(spool_dir: Path, shipped: int) -> int:
+    return len(list(iter_lines(spool_dir))) - shipped
+
+
+async def test_backlog_reads_only_what_was_appended_since_the_last_look(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, segment_bytes=4096, fsync_interval_s=1.0)
+    _fill(spool, 0, 200)
+    fwd = Forwarder(tmp_path, MemoryWriter(), batch_lines=50)
+    assert fwd.backlog_lines() == 200
+    first = spool.segments()[0]
+    # Counted bytes are never read again: overwrite a counted segment with as many bytes and no
+    # newline, and the backlog still says what was counted.
+    first.write_bytes(b"x" * first.stat().st_size)
+    assert fwd.backlog_lines() == 200
+    _fill(spool, 200, 7)
+    assert fwd.backlog_lines() == 207  # ... while appended lines are counted
+    spool.close()
+
+
+async def test_backlog_follows_shipping_outages_restarts_and_torn_tails(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, segment_bytes=2048, fsync_interval_s=1.0)
+    clock = FakeTime()
+    writer = MemoryWriter()
+    fwd = Forwarder(tmp_path, writer, batch_lines=33, clock=clock)
+
+    async def check() -> None:
+        assert fwd.backlog_lines() == _fresh_count(tmp_path, len(writer.lines))
+        total = sum(p.stat().st_size for p in spool.segments())
+        done = sum(p.stat().st_size for p in spool.segments() if p.name < fwd.cursor[0]) + fwd.cursor[1]
+        assert fwd.backlog_bytes() == total - done
+
+    _fill(spool, 0, 100)
+    await check()
+    assert await fwd.step() == 33
+    await check()
+    _fill(spool, 100, 50)
+    writer.fail_next = 2
+    assert await fwd.step() == 0
+    await check()
+    clock.now += 0.5
+    assert await fwd.step() == 0
+    _fill(spool, 150, 10)
+    await check()
+    clock.now += 1.0
+    for _ in range(3):
+        await fwd.step()
+    await check()
+    spool.close()
+    with spool.current_segment.open("ab") as f:
+        f.write(b"m,t=a i=")  # killed mid-line
+    await check()
+    spool = Spool(tmp_path, segment_bytes=2048, fsync_interval_s=1.0)
+    _fill(spool, 160, 40)
+    await check()
+    assert await fwd.drain(5.0)
+    await check()
+    assert fwd.backlog_lines() == 0 and fwd.backlog_bytes() == 0
+    assert _indexes(writer.lines) == list(range(200))
+    spool.close()
+
+
+async def test_backlog_recounts_when_segments_are_deleted_by_hand(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, segment_bytes=2048, fsync_interval_s=1.0)
+    _fill(spool, 0, 150)
+    fwd = Forwarder(tmp_path, MemoryWriter(), batch_lines=10)
+    assert fwd.backlog_lines() == 150
+    spool.segments()[1].unlink()  # an operator making room on a full disk
+    assert fwd.backlog_lines() == _fresh_count(tmp_path, 0) < 150
+    spool.close()
+
+
+async def test_series_fields_report_backlog_age_and_counters(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, segment_bytes=4096, fsync_interval_s=1.0)
+    _fill(spool, 0, 30)  # times 1000..1029 ns
+    clock = FakeTime()
+    writer = MemoryWriter(fail_next=1)
+    fwd = Forwarder(tmp_path, writer, batch_lines=20, clock=clock)
+    assert await fwd.step() == 0
+    clock.now += 4.0
+    fields = fwd.series_fields(now_ns=1_000 + 5_000_000_000)
+    assert fields == {
+        "backlog_lines": 30,
+        "backlog_bytes": spool.bytes_written,
+        "backlog_age_s": 5.0,
+        "outage_s": 4.0,
+        "lines_shipped": 0,
+        "lines_rejected": 0,
+        "batches": 0,
+        "failures": 1,
+        "consecutive_failures": 1,
+    }
+    assert await fwd.step() == 20
+    # The oldest unshipped line is now the 21st (time 1020).
+    assert fwd.backlog_age_s(now_ns=1_020 + 2_000_000_000) == 2.0
+    assert await fwd.step() == 10
+    fields = fwd.series_fields(now_ns=10**19)
+    assert fields["backlog_lines"] == fields["backlog_bytes"] == 0
+    assert fields["backlog_age_s"] == 0.0
+    assert fields["outage_s"] == 4.0  # the last outage's length
+    assert (fields["lines_shipped"], fields["batches"], fields["consecutive_failures"]) == (30, 2, 0)
+    spool.close()
+
+
+async def test_step_backs_off_exponentially_while_the_database_is_down(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, segment_bytes=4096, fsync_interval_s=1.0)
+    _fill(spool, 0, 5)
+    clock = FakeTime()
+    writer = MemoryWriter(fail_next=10**9)
+    fwd = Forwarder(tmp_path, writer, batch_lines=10, clock=clock, backoff_initial_s=0.5, backoff_max_s=4.0)
+    attempt_times: list[float] = []
+    for tick in range(160):  # a periodic caller, every 0.125 s (exact in binary) for 20 s
+        clock.now = 100.0 + tick * 0.125
+        before = writer.attempts
+        await fwd.step()
+        if writer.attempts > before:
+            attempt_times.append(clock.now - 100.0)
+    assert attempt_times == [0.0, 0.5, 1.5, 3.5, 7.5, 11.5, 15.5, 19.5]
+    writer.fail_next = 0
+    clock.now += 4.0
+    assert await fwd.step() == 5
+    spool.close()
+
+
+async def test_a_cursor_that_cannot_be_saved_does_not_stop_shipping(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool", segment_bytes=4096, fsync_interval_s=1.0)
+    _fill(spool, 0, 25)
+    writer = MemoryWriter()
+    # The state's folder does not exist: every save fails, as on a full disk.
+    fwd = Forwarder(tmp_path / "spool", writer, batch_lines=10, state_path=tmp_path / "gone" / "state.json")
+    assert await fwd.drain(5.0)
+    assert _indexes(writer.lines) == list(range(25))
+    assert fwd.state_save_failures == 3
+    assert fwd.cursor[1] == spool.bytes_written
+    spool.close()
+
+
+async def test_a_refused_batch_that_cannot_be_set_aside_is_located_in_the_spool(tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    from soakd.errors import SinkRejected
+    from soakd.sinks.forwarder import REJECTED_FILE
+
+    spool = Spool(tmp_path, segment_bytes=1 << 20, fsync_interval_s=1.0)
+    _fill(spool, 0, 4)
+    (tmp_path / REJECTED_FILE).mkdir()  # cannot be opened for writing
+
+    class Refusing:
+        async def write(self, lines: Sequence[str]) -> None:
+            raise SinkRejected("HTTP 400: bad")
+
+        async def ping(self) -> str:
+            return "x"
+
+        async def aclose(self) -> None:
+            return None
+
+    fwd = Forwarder(tmp_path, Refusing(), batch_lines=4)
+    with capture_logs() as logs:
+        assert await fwd.step() == 4
+    assert fwd.lines_rejected == 4
+    kept = [e["kept_in"] for e in logs if e["event"] == "sink_rejected_batch"]
+    assert kept == [f"spool, from the first segment to {spool.current_segment.name}:{spool.bytes_written}"]
     spool.close()

@@ -1,14 +1,17 @@
 """Ship the spool to a LineWriter from a persisted cursor, so that a database outage loses nothing.
 
 The cursor (segment name, byte offset after the last shipped line) moves only after the writer accepted a
-batch, and is saved atomically after every batch: a failed write is retried from the same place, and a
-restarted daemon resumes where the last one stopped. A crash between a write and the cursor save ships
-that batch twice, which InfluxDB absorbs (a point with the same series and time is overwritten).
+batch, and is saved atomically after every batch: a failed write is retried from the same place (after
+an exponential backoff), and a restarted daemon resumes where the last one stopped. A crash between a
+write and the cursor save ships that batch twice, which InfluxDB absorbs (a point with the same series
+and time is overwritten). The backlog (lines, bytes, age of the oldest line) is kept by counting only
+what was appended since the last look, so reporting it every second stays cheap during a long outage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -19,8 +22,9 @@ from pathlib import Path
 import structlog
 
 from soakd.errors import SinkError, SinkRejected
+from soakd.metric import FieldValue
 from soakd.sinks.influx import LineWriter
-from soakd.sinks.spool import list_segments
+from soakd.sinks.spool import FILE_MODE, list_segments
 
 log = structlog.get_logger(__name__)
 
@@ -30,13 +34,24 @@ REJECTED_FILE = "rejected.lp"
 EventCallback = Callable[[str, EventFields], None]
 SleepFn = Callable[[float], Awaitable[None]]
 
-_COUNT_CHUNK = 1 << 20
+_READ_CHUNK = 1 << 20
+# Failures to save the cursor are logged the first time and then every this many.
+_LOG_EVERY = 100
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)
 class _Cursor:
     segment: str  # file name; "" before the first segment
     offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    lines: list[str]
+    cursor: _Cursor  # where the cursor goes once these lines are shipped
+    newlines: int  # complete lines passed over (empty ones included)
+    nbytes: int  # bytes passed over (a skipped torn tail included)
+    recount: bool  # a segment was read again from its start: the backlog counts must be redone
 
 
 class Forwarder:
@@ -71,13 +86,21 @@ class Forwarder:
         self.batches = 0
         self.failures = 0
         self.consecutive_failures = 0
+        self.state_save_failures = 0
         self.last_error = ""
         self.outage_started_ns: int | None = None
         self._outage_started_mono: float | None = None
         self._last_outage_s = 0.0
-        # Newline counts of final segments (they never change), for backlog_lines().
-        self._final_counts: dict[str, int] = {}
+        self._retry_at = 0.0
         self._cursor = self._load_state()
+        # The backlog between the cursor and `_scan` (how far the spool has been counted).
+        self._scan = self._cursor
+        self._scan_lines = 0
+        self._scan_bytes = 0
+        self._scan_names: set[str] = set()
+        # The time of the first unshipped line, for the cursor it was read at.
+        self._age_cursor: _Cursor | None = None
+        self._age_time_ns: int | None = None
 
     # -- public state -------------------------------------------------------------------------------
 
@@ -95,51 +118,52 @@ class Forwarder:
 
     def backlog_bytes(self) -> int:
         """Bytes of the spool not shipped yet (a torn trailing line included)."""
-        total = 0
-        for path in self._pending_segments():
-            size = _size(path)
-            total += max(0, size - self._cursor.offset) if path.name == self._cursor.segment else size
-        return total
+        self._refresh_backlog()
+        return self._scan_bytes
 
     def backlog_lines(self) -> int:
         """Complete lines of the spool not shipped yet."""
-        segments = self._pending_segments()
-        total = 0
-        for i, path in enumerate(segments):
-            start = self._cursor.offset if path.name == self._cursor.segment else 0
-            final = i < len(segments) - 1
-            if final and start == 0 and path.name in self._final_counts:
-                total += self._final_counts[path.name]
-                continue
-            count = _count_newlines(path, start)
-            if final and start == 0:
-                self._final_counts[path.name] = count
-            total += count
-        return total
+        self._refresh_backlog()
+        return self._scan_lines
+
+    def backlog_age_s(self, now_ns: int | None = None) -> float:
+        """Seconds from the first unshipped line's timestamp to `now_ns` (0.0 with nothing unshipped)."""
+        self._refresh_backlog()
+        if self._scan_lines == 0:
+            return 0.0
+        if self._age_cursor != self._cursor:
+            batch = self._read_batch(limit=1)
+            self._age_time_ns = _line_time_ns(batch.lines[0]) if batch.lines else None
+            # With no complete line yet, look again next time instead of remembering "none".
+            self._age_cursor = self._cursor if batch.lines else None
+        if self._age_time_ns is None:
+            return 0.0
+        now = time.time_ns() if now_ns is None else now_ns
+        return max(0.0, (now - self._age_time_ns) / 1e9)
+
+    def series_fields(self, now_ns: int | None = None) -> dict[str, FieldValue]:
+        """The `sink` point: backlog, outage and shipping counters (cheap: see the module docstring)."""
+        return {
+            "backlog_lines": self.backlog_lines(),
+            "backlog_bytes": self._scan_bytes,
+            "backlog_age_s": self.backlog_age_s(now_ns),
+            "outage_s": self.outage_s,
+            "lines_shipped": self.lines_shipped,
+            "lines_rejected": self.lines_rejected,
+            "batches": self.batches,
+            "failures": self.failures,
+            "consecutive_failures": self.consecutive_failures,
+        }
 
     # -- shipping -----------------------------------------------------------------------------------
 
     async def step(self) -> int:
-        """Ship up to `batch_lines` lines; returns how many (0 when caught up or when the write failed)."""
-        lines, cursor = self._read_batch()
-        if cursor == self._cursor:
+        """Ship up to `batch_lines` lines; returns how many (0 when caught up, when the write failed, or
+        while backing off after a failure: the next attempt waits `backoff_initial_s`, doubling up to
+        `backoff_max_s`, so a periodic caller does not hammer a database that is down)."""
+        if self.consecutive_failures and self._clock() < self._retry_at:
             return 0
-        if lines:
-            try:
-                await self.writer.write(lines)
-            except SinkRejected as err:
-                self._set_aside(lines, str(err))
-            except SinkError as err:
-                self._record_failure(str(err), len(lines))
-                return 0
-        recovering = bool(lines) and self.consecutive_failures > 0
-        self._cursor = cursor
-        self.lines_shipped += len(lines)
-        self.batches += 1 if lines else 0
-        self._save_state()
-        if recovering:
-            self._record_recovery(len(lines))
-        return len(lines)
+        return await self._attempt()
 
     async def drain(self, timeout_s: float) -> bool:
         """Ship until caught up (True) or until `timeout_s` has passed (False), backing off on failures.
@@ -147,15 +171,12 @@ class Forwarder:
         An attempt in flight when the time runs out is allowed to finish (the writer's timeout bounds it).
         """
         deadline = self._clock() + timeout_s
-        backoff = self.backoff_initial_s
         while True:
             failures_before = self.failures
-            shipped = await self.step()
+            shipped = await self._attempt()
             failed = self.failures > failures_before
-            if not failed:
-                backoff = self.backoff_initial_s
-                if shipped == 0 and self._caught_up():
-                    return True
+            if not failed and shipped == 0 and self._caught_up():
+                return True
             remaining = deadline - self._clock()
             if remaining <= 0:
                 log.warning(
@@ -165,24 +186,47 @@ class Forwarder:
                 )
                 return False
             if failed:
-                await self._sleep(min(backoff, remaining))
-                backoff = min(backoff * 2, self.backoff_max_s)
+                await self._sleep(min(max(0.0, self._retry_at - self._clock()), remaining))
 
     # -- internals ----------------------------------------------------------------------------------
 
+    async def _attempt(self) -> int:
+        batch = self._read_batch()
+        if batch.cursor == self._cursor:
+            return 0
+        lines = batch.lines
+        if lines:
+            try:
+                await self.writer.write(lines)
+            except SinkRejected as err:
+                self._set_aside(lines, str(err), batch.cursor)
+            except SinkError as err:
+                self._record_failure(str(err), len(lines))
+                return 0
+        recovering = bool(lines) and self.consecutive_failures > 0
+        self._advance(batch)
+        self.lines_shipped += len(lines)
+        self.batches += 1 if lines else 0
+        self._save_state()
+        if recovering:
+            self._record_recovery(len(lines))
+        return len(lines)
+
     def _caught_up(self) -> bool:
-        lines, cursor = self._read_batch(limit=1)
-        return not lines and cursor == self._cursor
+        batch = self._read_batch(limit=1)
+        return not batch.lines and batch.cursor == self._cursor
 
     def _pending_segments(self) -> list[Path]:
         return [p for p in list_segments(self.spool_dir) if p.name >= self._cursor.segment]
 
-    def _read_batch(self, limit: int | None = None) -> tuple[list[str], _Cursor]:
+    def _read_batch(self, limit: int | None = None) -> _Batch:
         """The next complete lines after the cursor and the cursor after them; reads, never moves."""
         want = self.batch_lines if limit is None else limit
         segments = self._pending_segments()
         lines: list[str] = []
         cursor = self._cursor
+        newlines = nbytes = 0
+        recount = False
         for i, path in enumerate(segments):
             last = i == len(segments) - 1
             offset = cursor.offset if path.name == cursor.segment else 0
@@ -196,6 +240,7 @@ class Forwarder:
                     # The segment shrank under us (replaced by hand?): re-ship it whole rather than lose it.
                     log.warning("forwarder_cursor_past_end", segment=path.name, offset=offset, size=size)
                     offset = 0
+                    recount = True
                 f.seek(offset)
                 torn = b""
                 for raw in f:
@@ -203,32 +248,97 @@ class Forwarder:
                         torn = raw
                         break
                     offset += len(raw)
+                    nbytes += len(raw)
+                    newlines += 1
                     if raw != b"\n":
                         lines.append(raw[:-1].decode("utf-8", errors="replace"))
                     if len(lines) >= want:
-                        return lines, _Cursor(path.name, offset)
+                        return _Batch(lines, _Cursor(path.name, offset), newlines, nbytes, recount)
             cursor = _Cursor(path.name, offset)
             if torn and not last:
                 # A later segment exists, so this one is final: its torn tail will never be completed.
                 log.warning("forwarder_skipped_torn_line", segment=path.name, bytes=len(torn))
                 cursor = _Cursor(path.name, offset + len(torn))
-        return lines, cursor
+                nbytes += len(torn)
+        return _Batch(lines, cursor, newlines, nbytes, recount)
 
-    def _set_aside(self, lines: list[str], reason: str) -> None:
+    def _advance(self, batch: _Batch) -> None:
+        self._cursor = batch.cursor
+        if batch.recount or self._scan < batch.cursor:
+            # Shipped past what was counted (or counted wrongly): count from the new cursor.
+            self._reset_scan()
+        else:
+            self._scan_lines -= batch.newlines
+            self._scan_bytes -= batch.nbytes
+
+    def _reset_scan(self) -> None:
+        self._scan = self._cursor
+        self._scan_lines = 0
+        self._scan_bytes = 0
+        self._scan_names = set()
+
+    def _refresh_backlog(self) -> None:
+        """Count the newlines appended to the spool since the last call (only those bytes are read)."""
+        segments = self._pending_segments()
+        names = {p.name for p in segments}
+        if any(n not in names for n in self._scan_names if n >= self._cursor.segment):
+            # A counted segment is gone (deleted by hand): its lines are no longer a backlog.
+            log.warning("forwarder_segment_vanished", cursor=self._cursor.segment)
+            self._reset_scan()
+        if not self._count_from_scan(segments):
+            self._reset_scan()
+            self._count_from_scan(segments)
+        self._scan_names = {n for n in self._scan_names if n >= self._cursor.segment}
+
+    def _count_from_scan(self, segments: list[Path]) -> bool:
+        """Advance `_scan` to the end of the spool, counting; False when a counted segment shrank."""
+        for path in segments:
+            if path.name < self._scan.segment:
+                continue
+            start = self._scan.offset if path.name == self._scan.segment else 0
+            try:
+                f = path.open("rb")
+            except FileNotFoundError:
+                continue
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                if size < start:
+                    if self._scan != self._cursor:
+                        return False
+                    start = 0  # the cursor itself is past the end: _read_batch re-reads it whole
+                f.seek(start)
+                left = size - start
+                while left > 0 and (chunk := f.read(min(_READ_CHUNK, left))):
+                    self._scan_lines += chunk.count(b"\n")
+                    left -= len(chunk)
+            self._scan_bytes += size - start
+            self._scan = _Cursor(path.name, size)
+            self._scan_names.add(path.name)
+        return True
+
+    def _set_aside(self, lines: list[str], reason: str, end: _Cursor) -> None:
         """Keep a refused batch on disk (never dropped silently) and let the rest flow on."""
         path = self.spool_dir / REJECTED_FILE
-        with path.open("a", encoding="utf-8") as fh:
-            fh.write("".join(line + "\n" for line in lines))
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            _append_file(path, "".join(line + "\n" for line in lines).encode("utf-8"))
+            kept_in = str(path)
+        except OSError as err:
+            # The lines are still in the spool itself (segments are never trimmed): say where.
+            cur = self._cursor
+            start = f"{cur.segment}:{cur.offset}" if cur.segment else "the first segment"
+            kept_in = f"spool, from {start} to {end.segment}:{end.offset}"
+            log.error("sink_rejected_not_set_aside", path=str(path), error=str(err), kept_in=kept_in)
         self.lines_rejected += len(lines)
-        log.error("sink_rejected_batch", lines=len(lines), reason=reason, kept_in=str(path))
+        log.error("sink_rejected_batch", lines=len(lines), reason=reason, kept_in=kept_in)
         self._emit("sink_rejected", {"lines": len(lines), "reason": reason})
 
     def _record_failure(self, reason: str, batch: int) -> None:
         self.failures += 1
         self.consecutive_failures += 1
         self.last_error = reason
+        # The exponent is capped so a days-long outage cannot overflow the float.
+        delay = self.backoff_initial_s * 2 ** min(self.consecutive_failures - 1, 30)
+        self._retry_at = self._clock() + min(delay, self.backoff_max_s)
         if self.consecutive_failures > 1:
             log.debug("forwarder_write_failed", reason=reason, consecutive=self.consecutive_failures)
             return
@@ -281,27 +391,59 @@ class Forwarder:
             "lines_shipped": self.lines_shipped,
         }
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.state_path)
+        try:
+            _write_file(tmp, json.dumps(state).encode("utf-8"))
+            tmp.replace(self.state_path)
+        except OSError as err:
+            # A full disk must not stop shipping: the cursor lives on in memory, and a restart resumes
+            # from the last saved one (re-shipping points InfluxDB overwrites).
+            self.state_save_failures += 1
+            if self.state_save_failures == 1 or self.state_save_failures % _LOG_EVERY == 0:
+                log.error(
+                    "forwarder_state_not_saved",
+                    path=str(self.state_path),
+                    error=str(err),
+                    failures=self.state_save_failures,
+                )
 
 
-def _size(path: Path) -> int:
+def _line_time_ns(line: str) -> int | None:
+    """A line-protocol line's timestamp: its last space-separated token, in nanoseconds."""
     try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
+        return int(line.rsplit(" ", 1)[1])
+    except (IndexError, ValueError):
+        return None
 
 
-def _count_newlines(path: Path, start: int) -> int:
-    count = 0
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Create or replace `path` (mode 0600 whatever the umask) with `data`, fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
-        with path.open("rb") as f:
-            f.seek(start)
-            while chunk := f.read(_COUNT_CHUNK):
-                count += chunk.count(b"\n")
-    except FileNotFoundError:
-        return 0
-    return count
+        os.fchmod(fd, FILE_MODE)
+        _write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _append_file(path: Path, data: bytes) -> None:
+    """Append `data` to `path` (mode 0600), fsynced; a failed append is cut back off, whole or nothing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        size = os.fstat(fd).st_size
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
