@@ -1,42 +1,46 @@
-"""One real soak: a Mooncake trace through a real vLLM CPU engine with ngram speculation, telemetry
-through the spool into a real InfluxDB 1.6.7, and a verdict that matches the exit code.
+"""One real soak through a night's faults: a Mooncake trace through a real vLLM CPU engine with ngram
+speculation, telemetry through the spool into a real InfluxDB 1.6.7 that is killed mid-run and started
+again, then the daemon itself SIGKILLed (with its engine, as systemd kills a cgroup) and started again
+with --resume, as a user runs it (`python -m soakd run --config ... --json`).
 
-It runs the installed CLI as a separate process, as a user would, and reads everything back with
-InfluxQL. It takes about two minutes (engine start ~40 s, one minute of replay).
+At the end: the same run id; every request the trace schedules is recorded exactly once or counted as
+lost in flight at the kill; InfluxDB holds exactly the spool's points, per measurement (the outage was
+backfilled, nothing shipped twice); speculative decoding and prefix caching really ran; the InfluxDB
+secret appears in no output, file, command line or engine environment; run files are 0600 in 0700
+directories; `soakd report` re-judges the spool to the same verdict. About three and a half minutes
+(two engine starts of ~40 s).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
-from servers import Server, run_soakd
+from conftest import InfluxStarter
+from servers import Server, finish_soakd, start_soakd
 
 from soakd.metric import parse_line
+from soakd.resume import JOURNAL_FILE, read_journal
+from soakd.sinks.spool import iter_samples
 
 pytestmark = pytest.mark.integration
 
-DURATION_S = 60.0
+DURATION_S = 45.0
 TRACE_SPAN_MS = 29_000
 TRACE_ROWS = 40
 DB = "soak_e2e"
-# A field every point of the measurement carries, so count() of it counts points.
-ALWAYS_FIELD = {
-    "requests": "index",
-    "engine": "steps",
-    "spec_decode": "drafts",
-    "host": "cpu_percent",
-    "collector": "duration_s",
-    "events": "message",
-    "run": "passed",
-}
 
 
 def write_mooncake(path: Path) -> list[float]:
@@ -80,15 +84,32 @@ def influxql(server: Server, query: str) -> list[dict[str, Any]]:
     return list(result.get("series", []))
 
 
-def spool_counts(run_dir: Path) -> Counter[str]:
-    counts: Counter[str] = Counter()
-    for seg in sorted((run_dir / "spool").glob("seg-*.lp")):
-        for line in seg.read_text(encoding="utf-8").splitlines():
-            counts[parse_line(line).measurement] += 1
-    return counts
+def _journal_len(runs: Path) -> int:
+    journals = list(runs.glob(f"*/{JOURNAL_FILE}"))
+    return len(journals[0].read_bytes().splitlines()) if journals else 0
 
 
-def test_soak_end_to_end(tmp_path: Path, influxdb: Server, tiny_model: Path) -> None:
+def _wait(pred: Any, what: str, proc: Any, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if proc.poll() is not None:
+            _, err = proc.communicate()
+            pytest.fail(f"soakd exited while waiting for {what}: {err[-3000:]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _process_tree(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def test_soak_through_a_database_outage_and_a_daemon_crash(
+    tmp_path: Path, influxdb_starter: InfluxStarter, tiny_model: Path
+) -> None:
+    secret = "s3cret-" + secrets.token_hex(16)
+    env = {"SOAKD_INFLUX_PASSWORD": secret}
+    influx = influxdb_starter(tmp_path / "influx")
     times = write_mooncake(tmp_path / "trace.jsonl")
     cfg = tmp_path / "config.toml"
     cfg.write_text(
@@ -97,6 +118,7 @@ def test_soak_end_to_end(tmp_path: Path, influxdb: Server, tiny_model: Path) -> 
 name = "e2e"
 duration = "{DURATION_S:.0f}s"
 output_dir = "runs"
+checkpoint_interval = "1s"
 [trace]
 path = "trace.jsonl"
 format = "mooncake"
@@ -107,79 +129,142 @@ max_model_len = 1024
 enabled = true
 method = "ngram"
 num_speculative_tokens = 3
+[telemetry]
+interval = "1s"
 [sinks.influx]
 enabled = true
-url = "{influxdb.url}"
+url = "{influx.url}"
 api = "v1"
 database = "{DB}"
+username = "soakd"
+interval = "0.5s"
+timeout = "2s"
 [criteria]
 ttft_p99_ms = 60000.0
 tpot_p99_ms = 5000.0
+max_interruptions = 1
 """,
         encoding="utf-8",
     )
-    code, out, err = run_soakd(cfg, tmp_path)
+    runs = tmp_path / "runs"
+
+    # -- the first process: the database goes away for a while, then the daemon is killed -------------
+    first = start_soakd(cfg, tmp_path, env=env)
+    try:
+        _wait(lambda: _journal_len(runs) >= 5, "the replay", first)
+        # The secret is in no command line, and no engine process inherited it.
+        for proc in _process_tree(first.pid):
+            assert secret not in " ".join(proc.cmdline())
+            if proc.pid != first.pid:
+                assert secret.encode() not in Path(f"/proc/{proc.pid}/environ").read_bytes()
+        ports = (influx.ports["http"], influx.ports["rpc"])
+        influx.stop()
+        time.sleep(8.0)  # the replay goes on; the forwarder backs off and the spool keeps everything
+        assert first.poll() is None
+        influx = influxdb_starter(tmp_path / "influx", *ports)
+        seen = _journal_len(runs)
+        _wait(lambda: _journal_len(runs) >= seen + 15, "more traffic", first)
+        # Kill just as a request comes due, so that one is in flight (its prefill takes far longer than
+        # this poll): the crash then has something to lose.
+        seen = _journal_len(runs)
+        deadline = time.monotonic() + 60
+        while _journal_len(runs) == seen and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.killpg(first.pid, signal.SIGKILL)  # the daemon and its engine, as systemd kills a cgroup
+        first.wait(timeout=30)
+    finally:
+        _, _, first_err = finish_soakd(first, timeout_s=30)
+    (run_dir,) = runs.iterdir()
+    assert not (run_dir / "summary.json").exists()
+    due = read_journal(run_dir / JOURNAL_FILE)
+    finished = {
+        (int(s.fields["loop"]), int(s.fields["index"]), int(s.fields.get("copy", 0)))
+        for s in iter_samples(run_dir / "spool", "requests")
+    }
+    lost = set(due) - finished
+    assert lost, "nothing was in flight at the kill"
+    assert 0.0 < max(due.values()) < DURATION_S
+
+    # -- the restart: same run, from where it stopped ----------------------------------------------------
+    t_restart = time.monotonic()
+    second = start_soakd(cfg, tmp_path, "--resume", env=env)
+    _wait(lambda: _journal_len(runs) > len(due), "the resumed replay", second)
+    resume_s = time.monotonic() - t_restart
+    code, out, err = finish_soakd(second, timeout_s=400)
     assert code in (0, 1), err[-3000:]
     summary = json.loads(out)
-    run_dir = Path(summary["run_dir"])
-    run_id = summary["run_id"]
+    assert summary["run_id"] == run_dir.name and Path(summary["run_dir"]) == run_dir
 
-    # The verdict file exists and agrees with the exit code.
-    verdict = json.loads((run_dir / "verdict.json").read_text())
-    assert verdict["exit_code"] == code
-    assert verdict["verdict"] == ("PASS" if code == 0 else "FAIL")
-
-    # Requests: trace schedule == spool records == InfluxDB points.
+    # Every scheduled request: recorded once, or lost in flight at the kill (and counted as such).
     want = expected_requests(times, DURATION_S)
     assert want > TRACE_ROWS  # the trace looped
-    spool = spool_counts(run_dir)
-    assert spool["requests"] == want
-    assert summary["replay"]["scheduled"] == want
-    assert verdict["requests"]["scheduled"] == want
+    records = Counter(
+        (int(s.fields["loop"]), int(s.fields["index"]), int(s.fields.get("copy", 0)))
+        for s in iter_samples(run_dir / "spool", "requests")
+    )
+    assert max(records.values()) == 1
+    assert not set(records) & lost
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert verdict["requests"]["scheduled"] == sum(records.values()) == want - len(lost)
+    assert verdict["lost_in_flight"] == len(lost)
+    (gap,) = verdict["interruptions"]
+    assert gap["down_s"] > 0 and gap["at_s"] >= max(due.values())
+    assert verdict["exit_code"] == code
 
-    # Every spooled line was shipped; every measurement reads back with InfluxQL, point for point.
+    # InfluxDB has exactly the spool's points, measurement by measurement: the outage was backfilled,
+    # the resumed forwarder shipped nothing twice, and no point of the two processes collides.
+    spool: Counter[str] = Counter()
+    keys: Counter[tuple[str, tuple[tuple[str, str], ...], int]] = Counter()
+    for seg in sorted((run_dir / "spool").glob("seg-*.lp")):
+        for line in seg.read_text(encoding="utf-8").splitlines():
+            p = parse_line(line)
+            spool[p.measurement] += 1
+            keys[(p.measurement, tuple(sorted(p.tags.items())), p.time_ns)] += 1
+    assert max(keys.values()) == 1
     assert summary["influx"]["all_shipped"] is True
-    assert summary["influx"]["backlog_lines"] == 0
-    assert summary["influx"]["lines_shipped"] == sum(spool.values())
-    shown = {row[0] for s in influxql(influxdb, "SHOW MEASUREMENTS") for row in s["values"]}
-    assert set(ALWAYS_FIELD) <= set(spool), spool
-    assert set(spool) <= shown
-    for measurement, field in ALWAYS_FIELD.items():
-        series = influxql(
-            influxdb, f'SELECT count("{field}") FROM "{measurement}" WHERE "run_id" = \'{run_id}\''
-        )
-        got = series[0]["values"][0][1] if series else 0
-        assert got == spool[measurement], (measurement, got, spool[measurement])
+    run_q = f"\"run_id\" = '{run_dir.name}'"
+    for measurement, n in spool.items():
+        series = influxql(influx, f'SELECT count(*) FROM "{measurement}" WHERE {run_q}')
+        got = max(series[0]["values"][0][1:]) if series else 0
+        assert got == n, (measurement, got, n)
+    assert {"requests", "engine", "spec_decode", "host", "collector", "events", "run"} <= set(spool)
+    assert summary["points"] == dict(spool)  # the summary counts both processes' points
 
     # Speculative decoding really ran, and its counters reached the database.
     spec = influxql(
-        influxdb,
-        f'SELECT sum("drafts"), sum("draft_tokens"), sum("accepted") FROM spec_decode '
-        f"WHERE \"run_id\" = '{run_id}'",
+        influx, f'SELECT sum("drafts"), sum("draft_tokens"), sum("accepted") FROM spec_decode WHERE {run_q}'
     )
     _, drafts, draft_tokens, accepted = spec[0]["values"][0]
     assert drafts > 0 and draft_tokens >= drafts and 0 < accepted <= draft_tokens
-
     # Requests completed with the exact output lengths the trace asked for.
-    ok = influxql(
-        influxdb,
-        f'SELECT count("index") FROM requests WHERE "status" = \'ok\' AND "run_id" = \'{run_id}\'',
-    )
-    assert ok and ok[0]["values"][0][1] == summary["replay"]["completed"] > 0
     short = influxql(
-        influxdb,
+        influx,
         f'SELECT count("index") FROM requests WHERE "status" = \'ok\' AND '
-        f'"output_tokens" <> "output_tokens_expected" AND "run_id" = \'{run_id}\'',
+        f'"output_tokens" <> "output_tokens_expected" AND {run_q}',
     )
     assert not short
-
-    # The engine series carry the engine configuration tag; the prefix cache saw shared blocks.
-    cfg_tags = influxql(influxdb, 'SHOW TAG VALUES FROM engine WITH KEY = "config"')
+    # One engine configuration across both processes (the same config id); the prefix cache saw hits.
+    cfg_tags = influxql(influx, 'SHOW TAG VALUES FROM engine WITH KEY = "config"')
     assert cfg_tags and len(cfg_tags[0]["values"]) == 1
-    hits = influxql(influxdb, f'SELECT sum("prefix_hits") FROM engine WHERE "run_id" = \'{run_id}\'')
+    hits = influxql(influx, f'SELECT sum("prefix_hits") FROM engine WHERE {run_q}')
     assert hits[0]["values"][0][1] > 0
 
-    # `soakd report` re-judges from the spool alone and reaches the same verdict.
+    kinds = Counter(s.tags["kind"] for s in iter_samples(run_dir / "spool", "events"))
+    assert kinds["sink_outage"] >= 1 and kinds["sink_backfill"] >= 1
+    assert kinds["run_start"] == 1 and kinds["run_resume"] == 1
+
+    # The secret is nowhere: not in the daemon's output (logs included), nor in any file of the run.
+    for text in (first_err, out, err):
+        assert secret not in text
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    # 0700 directories, 0600 files: the run's data is the service user's alone.
+    for path in [run_dir, *run_dir.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
+
+    # `soakd report` re-judges from the spool alone and reaches the same verdict, interruption included.
     rep = subprocess.run(
         [sys.executable, "-m", "soakd", "report", str(run_dir), "--json"],
         capture_output=True,
@@ -189,5 +274,7 @@ tpot_p99_ms = 5000.0
     )
     assert rep.returncode == code, rep.stderr
     again = json.loads(rep.stdout)
-    assert again["verdict"] == verdict["verdict"]
-    assert again["requests"]["scheduled"] == want
+    assert again["verdict"] == verdict["verdict"] and again["interruptions"] == verdict["interruptions"]
+    assert again["requests"]["scheduled"] == want - len(lost)
+
+    print(f"\nresume: replaying again {resume_s:.1f} s after the restart; lost in flight {len(lost)}")
