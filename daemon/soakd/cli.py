@@ -310,12 +310,16 @@ def _cmd_report(args: argparse.Namespace) -> int:
     summary_path = run_dir / "summary.json"
     summary = read_json(summary_path) if summary_path.exists() else {}
     planned = float(meta["config"]["run"]["duration"])
-    # A run that never wrote its summary died before the end: judge it as interrupted at 0 s.
+    # A run that never wrote its summary died before the end: judge it as interrupted, at the replay
+    # time its checkpoint reached.
+    from soakd.resume import read_checkpoint
+
+    checkpoint = None if summary else read_checkpoint(run_dir)
     verdict = judge(
         run_dir,
         str(meta["run_id"]),
         criteria,
-        ran_s=float(summary.get("ran_s", 0.0)),
+        ran_s=float(summary.get("ran_s", checkpoint.elapsed_s if checkpoint is not None else 0.0)),
         planned_s=planned,
         interrupted=bool(summary.get("interrupted", not summary)),
     )

@@ -183,3 +183,30 @@ def test_hardware_lines_of_a_summary() -> None:
         "  decode ceiling: not computed (no GPU)",
     ]
     assert _hardware_lines({}) == []
+
+
+def test_report_reads_a_damaged_spool_up_to_what_is_whole_and_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from soakd.config import load
+
+    run = tmp_path / "20261130T000000Z-soak-aaaa"
+    (run / "spool").mkdir(parents=True)
+    meta = {"run_id": run.name, "config": load(None).model_dump(mode="json")}
+    (run / "meta.json").write_text(json.dumps(meta))
+    ok = "requests,status=ok index={i}i,loop=0i,ttft_s=0.1,tpot_s=0.01,e2e_s=0.2 {t}\n"
+    seg1 = ok.format(i=1, t=100) + "requests,status=ok \x00\x00garbage\n" + ok.format(i=2, t=300)
+    (run / "spool" / "seg-00000001.lp").write_text(seg1)
+    # The crash tore the last line of the newest segment.
+    (run / "spool" / "seg-00000002.lp").write_text(ok.format(i=3, t=400) + "requests,status=ok index=4i,lo")
+    code = main(["report", str(run), "--json"])
+    out, err = capsys.readouterr()
+    verdict = json.loads(out)
+    assert code == 1 and verdict["verdict"] == "FAIL"  # no summary: it did not finish
+    assert verdict["requests"]["scheduled"] == 3  # the three whole records, nothing else
+    warnings = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    damaged = [w for w in warnings if w["event"] == "spool_line_damaged"]
+    torn = [w for w in warnings if w["event"] == "spool_torn_tail"]
+    assert [(Path(w["file"]).name, w["line"]) for w in damaged] == [("seg-00000001.lp", 2)]
+    assert [(Path(w["file"]).name, w["bytes"]) for w in torn] == [("seg-00000002.lp", 30)]
+    assert "Traceback" not in err

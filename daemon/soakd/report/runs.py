@@ -6,14 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
 from soakd.report.criteria import RequestSummary, evaluate, summarize
 from soakd.report.verdict import VERDICT_FILE, Verdict, make_verdict, write_json_atomic
-from soakd.sinks.spool import iter_samples
+from soakd.sinks.spool import iter_samples, list_segments, torn_tail_bytes
 
 META_FILE = "meta.json"
 SUMMARY_FILE = "summary.json"
+log = structlog.get_logger(__name__)
+
 SPOOL_DIR = "spool"
 # Written by soakd.resume (which imports this module, hence the name here).
 CHECKPOINT_FILE = "checkpoint.json"
@@ -51,6 +55,11 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _damaged(path: Path, line: int, why: str) -> None:
+    # Said, never silent, and never the end of the judgement: one damaged record is one record less.
+    log.warning("spool_line_damaged", file=str(path), line=line, error=why[:200])
+
+
 def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
     """The crashes a run was resumed from, as its checkpoint lists them (none without one)."""
     try:
@@ -75,7 +84,14 @@ def judge(
     """Evaluate the criteria over the run's request records (read from its spool unless `requests` is
     given, already folded); write verdict.json."""
     if requests is None:
-        requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests"))
+        requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests", on_damaged=_damaged))
+        for segment in list_segments(run_dir / SPOOL_DIR):
+            torn = torn_tail_bytes(segment)
+            if torn:
+                # A crash mid-write: the whole lines before it are read, the tail is not a record.
+                log.warning(
+                    "spool_torn_tail", file=str(segment), bytes=torn, kept="up to the last whole line"
+                )
     if interruptions is None:
         interruptions = read_interruptions(run_dir)
     results = evaluate(

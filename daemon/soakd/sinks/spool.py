@@ -609,31 +609,50 @@ def _size(path: Path) -> int:
         return 0
 
 
-def iter_lines(directory: Path) -> Iterator[str]:
-    """Every complete line of every segment, in write order, without its newline.
+def iter_numbered_lines(directory: Path) -> Iterator[tuple[Path, int, str]]:
+    """(segment, 1-based line number, line) for every complete line of every segment, in write order.
 
     A last line without its newline (torn by a crash, or still being written) is skipped.
     """
     for path in list_segments(directory):
         with path.open("rb") as f:
-            for raw in f:
+            for number, raw in enumerate(f, start=1):
                 if not raw.endswith(b"\n"):
                     break
                 if raw == b"\n":
                     continue
-                yield raw[:-1].decode("utf-8", errors="replace")
+                yield path, number, raw[:-1].decode("utf-8", errors="replace")
 
 
-def iter_samples(directory: Path, measurement: str | None = None) -> Iterator[Sample]:
+def iter_lines(directory: Path) -> Iterator[str]:
+    """Every complete line of every segment, in write order, without its newline."""
+    for _, _, line in iter_numbered_lines(directory):
+        yield line
+
+
+DamagedFn = Callable[[Path, int, str], None]
+"""Told of a line that is not line protocol: (segment, line number, why)."""
+
+
+def iter_samples(
+    directory: Path, measurement: str | None = None, on_damaged: DamagedFn | None = None
+) -> Iterator[Sample]:
     """The samples of a spool, in write order, optionally only those of one measurement.
 
-    Raises ValueError on a line that is not valid line protocol.
+    A line that is not valid line protocol (a disk or a power loss damaged it) goes to `on_damaged` and
+    is skipped; without it, ValueError naming the segment and line.
     """
     prefix = None if measurement is None else measurement.translate(_MEAS_ESC)
-    for line in iter_lines(directory):
+    for path, number, line in iter_numbered_lines(directory):
         # Cheap prefix test before parsing: a line starts with its escaped measurement name.
         if prefix is not None and not line.startswith(prefix):
             continue
-        sample = parse_line(line)
+        try:
+            sample = parse_line(line)
+        except ValueError as err:
+            if on_damaged is None:
+                raise ValueError(f"{path}:{number}: {err}") from None
+            on_damaged(path, number, str(err))
+            continue
         if measurement is None or sample.measurement == measurement:
             yield sample
