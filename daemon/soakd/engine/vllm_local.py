@@ -135,6 +135,9 @@ class _NeverRaised(Exception):
     pass
 
 
+MULTIPROC_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
 class VllmLocalEngine:
     """vLLM's AsyncLLM in this process (engine core and workers in child processes)."""
 
@@ -156,6 +159,12 @@ class VllmLocalEngine:
         return self._info
 
     async def start(self) -> None:
+        # Before vLLM is imported (it reads its environment once). vLLM forks its engine-core process
+        # by default on a GPU; soakd's own threads (the NVML event listener waiting in
+        # nvmlEventSetWait, the slow tier's NVML reads) may hold NVML's internal locks at that moment,
+        # and the forked child then deadlocks in its first NVML call (seen on an H200: an engine start
+        # stuck for minutes in nvmlShutdown). A spawned child inherits no locks.
+        os.environ.setdefault(MULTIPROC_ENV, "spawn")
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
