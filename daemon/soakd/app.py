@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import os
 import platform
+import re
 import secrets
 import signal
 import socket
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import structlog
 from apscheduler.events import (
@@ -44,7 +46,7 @@ from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import Config, EngineConfig
 from soakd.control import LIMIT_FILE, ControlInputs, Controller, input_throttled
 from soakd.engine.base import ACTIVE_SEQS_ENV, SIGNALS, Engine, EngineInfo
-from soakd.engine.supervisor import EngineSupervisor
+from soakd.engine.supervisor import EngineSupervisor, apply_change
 from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.errors import ConfigError, EngineError
 from soakd.logs import bind
@@ -58,9 +60,9 @@ from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
-from soakd.report.criteria import RequestFolder
+from soakd.report.criteria import RequestFolder, evaluate
 from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, judge
-from soakd.report.verdict import Verdict, write_json_atomic
+from soakd.report.verdict import Verdict, make_verdict, write_json_atomic
 from soakd.resume import (
     JOURNAL_FILE,
     Checkpoint,
@@ -74,7 +76,7 @@ from soakd.resume import (
 )
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.health import SinkHealth, SpoolHealth
-from soakd.sinks.influx import make_writer
+from soakd.sinks.influx import LineWriter, make_writer
 from soakd.sinks.spool import Spool
 from soakd.ticker import Ticker
 from soakd.tinymodel import is_model_dir
@@ -202,6 +204,38 @@ def resolve_model(cfg: Config) -> str:
     return str(path)
 
 
+_SECRET_NAME = re.compile(r"token|secret|passw|pwd|key|credential|auth", re.IGNORECASE)
+_SECRET_PARAMS = {"p", "password", "token", "key", "apikey", "api_key", "secret"}
+
+
+def _redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2] if "@" in parts.netloc else parts.netloc
+    if "@" in parts.netloc:
+        netloc = "<redacted>@" + netloc
+    query = "&".join(
+        f"{k}=<redacted>" if k.lower() in _SECRET_PARAMS else f"{k}={v}"
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redacted(value: Any, key: str = "", parent: str = "") -> Any:
+    """A config dump fit for meta.json: secret-looking environment values (`engine.server.env`) and the
+    credentials in URLs (user:password@, ?p=) replaced. Secrets belong in credentials or the
+    environment, never in the config file; this catches the ones put there anyway."""
+    if isinstance(value, dict):
+        return {k: redacted(v, k, key) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redacted(v, key, parent) for v in value]
+    if isinstance(value, str):
+        if value.startswith(("http://", "https://")):
+            return _redact_url(value)
+        if parent == "env" and _SECRET_NAME.search(key) and value:
+            return "<redacted>"
+    return value
+
+
 def new_run_id(name: str, now: datetime | None = None) -> str:
     stamp = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%SZ")
     return f"{stamp}-{name}-{secrets.token_hex(2)}"
@@ -302,6 +336,13 @@ class Soak:
         self._ceiling_reason = ""
         self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
+        self._folder: RequestFolder | None = None
+        # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
+        # nothing half-made), then taken out of the environment the engine's processes inherit.
+        icfg = cfg.sinks.influx
+        self._lines: LineWriter | None = make_writer(icfg, os.environ) if icfg.enabled else None
+        for name in (icfg.token_env, icfg.password_env, "CREDENTIALS_DIRECTORY"):
+            os.environ.pop(name, None)
 
     def _write_meta(self, extra: dict[str, Any]) -> None:
         meta = {
@@ -312,7 +353,7 @@ class Soak:
             "started_utc": self.started_utc,
             "resumes": len(self._checkpoint.interruptions) if self._checkpoint is not None else 0,
             "config_source": self.cfg.source,
-            "config": self.cfg.model_dump(mode="json"),
+            "config": redacted(self.cfg.model_dump(mode="json")),
             "trace": asdict(self.trace.summary),
             **extra,
         }
@@ -332,24 +373,34 @@ class Soak:
                 self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
         if self._replayer is not None:
             self._replayer.stop()
-        elif not self._engine_started:
+        elif not self._engine_started and self._checkpoint is not None:
             # The engine's start cannot be cut short and may outlast the service manager's stop timeout:
             # leave a verdict now (FAIL, stopped before replay); the normal end rewrites it if reached.
             log.warning("stop_during_engine_start", hint="stopping once the engine is up")
-            judge(
-                self.run_dir,
-                self.run_id,
-                self.cfg.criteria,
-                ran_s=0.0,
-                planned_s=self.cfg.run.duration,
-                interrupted=True,
-                requests=RequestFolder().summary(),
+            folder = self._folder if self._folder is not None else RequestFolder()
+            self._guard_sync(
+                "early_verdict",
+                lambda: judge(
+                    self.run_dir,
+                    self.run_id,
+                    self.cfg.criteria,
+                    ran_s=self._offset_s,
+                    planned_s=self.cfg.run.duration,
+                    interrupted=True,
+                    requests=folder.summary(),
+                    interruptions=self._interruptions(),
+                ),
             )
 
     async def run(self) -> RunResult:
         cfg = self.cfg
         bind(run_id=self.run_id, host=self.host)
         t_start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        # First of all: a stop at any later point is a stop (marked, never resumed), not a default kill.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
         if self._resume_from is not None:
             self._begin_resumed(self._resume_from)
         else:
@@ -421,12 +472,9 @@ class Soak:
         runner = CollectorRunner([*collectors, _JobHealth(self), *health], writer)
         controller = self._make_controller(engine, engine_collector, drift, writer)
         scheduler = self._scheduler = self._make_scheduler(runner, spool, forwarder, engine)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._on_signal, sig.name)
         if self.resumed is not None:
-            last = self._checkpoint.interruptions[-1] if self._checkpoint is not None else None
+            gaps = self._checkpoint.interruptions if self._checkpoint is not None else []
+            last = gaps[-1] if gaps else None
             writer.event(
                 "run_resume",
                 f"soak {self.run_id} resumed at {self._offset_s:.0f} s of {cfg.run.duration:.0f} s"
@@ -442,14 +490,20 @@ class Soak:
         scheduler.start()
         for ticker in self._tickers:
             ticker.start()
-        folder = self.resumed.folder if self.resumed is not None else RequestFolder()
+        folder = self._folder = self.resumed.folder if self.resumed is not None else RequestFolder()
+        # A run that crashed after its replay had ended (while stopping the engine or shipping) only
+        # needs its verdict: no engine is started for nothing.
+        finishing = self.resumed is not None and self.resumed.remaining_s <= 0
         started = False
         t_run0 = t_run1 = self._clock.monotonic()
         stats = ReplayStats()
         try:
             try:
-                await engine.start()
-                started = self._engine_started = True
+                if finishing:
+                    log.info("resume_finishing", reason="the replay had ended before the crash")
+                else:
+                    await engine.start()
+                    started = self._engine_started = True
             except EngineError as err:
                 self.error = f"engine did not start: {err}"
                 writer.event("engine_error", self.error)
@@ -485,8 +539,12 @@ class Soak:
                     loop=cfg.replay.loop,
                 )
                 if self.resumed is not None:
-                    # The trace's next request after the crash point, on a clock that starts there.
-                    scheduled = shifted(scheduled, self.resumed.due, self._offset_s)
+                    # The trace's next request after the crash point, on a clock that starts there. The
+                    # requests before it are read and skipped off the event loop, now: after READY=1 a
+                    # long skip would block the loop past the watchdog.
+                    rest = shifted(scheduled, self.resumed.done, self._offset_s)
+                    first = await asyncio.to_thread(next, rest, None)
+                    scheduled = rest if first is None else itertools.chain([first], rest)
 
                 def on_record(record: RequestRecord) -> None:
                     sample = record.to_sample(self._clock.wall_ns())
@@ -537,6 +595,8 @@ class Soak:
         finally:
             if not self.stopped_by:
                 notify("STOPPING=1\nSTATUS=stopping")
+                # The natural end stops the engine and ships the spool too: ask for time as a stop does.
+                self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
             # Each step on its own: one failing (a full disk, say) must not keep the engine running.
             await self._guard("progress", self._tick_progress())
             if self._controller is not None:
@@ -559,16 +619,7 @@ class Soak:
             completed=stats.completed,
             failed=stats.failed,
         )
-        verdict = judge(
-            self.run_dir,
-            self.run_id,
-            cfg.criteria,
-            ran_s=ran_s,
-            planned_s=cfg.run.duration,
-            interrupted=self.interrupted or bool(self.error),
-            requests=folder.summary(),
-            interruptions=self._interruptions(),
-        )
+        verdict = self._judge(ran_s, folder)
         self._guard_sync(
             "run_point",
             lambda: writer(
@@ -593,7 +644,12 @@ class Soak:
         if forwarder is not None:
             notify("STATUS=shipping spool to InfluxDB")
             # Shipped before the spool closes, so outage/backfill events of this last stretch are kept.
-            shipped_all = await forwarder.drain(cfg.sinks.influx.final_drain_timeout)
+            try:
+                shipped_all = await forwarder.drain(cfg.sinks.influx.final_drain_timeout)
+            # The verdict and summary must still be written, whatever the last shipping raised.
+            except Exception as err:  # noqa: BLE001
+                log.error("shutdown_step_failed", step="influx_drain", error=f"{type(err).__name__}: {err}")
+                shipped_all = False
             if not shipped_all:
                 log.error(
                     "influx_backlog_left",
@@ -653,11 +709,40 @@ class Soak:
                 "requests_before": self.resumed.finished if self.resumed is not None else 0,
                 "journal_errors": self._journal_errors,
             }
-        write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc)
+        self._guard_sync("summary", lambda: write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc))
         if self._stop_task is not None:
             self._stop_task.cancel()
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
         return RunResult(self.run_id, self.run_dir, verdict, summary_doc, self.error, self.stopped_by)
+
+    def _judge(self, ran_s: float, folder: RequestFolder) -> Verdict:
+        """The verdict, written to verdict.json; if the disk refuses it, still returned (and logged)."""
+        kwargs: dict[str, Any] = {
+            "ran_s": ran_s,
+            "planned_s": self.cfg.run.duration,
+            "interrupted": self.interrupted or bool(self.error),
+        }
+        interruptions = self._interruptions()
+        try:
+            return judge(
+                self.run_dir,
+                self.run_id,
+                self.cfg.criteria,
+                requests=folder.summary(),
+                interruptions=interruptions,
+                **kwargs,
+            )
+        except OSError as err:
+            log.error("verdict_not_written", error=str(err))
+            requests = folder.summary()
+            results = evaluate(
+                self.cfg.criteria,
+                requests,
+                interruptions=len(interruptions),
+                lost_in_flight=sum(int(i["lost_in_flight"]) for i in interruptions),
+                **kwargs,
+            )
+            return make_verdict(self.run_id, results, requests, interruptions=interruptions, **kwargs)
 
     # -- crash-resume -------------------------------------------------------------------------------
 
@@ -667,9 +752,12 @@ class Soak:
         self._offset_s = state.offset_s
         self.started_utc = checkpoint.started_utc
         down_s = max(0.0, (time.time_ns() - state.last_seen_ns) / 1e9)
-        checkpoint.interruptions.append(
-            Interruption(state.offset_s, down_s, len(state.lost), datetime.now(UTC).isoformat())
-        )
+        if state.remaining_s > 0 or state.lost:
+            # A crash after the replay ended with nothing in flight cut nothing short: no interruption.
+            checkpoint.interruptions.append(
+                Interruption(state.offset_s, down_s, len(state.lost), datetime.now(UTC).isoformat())
+            )
+            checkpoint.lost.extend(state.lost)
         checkpoint.elapsed_s = state.offset_s
         self._checkpoint = checkpoint
         checkpoint.write(self.run_dir)
@@ -710,8 +798,6 @@ class Soak:
         self._checkpoint.write(self.run_dir)
 
     async def _checkpoint_job(self) -> None:
-        if self._journal is not None:
-            self._journal.sync()
         self._write_checkpoint()
 
     async def _extend_stop(self) -> None:
@@ -746,9 +832,12 @@ class Soak:
             runner.add(self._scraper)
 
     async def _apply_changes(self, engine: EngineSupervisor, t0: float) -> None:
-        """The configured engine changes, each at its time into the replay."""
+        """The configured engine changes, each at its time into the replay (a resumed run started with
+        those already due applied, see _engine_config, and its clock starts at the crash point)."""
         for change in sorted(self.cfg.engine.changes, key=lambda c: c.at):
-            await self._clock.sleep_until(t0 + change.at, precise=False)
+            if change.at <= self._offset_s:
+                continue
+            await self._clock.sleep_until(t0 + change.at - self._offset_s, precise=False)
             if self._replayer is None or self.interrupted or self.error:
                 return
             notify(f"STATUS=rebuilding the engine: {change.reason}")
@@ -884,12 +973,9 @@ class Soak:
         def on_event(kind: str, fields: dict[str, float | int | str]) -> None:
             writer.event(kind, f"InfluxDB {kind.removeprefix('sink_')}", **fields)
 
-        lines = make_writer(icfg, os.environ)
-        # Read once; then out of the environment, so that the engine's processes (which inherit it, and
-        # whose /proc/PID/environ other tools read) never hold the secret.
-        for name in (icfg.token_env, icfg.password_env):
-            os.environ.pop(name, None)
-        return Forwarder(self.run_dir / SPOOL_DIR, lines, icfg.batch_lines, on_event=on_event)
+        if self._lines is None:
+            return None
+        return Forwarder(self.run_dir / SPOOL_DIR, self._lines, icfg.batch_lines, on_event=on_event)
 
     def _engine_config(self) -> EngineConfig:
         """The engine configuration to start: the config's, with soakd's scheduler class when the batch
@@ -897,6 +983,10 @@ class Soak:
         the engine's processes inherit)."""
         cfg = self.cfg
         ecfg = cfg.engine
+        for change in sorted(ecfg.changes, key=lambda c: c.at):
+            if change.at <= self._offset_s:
+                # A resumed run starts the engine as it was at the crash point.
+                ecfg = apply_change(ecfg, change)
         batch = cfg.control.batch
         wants = (
             cfg.control.enabled and batch.enabled and batch.lever == "scheduler" and not cfg.control.dry_run
@@ -1064,6 +1154,9 @@ class Soak:
 
         async def flush() -> None:
             spool.flush(fsync=True)
+            if self._journal is not None:
+                # With the spool: after a power loss the journal knows what the spool's records say.
+                self._journal.sync()
 
         async def slow() -> None:
             # The GPU's slow tier has its own, faster job (gpu_slow).
@@ -1129,9 +1222,10 @@ class Soak:
     def healthy(self) -> tuple[bool, str]:
         """Whether the main loop is doing its work: the loop runs (else this is not called at all) and
         the collection cycle ran within a few intervals (a wedged job or a stuck collector stops it)."""
-        # Two missed pings' worth (a slow cycle is not a hang), and never below three collection intervals.
+        # One and a half ping intervals (a slow cycle is not a hang; a stall is caught well within
+        # WatchdogSec), and never below three collection intervals.
         wd = watchdog_interval_s()
-        limit = max(3 * self.cfg.telemetry.interval, 2 * wd if wd is not None else 10.0)
+        limit = max(3 * self.cfg.telemetry.interval, 1.5 * wd if wd is not None else 10.0)
         age = time.monotonic() - self._last_collect
         if age > limit:
             return False, f"no collection cycle for {age:.0f} s"

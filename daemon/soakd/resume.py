@@ -20,7 +20,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,8 @@ class Checkpoint:
     wall_ns: int = 0
     """When this checkpoint was written."""
     interruptions: list[Interruption] = field(default_factory=list)
+    lost: list[RequestKey] = field(default_factory=list)
+    """Every request counted as lost in flight so far: a later resume must not count them again."""
     stopped_by: str = ""
     """Set when the run was stopped on purpose (SIGTERM, SIGINT): such a run is never resumed, even if
     the stop outlasted the service manager's timeout and was cut short by SIGKILL."""
@@ -87,6 +89,7 @@ class Checkpoint:
             "elapsed_s": self.elapsed_s,
             "wall_ns": self.wall_ns,
             "stopped_by": self.stopped_by,
+            "lost": [list(k) for k in self.lost],
             "interruptions": [
                 {
                     "at_s": i.at_s,
@@ -121,6 +124,7 @@ def read_checkpoint(run_dir: Path) -> Checkpoint | None:
                 for i in data.get("interruptions", [])
             ],
             stopped_by=str(data.get("stopped_by", "")),
+            lost=[(int(k[0]), int(k[1]), int(k[2])) for k in data.get("lost", [])],
         )
     except FileNotFoundError:
         return None
@@ -135,7 +139,14 @@ class DueJournal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        torn = False
+        with contextlib.suppress(FileNotFoundError), path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
         self._fd = open_private_append(path)
+        if torn:
+            # A line torn by a power loss must not swallow the first line this process appends.
+            os.write(self._fd, b"\n")
 
     def append(self, key: RequestKey, due_s: float) -> None:
         if self._fd < 0:
@@ -187,11 +198,13 @@ class ResumeState:
     checkpoint: Checkpoint
     due: dict[RequestKey, float]
     """Requests that came due before the crash."""
+    finished_keys: set[RequestKey]
+    """Requests with a record in the spool."""
     folder: RequestFolder
     """The verdict's fold over the records already written."""
     finished: int
     lost: list[RequestKey]
-    """Came due, never finished: in flight at the crash."""
+    """Came due, never finished, not counted at an earlier crash: in flight at this crash."""
     offset_s: float
     """Replay time to continue from."""
     points: dict[str, int]
@@ -207,6 +220,11 @@ class ResumeState:
     @property
     def remaining_s(self) -> float:
         return max(0.0, self.checkpoint.planned_s - self.offset_s)
+
+    @property
+    def done(self) -> set[RequestKey]:
+        """Requests the resumed replay must not send: they came due, or have a record, before."""
+        return set(self.due) | self.finished_keys
 
 
 def _last_seen_ns(run_dir: Path, checkpoint: Checkpoint) -> int:
@@ -237,18 +255,21 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
         if name == "requests":
             try:
                 sample = parse_line(line)
-            except ValueError as err:
+                key = request_key(sample)
+            except (ValueError, OverflowError) as err:
                 # A damaged line (a power loss can leave NULs) is not a request to count: said, not fatal.
                 damaged += 1
                 log.warning("spool_line_damaged", run_dir=str(run_dir), error=str(err)[:200])
                 continue
             folder.add(sample)
-            finished.add(request_key(sample))
-    lost = sorted(k for k in due if k not in finished)
+            finished.add(key)
+    counted = set(checkpoint.lost)
+    lost = sorted(k for k in due if k not in finished and k not in counted)
     offset = max([checkpoint.elapsed_s, *due.values()])
     return ResumeState(
         checkpoint=checkpoint,
         due=due,
+        finished_keys=finished,
         folder=folder,
         finished=len(finished),
         lost=lost,
@@ -276,7 +297,10 @@ def find_resumable(
     for run_dir in candidates:
         checkpoint = read_checkpoint(run_dir)
         if checkpoint is None:
-            continue
+            # The newest run has no checkpoint (it died before writing one, or predates them): an older
+            # one was given up on when this one started.
+            log.info("resume_none", reason="the newest run has no checkpoint", run_dir=str(run_dir))
+            return None
         if (run_dir / SUMMARY_FILE).exists():
             log.info("resume_none", reason="the newest run finished", run_dir=str(run_dir))
             return None
@@ -302,9 +326,7 @@ def find_resumable(
     return None
 
 
-def shifted(
-    items: Iterable[Scheduled], done: dict[RequestKey, float], offset_s: float
-) -> Iterator[Scheduled]:
+def shifted(items: Iterable[Scheduled], done: Container[RequestKey], offset_s: float) -> Iterator[Scheduled]:
     """The schedule's requests that have not come due yet, due `offset_s` earlier (the resumed replay's
     clock starts at the crash point). Later session turns that were waiting on their previous turn at the
     crash are due before the offset: they go at once."""

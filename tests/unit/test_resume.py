@@ -12,9 +12,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from test_app import config
+import pytest
+from test_app import StubEngine, config
 
 from soakd.app import SampleWriter, Soak
+from soakd.collectors.engine import EngineCollector
+from soakd.config import Config
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.resume import (
@@ -129,6 +132,8 @@ import asyncio, json, sys
 sys.path.insert(0, {here!r})
 from test_app import StubEngine, config
 from soakd.app import SampleWriter, Soak
+from soakd.collectors.engine import EngineCollector
+from soakd.config import Config
 
 class Slow(StubEngine):
     async def generate(self, request):
@@ -234,3 +239,94 @@ def test_sigkill_then_resume_finishes_the_same_run_with_exact_accounting(tmp_pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["points"]["requests"] == len(records)  # counts cover both processes
     assert summary["resume"]["interruptions"][0]["lost_in_flight"] == len(lost)
+
+
+def test_a_second_crash_does_not_count_the_first_ones_lost_again(tmp_path: Path) -> None:
+    run_dir = _crashed_run(tmp_path)
+    cp = read_checkpoint(run_dir)
+    assert cp is not None
+    first = load_state(run_dir, cp)
+    cp.lost.extend(first.lost)  # what the first resume records
+    cp.write(run_dir)
+    again = read_checkpoint(run_dir)
+    assert again is not None and again.lost == first.lost
+    assert load_state(run_dir, again).lost == []  # nothing new was in flight
+    assert first.done == {(0, i, 0) for i in range(5)}
+
+
+def test_the_journal_heals_a_torn_tail_before_appending(tmp_path: Path) -> None:
+    path = tmp_path / JOURNAL_FILE
+    path.write_bytes(b"0 1 0 0.5\n0 2 0 1.")  # a power loss tore the last line
+    j = DueJournal(path)
+    j.append((0, 3, 0), 2.0)
+    j.close()
+    assert read_journal(path)[(0, 3, 0)] == 2.0
+
+
+def test_only_the_newest_run_is_a_candidate(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    _crashed_run(out)
+    (out / "20261130T020000Z-soak-cd34").mkdir()  # newer, died before its first checkpoint
+    assert find_resumable(out, "soak", "fp1", 3600.0) is None
+
+
+async def test_a_crash_after_the_replay_ended_only_finishes_the_run(tmp_path: Path) -> None:
+    engines: list[StubEngine] = []
+
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+        engines.append(StubEngine(collector))
+        return engines[-1]
+
+    cfg = config(tmp_path, **{"run.duration": "2s"})
+    done = await Soak(cfg, engine_factory=factory).run()
+    # As if the daemon died while stopping the engine: everything but the summary is on disk.
+    (done.run_dir / "summary.json").unlink()
+    resumed = Soak(cfg, engine_factory=factory, resume=True)
+    assert resumed.run_id == done.run_id
+    result = await resumed.run()
+    assert len(engines) == 1  # no second engine built, let alone started
+    assert result.verdict.interruptions == [] and result.verdict.word == done.verdict.word
+    assert result.verdict.requests.scheduled == done.verdict.requests.scheduled
+    assert result.summary["ran_s"] == pytest.approx(done.summary["ran_s"])
+
+
+def test_a_resumed_engine_starts_with_the_changes_already_due(tmp_path: Path) -> None:
+    cfg = config(
+        tmp_path,
+        **{"engine.changes": [{"at": "10s", "max_num_seqs": 4}, {"at": "100s", "max_num_seqs": 2}]},
+    )
+    soak = Soak(cfg)
+    assert soak._engine_config().max_num_seqs == cfg.engine.max_num_seqs
+    soak._offset_s = 50.0
+    assert soak._engine_config().max_num_seqs == 4
+
+
+def test_meta_json_never_holds_secrets_put_in_the_config() -> None:
+    from soakd.app import redacted
+
+    doc = {
+        "engine": {"server": {"env": {"HF_TOKEN": "hf_x", "CUDA_VISIBLE_DEVICES": "0"}}, "url": ""},
+        "sinks": {"influx": {"url": "http://soakd:pw@db:8086/?db=s&p=pw", "token_env": "SOAKD_INFLUX_TOKEN"}},
+        "trace": {"tokenizer": "models/tok"},
+    }
+    out = redacted(doc)
+    assert "pw" not in str(out) and "hf_x" not in str(out)
+    assert out["engine"]["server"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert out["sinks"]["influx"]["url"] == "http://<redacted>@db:8086/?db=s&p=<redacted>"
+    assert out["sinks"]["influx"]["token_env"] == "SOAKD_INFLUX_TOKEN"
+    assert out["trace"]["tokenizer"] == "models/tok"
+
+
+def test_a_bad_credential_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from soakd.errors import ConfigError
+
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    (creds / "SOAKD_INFLUX_TOKEN").write_bytes(b"\xff\xfe not utf-8")
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    cfg = config(tmp_path, **{"sinks.influx.enabled": True, "sinks.influx.api": "v2"})
+    with pytest.raises(ConfigError):
+        Soak(cfg)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
