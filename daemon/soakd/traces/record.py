@@ -541,6 +541,10 @@ class Recorder:
         except _ClientGone:
             self.stats.client_gone += 1
             log.info("client_disconnected", api=call.api)
+            # Close, not release: the server aborts a request only when its connection goes away, and
+            # releasing a response cut short does not reliably close it (seen: a 1,900-token answer
+            # generated to the end for a client long gone).
+            upstream.close()
             return response, False
         except aiohttp.ClientError as err:
             broken = f"stream broken: {type(err).__name__}"
