@@ -10,7 +10,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -65,6 +65,19 @@ def _factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
     return StubEngine(collector)
 
 
+def after_ready(notify_socket: NotifySocket, delay_s: float, fn: Callable[[], object]) -> None:
+    """Call `fn` on the running loop `delay_s` after the soak has sent READY=1."""
+    loop = asyncio.get_running_loop()
+
+    def check() -> None:
+        if notify_socket.times("READY=1"):
+            loop.call_later(delay_s, fn)
+        else:
+            loop.call_later(0.05, check)
+
+    loop.call_soon(check)
+
+
 def _soak(tmp_path: Path, duration: str) -> Soak:
     cfg = config(tmp_path, **{"run.duration": duration, "telemetry.interval": "0.2s"})
     return Soak(cfg, engine_factory=_factory)
@@ -74,7 +87,6 @@ async def test_watchdog_pings_stop_while_the_main_loop_hangs(
     tmp_path: Path, notify_socket: NotifySocket
 ) -> None:
     soak = _soak(tmp_path, "5s")
-    loop = asyncio.get_running_loop()
     hang: list[float] = []
 
     def block() -> None:
@@ -82,13 +94,7 @@ async def test_watchdog_pings_stop_while_the_main_loop_hangs(
         time.sleep(1.5)  # the event loop is wedged: no job, no ping can run
         hang.append(time.monotonic())
 
-    def when_ready() -> None:
-        if notify_socket.times("READY=1"):
-            loop.call_later(1.0, block)
-        else:
-            loop.call_later(0.05, when_ready)
-
-    loop.call_soon(when_ready)
+    after_ready(notify_socket, 1.0, block)
     await asyncio.wait_for(soak.run(), 60)
     pings = notify_socket.times("WATCHDOG=1")
     start, end = hang
@@ -118,19 +124,13 @@ async def test_no_ping_while_collection_has_stalled(tmp_path: Path, notify_socke
         soak._scheduler.resume_job("collect")
         stalled.append(time.monotonic())
 
-    def when_ready() -> None:
-        if notify_socket.times("READY=1"):
-            loop.call_later(1.0, pause)
-        else:
-            loop.call_later(0.05, when_ready)
-
-    loop.call_soon(when_ready)
+    after_ready(notify_socket, 1.0, pause)
     assert soak.healthy()[0]
     await asyncio.wait_for(soak.run(), 60)
     start, end = stalled
     pings = notify_socket.times("WATCHDOG=1")
     before = [p for p in pings if p < start]
-    # Unhealthy once no cycle ran for 2 ping intervals (0.4 s, or 3 collection intervals: 0.6 s).
+    # Unhealthy once no cycle ran for 1.5 ping intervals (0.3 s), or 3 collection intervals (0.6 s).
     during = [p for p in pings if start + 0.9 < p < end]
     after = [p for p in pings if p > end]
     assert before and after and during == [], (stalled, pings)
@@ -142,13 +142,7 @@ async def test_sigterm_says_stopping_extends_the_timeout_and_drains(
     soak = Soak(config(tmp_path, **{"run.duration": "60s"}), engine_factory=_factory)
     loop = asyncio.get_running_loop()
 
-    def when_ready() -> None:
-        if notify_socket.times("READY=1"):
-            loop.call_later(1.0, os.kill, os.getpid(), signal.SIGTERM)
-        else:
-            loop.call_later(0.05, when_ready)
-
-    loop.call_soon(when_ready)
+    after_ready(notify_socket, 1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
         result = await asyncio.wait_for(soak.run(), 60)
     finally:

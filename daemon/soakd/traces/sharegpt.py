@@ -181,6 +181,14 @@ def _too_deep(file: str, where: str) -> TraceError:
     return TraceError(f"nested more than {MAX_DEPTH} levels deep (a conversation is 4)", file=file, key=where)
 
 
+def _put(top: dict[str, Any] | list[Any], key: str, value: Any) -> None:
+    """Add a parsed value to the container being built: appended to a list, under `key` in a map."""
+    if isinstance(top, list):
+        top.append(value)
+    else:
+        top[key] = value
+
+
 def _elements(fh: IO[bytes]) -> Iterator[Any]:
     """The elements of the JSON array `fh` holds, streamed; _TOO_DEEP for one nested too deep.
 
@@ -211,11 +219,7 @@ def _elements(fh: IO[bytes]) -> Iterator[Any]:
                 continue
             container: dict[str, Any] | list[Any] = {} if event == "start_map" else []
             if stack:
-                top = stack[-1]
-                if isinstance(top, list):
-                    top.append(container)
-                else:
-                    top[key] = container
+                _put(stack[-1], key, container)
             stack.append(container)
         elif event in {"end_map", "end_array"}:
             depth -= 1
@@ -224,11 +228,7 @@ def _elements(fh: IO[bytes]) -> Iterator[Any]:
                 if not stack:
                     yield done
         elif stack:
-            top = stack[-1]
-            if isinstance(top, list):
-                top.append(value)
-            else:
-                top[key] = value
+            _put(stack[-1], key, value)
         elif depth == 1:  # a scalar element
             yield value
 
