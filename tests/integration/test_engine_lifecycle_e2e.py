@@ -23,6 +23,7 @@ import pytest
 from servers import Server, finish_soakd, run_soakd, start_soakd
 
 from soakd.metric import Sample
+from soakd.resume import JOURNAL_FILE, read_checkpoint, read_journal
 from soakd.sinks.spool import iter_samples
 
 pytestmark = pytest.mark.integration
@@ -149,6 +150,47 @@ def test_attach_mode_names_the_signals_it_cannot_see(
     assert sum(int(s.fields["generation_tokens"]) for s in engine) > 0
     assert "allocator" not in by and "vllm_metrics" not in by
     assert_exact_accounting(doc, by)
+
+
+def test_sigterm_mid_run_drains_flushes_and_exits_0(
+    tmp_path: Path, tiny_model: Path, vllm_server: Server
+) -> None:
+    """`systemctl stop` as soakd sees it: SIGTERM to the process mid-replay (attach mode, so the shared
+    server is the engine and no engine start is paid for)."""
+    cfg = write_config(
+        tmp_path / "stop.toml", tiny_model, f'kind = "openai"\nurl = "{vllm_server.url}"', duration="120s"
+    )
+    proc = start_soakd(cfg, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "runs").glob(f"*/{JOURNAL_FILE}")) or _lines(tmp_path) < 6:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "the replay did not start"
+            time.sleep(0.1)
+        t_stop = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code, out, err = finish_soakd(proc, timeout_s=120)
+    finally:
+        if proc.poll() is None:
+            finish_soakd(proc, timeout_s=1)
+    assert code == 0, err[-2000:]  # a stop is a clean end
+    assert time.monotonic() - t_stop < 60  # drained, not the whole 120 s
+    doc = json.loads(out)
+    run_dir = Path(doc["run_dir"])
+    assert doc["interrupted"] is True and doc["verdict"] == "FAIL"
+    # In-flight requests finished (or were aborted and recorded): every request that came due has its
+    # record, and the last points reached the spool.
+    due = read_journal(run_dir / JOURNAL_FILE)
+    records = list(iter_samples(run_dir / "spool", "requests"))
+    assert len(records) == len(due) == doc["replay"]["scheduled"] > 0
+    kinds = [s.tags["kind"] for s in iter_samples(run_dir / "spool", "events")]
+    assert kinds[-1] == "run_end" and len(list(iter_samples(run_dir / "spool", "run"))) == 1
+    checkpoint = read_checkpoint(run_dir)
+    assert checkpoint is not None and checkpoint.stopped_by == "SIGTERM"  # never resumed
+
+
+def _lines(tmp_path: Path) -> int:
+    return sum(len(p.read_bytes().splitlines()) for p in (tmp_path / "runs").glob(f"*/{JOURNAL_FILE}"))
 
 
 PHASES = Path(__file__).parents[1] / "data" / "h200" / "phases" / "nvml_phases.jsonl.gz"
