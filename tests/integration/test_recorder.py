@@ -258,9 +258,11 @@ async def test_client_leaving_mid_stream_aborts_upstream(proxy: Proxy, vllm_serv
         text = httpx.get(vllm_server.url + "/metrics", timeout=10).text
         return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(name + "{"))
 
-    asked = 1900
+    # Four sampled choices of 1,900 tokens: long enough (over 10 s on two loaded cores) that finishing
+    # them all means the abort never came, not that the server was quicker than the proxy.
+    choices, asked = 4, 1900
     generated_before = metric("vllm:generation_tokens_total")
-    body = completion([3] * 10, max_tokens=asked, stream=True, ignore_eos=True)
+    body = completion([3] * 10, max_tokens=asked, n=choices, temperature=1.0, stream=True, ignore_eos=True)
     async with (
         aiohttp.ClientSession() as session,
         session.post(proxy.url + "/v1/completions", json=body) as resp,
@@ -274,7 +276,7 @@ async def test_client_leaving_mid_stream_aborts_upstream(proxy: Proxy, vllm_serv
     while metric("vllm:num_requests_running") != 0:
         assert asyncio.get_running_loop().time() < deadline, "the server kept generating for nobody"
         await asyncio.sleep(0.1)
-    assert metric("vllm:generation_tokens_total") - generated_before < asked
+    assert metric("vllm:generation_tokens_total") - generated_before < choices * asked
     stats = await proxy.finish()
     assert stats.client_gone == 1 and stats.recorded == 0
 
