@@ -60,9 +60,9 @@ from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
-from soakd.report.criteria import RequestFolder, evaluate
-from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, judge
-from soakd.report.verdict import Verdict, make_verdict, write_json_atomic
+from soakd.report.criteria import RequestFolder
+from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, verdict_of
+from soakd.report.verdict import VERDICT_FILE, Verdict, write_json_atomic
 from soakd.resume import (
     JOURNAL_FILE,
     Checkpoint,
@@ -378,19 +378,7 @@ class Soak:
             # leave a verdict now (FAIL, stopped before replay); the normal end rewrites it if reached.
             log.warning("stop_during_engine_start", hint="stopping once the engine is up")
             folder = self._folder if self._folder is not None else RequestFolder()
-            self._guard_sync(
-                "early_verdict",
-                lambda: judge(
-                    self.run_dir,
-                    self.run_id,
-                    self.cfg.criteria,
-                    ran_s=self._offset_s,
-                    planned_s=self.cfg.run.duration,
-                    interrupted=True,
-                    requests=folder.summary(),
-                    interruptions=self._interruptions(),
-                ),
-            )
+            self._guard_sync("early_verdict", lambda: self._judge(self._offset_s, folder))
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -717,32 +705,20 @@ class Soak:
 
     def _judge(self, ran_s: float, folder: RequestFolder) -> Verdict:
         """The verdict, written to verdict.json; if the disk refuses it, still returned (and logged)."""
-        kwargs: dict[str, Any] = {
-            "ran_s": ran_s,
-            "planned_s": self.cfg.run.duration,
-            "interrupted": self.interrupted or bool(self.error),
-        }
-        interruptions = self._interruptions()
+        verdict = verdict_of(
+            self.run_id,
+            self.cfg.criteria,
+            folder.summary(),
+            ran_s=ran_s,
+            planned_s=self.cfg.run.duration,
+            interrupted=self.interrupted or bool(self.error),
+            interruptions=self._interruptions(),
+        )
         try:
-            return judge(
-                self.run_dir,
-                self.run_id,
-                self.cfg.criteria,
-                requests=folder.summary(),
-                interruptions=interruptions,
-                **kwargs,
-            )
+            write_json_atomic(self.run_dir / VERDICT_FILE, verdict.to_dict())
         except OSError as err:
             log.error("verdict_not_written", error=str(err))
-            requests = folder.summary()
-            results = evaluate(
-                self.cfg.criteria,
-                requests,
-                interruptions=len(interruptions),
-                lost_in_flight=sum(int(i["lost_in_flight"]) for i in interruptions),
-                **kwargs,
-            )
-            return make_verdict(self.run_id, results, requests, interruptions=interruptions, **kwargs)
+        return verdict
 
     # -- crash-resume -------------------------------------------------------------------------------
 

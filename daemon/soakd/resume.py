@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Container, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -90,15 +90,7 @@ class Checkpoint:
             "wall_ns": self.wall_ns,
             "stopped_by": self.stopped_by,
             "lost": [list(k) for k in self.lost],
-            "interruptions": [
-                {
-                    "at_s": i.at_s,
-                    "down_s": i.down_s,
-                    "lost_in_flight": i.lost_in_flight,
-                    "resumed_utc": i.resumed_utc,
-                }
-                for i in self.interruptions
-            ],
+            "interruptions": [asdict(i) for i in self.interruptions],
         }
 
     def write(self, run_dir: Path) -> None:

@@ -70,6 +70,37 @@ def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
     return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
 
 
+def verdict_of(
+    run_id: str,
+    criteria: CriteriaConfig,
+    requests: RequestSummary,
+    *,
+    ran_s: float,
+    planned_s: float,
+    interrupted: bool,
+    interruptions: list[dict[str, Any]],
+) -> Verdict:
+    """The verdict over folded request records and the run's interruptions (nothing is written)."""
+    results = evaluate(
+        criteria,
+        requests,
+        ran_s=ran_s,
+        planned_s=planned_s,
+        interrupted=interrupted,
+        interruptions=len(interruptions),
+        lost_in_flight=sum(int(i.get("lost_in_flight", 0)) for i in interruptions),
+    )
+    return make_verdict(
+        run_id,
+        results,
+        requests,
+        ran_s=ran_s,
+        planned_s=planned_s,
+        interrupted=interrupted,
+        interruptions=interruptions,
+    )
+
+
 def judge(
     run_dir: Path,
     run_id: str,
@@ -94,18 +125,9 @@ def judge(
                 )
     if interruptions is None:
         interruptions = read_interruptions(run_dir)
-    results = evaluate(
-        criteria,
-        requests,
-        ran_s=ran_s,
-        planned_s=planned_s,
-        interrupted=interrupted,
-        interruptions=len(interruptions),
-        lost_in_flight=sum(int(i.get("lost_in_flight", 0)) for i in interruptions),
-    )
-    verdict = make_verdict(
+    verdict = verdict_of(
         run_id,
-        results,
+        criteria,
         requests,
         ran_s=ran_s,
         planned_s=planned_s,
