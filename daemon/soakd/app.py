@@ -60,6 +60,7 @@ from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
+from soakd.report.criteria import first_abort
 from soakd.report.metrics import RunMetrics
 from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, verdict_of
 from soakd.report.verdict import VERDICT_FILE, Verdict, write_json_atomic
@@ -342,6 +343,7 @@ class Soak:
         self._ceiling_reason = ""
         self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
+        self._emit: Callable[..., None] | None = None
         self._metrics: RunMetrics | None = None
         # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
         # nothing half-made), then taken out of the environment the engine's processes inherit.
@@ -423,6 +425,7 @@ class Soak:
         if self.resumed is not None:
             writer.counts.update(self.resumed.points)
         self._writer_counts = writer.counts
+        self._emit = writer.event
 
         def on_spool(kind: str, fields: dict[str, FieldValue]) -> None:
             what = "degraded" if kind == "spool_degraded" else "recovered"
@@ -1148,6 +1151,22 @@ class Soak:
             # The GPU's slow tier has its own, faster job (gpu_slow).
             await runner.refresh(timeout_s=cfg.telemetry.slow_interval, exclude=frozenset({"gpu"}))
 
+        async def check_abort() -> None:
+            replayer, metrics = self._replayer, self._metrics
+            if replayer is None or replayer.fatal or metrics is None or self._progress_start is None:
+                return
+            replayed = self._elapsed()
+            if replayed < cfg.criteria.abort_grace:
+                return
+            context = {"duration_s": replayed, "interruptions": float(len(self._interruptions()))}
+            failed = first_abort(cfg.criteria, metrics, context)
+            if failed is None:
+                return
+            reason = f"criterion failed: {failed.expr} (measured {failed.value:.4g})"
+            if self._emit is not None:
+                self._emit("criteria_abort", reason, value=float(failed.value or 0.0), replayed_s=replayed)
+            replayer.fail(reason)
+
         async def check_engine() -> None:
             engine.check()
             if not engine.alive() and self._replayer is not None and not self._replayer.fatal:
@@ -1181,6 +1200,8 @@ class Soak:
             scheduler.add_job(control, "interval", seconds=cfg.control.interval, id="control")
         scheduler.add_job(slow, "interval", seconds=cfg.telemetry.slow_interval, id="slow")
         scheduler.add_job(check_engine, "interval", seconds=1.0, id="engine_check")
+        if cfg.criteria.abort_on:
+            scheduler.add_job(check_abort, "interval", seconds=5.0, id="abort_check")
         scheduler.add_job(flush, "interval", seconds=cfg.sinks.spool.fsync_interval, id="spool_flush")
         if forwarder is not None:
 

@@ -358,6 +358,10 @@ class CriteriaConfig(_Section):
     max_interruptions: Annotated[int, Field(ge=0)] | Literal[False] = 0
     # k6-threshold-style lines over the run's metrics, e.g. "p99(ttft_ms) < 500" (soakd.report.dsl).
     checks: list[Annotated[str, AfterValidator(_check_expr)]] = Field(default_factory=list)
+    # Checks judged during the run too (k6's abortOnFail): once one fails, past `abort_grace` of replay,
+    # the run stops early (drained, FAIL, exit 3) instead of spending the night on a soak that cannot pass.
+    abort_on: list[Annotated[str, AfterValidator(_check_expr)]] = Field(default_factory=list)
+    abort_grace: Duration = Field(default=120.0, ge=0)
 
 
 class Config(_Section):

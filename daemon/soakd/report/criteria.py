@@ -315,10 +315,22 @@ def evaluate(
         "interruptions": float(interruptions),
         "lost_in_flight": float(lost_in_flight),
     }
-    for text in criteria.checks:
+    for text in [*criteria.checks, *criteria.abort_on]:
         parsed = parse_check(text)  # validated when the config was loaded
         value, note = measure(parsed, metrics, context) if metrics is not None else (None, "")
         passed = value is not None and OPS[parsed.op](value, parsed.threshold)
         detail = note if value is not None else ("no data" + (f": {note}" if note else ""))
         results.append(CriterionResult(parsed.name, parsed.op, parsed.threshold, value, passed, detail, text))
     return results
+
+
+def first_abort(
+    criteria: CriteriaConfig, metrics: RunMetrics, context: dict[str, float]
+) -> CriterionResult | None:
+    """The first `abort_on` check that fails now (one with no data yet does not abort), or None."""
+    for text in criteria.abort_on:
+        parsed = parse_check(text)
+        value, note = measure(parsed, metrics, context)
+        if value is not None and not OPS[parsed.op](value, parsed.threshold):
+            return CriterionResult(parsed.name, parsed.op, parsed.threshold, value, False, note, text)
+    return None
