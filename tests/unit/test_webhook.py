@@ -294,6 +294,8 @@ async def test_receiver_down_then_up_backfills_everything_in_order(tmp_path: Pat
     run.event("throttle_leave", "GPU 0: recovering -> ok", gpu=0)
     run.event("engine_rebuild", "engine rebuilt", ok=1)  # a rebuild that worked is no alert
     run.event("engine_rebuild", "engine rebuild failed, previous configuration restored", ok=0)
+    criteria = [{"name": "ttft_p99_ms", "passed": False}, {"name": "max_error_rate", "passed": True}]
+    (tmp_path / "verdict.json").write_text(json.dumps({"run_id": RUN_ID, "criteria": criteria}))
     run.verdict(passed=False)
     await sink.tick(5.0)  # still backing off: no attempt
     assert sink.forwarder.failures == 1
@@ -317,6 +319,7 @@ async def test_receiver_down_then_up_backfills_everything_in_order(tmp_path: Pat
         assert got == expected
         check_postable_alerts(rx.alerts)
         assert rx.alerts[2]["labels"]["severity"] == rx.alerts[-1]["labels"]["severity"] == "critical"
+        assert rx.alerts[-1]["annotations"]["failed_criteria"] == "ttft_p99_ms"
         assert events == ["webhook_outage", "webhook_backfill"]
         posts = len(rx.posts)
         clock.now += 3600.0

@@ -34,6 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +46,7 @@ from soakd.config import WebhookConfig
 from soakd.errors import ConfigError, SinkError
 from soakd.files import open_private_append, write_private
 from soakd.metric import FieldValue, Sample, parse_line
+from soakd.report.verdict import VERDICT_FILE
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.influx import read_secret
 
@@ -184,8 +186,11 @@ class AlertBook:
         kinds: Iterable[str],
         severity: Mapping[str, Severity] | None = None,
         open_alerts: Mapping[str, Alert] | None = None,
+        failed_criteria: Callable[[str], str] | None = None,
     ) -> None:
         self.kinds = frozenset(kinds)
+        self._failed_criteria = failed_criteria
+        """run_id -> the names of the criteria its verdict failed (verdict.json), for the FAIL alert."""
         self.severity = dict(severity or {})
         self.relevant = (
             self.kinds | _RESTARTS | {RULES[k].ends for k in self.kinds if k in RULES and RULES[k].ends}
@@ -281,6 +286,9 @@ class AlertBook:
             "summary": f"soak {word} on {labels['host']} (soak {labels['run_id']})",
             "description": description,
         }
+        failed = self._failed_criteria(labels["run_id"]) if self._failed_criteria and not passed else ""
+        if failed:
+            annotations["failed_criteria"] = _clip(failed)
         return Alert({k: v for k, v in labels.items() if v}, annotations, s.time_ns)
 
     @staticmethod
@@ -482,13 +490,16 @@ class WebhookSink:
         self._on_event = on_event
         self._alerts_path = spool_dir / ALERTS_FILE
         severity: dict[str, Severity] = {str(k): v for k, v in cfg.severity.items()}
-        self.book = AlertBook(cfg.kinds, severity, self._load_open())
+        self.book = AlertBook(
+            cfg.kinds, severity, self._load_open(), failed_criteria=partial(failed_criteria, spool_dir.parent)
+        )
         # When each alert was last delivered (monotonic): an open episode goes again once this is
         # `resend_interval_s` old. Empty after a restart, so the open episodes go out at the first tick.
         self._sent_at: dict[str, float] = {}
         # After a failed re-send, the next waits this long (a receiver that hangs would hold every tick).
         self._resend_after = float("-inf")
         self._backoff_max_s = backoff_max_s
+        self._lock = asyncio.Lock()
 
         def renamed(kind: str, fields: dict[str, float | int | str]) -> None:
             # The forwarder's outage/backfill events, told apart from InfluxDB's.
@@ -512,15 +523,19 @@ class WebhookSink:
     async def tick(self, budget_s: float) -> None:
         """One scheduler run: deliver for up to `budget_s` (backing off while the receiver is down),
         then re-send the open episodes if they are due and the receiver answers."""
-        deadline = self._clock() + budget_s
-        while await self.forwarder.step() > 0 and self._clock() < deadline:
-            pass
-        if self.forwarder.consecutive_failures == 0:
-            await self.resend_if_due()
+        async with self._lock:
+            deadline = self._clock() + budget_s
+            while await self.forwarder.step() > 0 and self._clock() < deadline:
+                pass
+            if self.forwarder.consecutive_failures == 0:
+                await self.resend_if_due()
 
     async def drain(self, timeout_s: float) -> bool:
         """Deliver until caught up (True) or `timeout_s` passed (False): the run's last alerts."""
-        return await self.forwarder.drain(timeout_s)
+        # After a tick still in flight (the scheduler's shutdown does not wait for it): one reader of
+        # the cursor at a time, or a batch could go twice.
+        async with self._lock:
+            return await self.forwarder.drain(timeout_s)
 
     async def resend_if_due(self) -> int:
         """POST again the open episodes not sent for `resend_interval_s`; how many."""
@@ -662,6 +677,18 @@ class WebhookSink:
         except OSError as err:
             # Kept in memory; a restart resends from the last saved state (at least once, as always).
             log.error("webhook_alerts_not_saved", error=str(err))
+
+
+def failed_criteria(run_dir: Path, run_id: str) -> str:
+    """The criteria the run's verdict.json says failed, comma-separated ("" when unreadable or none)."""
+    try:
+        doc = json.loads((run_dir / VERDICT_FILE).read_text(encoding="utf-8"))
+        if doc.get("run_id") != run_id:
+            return ""
+        return ", ".join(str(c["name"]) for c in doc["criteria"] if not c["passed"])
+    # The alert goes out without the detail rather than not at all.
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
 
 
 class WebhookHealth:
