@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,9 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
-from soakd.report.criteria import RequestSummary, evaluate, summarize
+from soakd.metric import Sample
+from soakd.report.criteria import RequestFolder, RequestSummary, evaluate, summarize
+from soakd.report.series import SeriesBuilder
 from soakd.report.verdict import VERDICT_FILE, Verdict, make_verdict, write_json_atomic
 from soakd.sinks.spool import iter_samples, list_segments, torn_tail_bytes
 
@@ -55,9 +58,19 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _damaged(path: Path, line: int, why: str) -> None:
+def damaged_line(path: Path, line: int, why: str) -> None:
+    """Told of a spool line that is not line protocol (iter_samples' `on_damaged`)."""
     # Said, never silent, and never the end of the judgement: one damaged record is one record less.
     log.warning("spool_line_damaged", file=str(path), line=line, error=why[:200])
+
+
+def warn_torn_tails(spool_dir: Path) -> None:
+    """Warn of each segment whose last line was torn by a crash (readers stop at its last whole line)."""
+    for segment in list_segments(spool_dir):
+        torn = torn_tail_bytes(segment)
+        if torn:
+            # A crash mid-write: the whole lines before it are read, the tail is not a record.
+            log.warning("spool_torn_tail", file=str(segment), bytes=torn, kept="up to the last whole line")
 
 
 def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
@@ -115,14 +128,8 @@ def judge(
     """Evaluate the criteria over the run's request records (read from its spool unless `requests` is
     given, already folded); write verdict.json."""
     if requests is None:
-        requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests", on_damaged=_damaged))
-        for segment in list_segments(run_dir / SPOOL_DIR):
-            torn = torn_tail_bytes(segment)
-            if torn:
-                # A crash mid-write: the whole lines before it are read, the tail is not a record.
-                log.warning(
-                    "spool_torn_tail", file=str(segment), bytes=torn, kept="up to the last whole line"
-                )
+        requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests", on_damaged=damaged_line))
+        warn_torn_tails(run_dir / SPOOL_DIR)
     if interruptions is None:
         interruptions = read_interruptions(run_dir)
     verdict = verdict_of(
@@ -136,3 +143,13 @@ def judge(
     )
     write_json_atomic(run_dir / VERDICT_FILE, verdict.to_dict())
     return verdict
+
+
+def fold_run(samples: Iterable[Sample]) -> tuple[RequestSummary, SeriesBuilder]:
+    """One pass over a run's points: the request summary the verdict needs and the report's series."""
+    folder = RequestFolder()
+    builder = SeriesBuilder()
+    for sample in samples:
+        folder.add(sample)
+        builder.add(sample)
+    return folder.summary(), builder
