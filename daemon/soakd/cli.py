@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--no-report", action="store_true", help="re-judge only: write no report.html/report.json"
     )
+    rep.add_argument("--no-html", action="store_true", help="write report.json only (no plots drawn)")
     rep.add_argument(
         "--from-influx",
         action="store_true",
@@ -317,17 +318,20 @@ def _hardware_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
-def _report_paths(args: argparse.Namespace, run_dir: Path) -> tuple[Path, Path] | None:
-    """Where the report goes; checked before anything is written."""
+def _report_paths(args: argparse.Namespace, run_dir: Path) -> tuple[Path | None, Path] | None:
+    """Where the report goes (HTML, JSON); checked before anything is written."""
     from soakd.report.html import REPORT_HTML, REPORT_JSON
 
+    if args.no_report and (args.html or args.report_json or args.no_html):
+        raise UsageError("--no-report with --html, --report-json or --no-html: which is it?")
+    if args.no_html and args.html:
+        raise UsageError("--no-html with --html: which is it?")
     if args.no_report:
-        if args.html or args.report_json:
-            raise UsageError("--no-report with --html or --report-json: which is it?")
         return None
-    paths = (args.html or run_dir / REPORT_HTML, args.report_json or run_dir / REPORT_JSON)
+    html = None if args.no_html else args.html or run_dir / REPORT_HTML
+    paths = (html, args.report_json or run_dir / REPORT_JSON)
     for flag, path in zip(("--html", "--report-json"), paths, strict=True):
-        if path.is_dir() or not path.parent.is_dir():
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
             raise UsageError(f"{flag} {path}: not a file in an existing folder")
     return paths
 
@@ -391,7 +395,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         data = series.build(meta["config"])
         source = "influx" if args.from_influx else "spool"
         write_report(build_doc(run_dir, meta, verdict.to_dict(), data, source=source), *paths)
-        print(f"report: {paths[0]} and {paths[1]}", file=sys.stderr)
+        print(f"report: {' and '.join(str(p) for p in paths if p is not None)}", file=sys.stderr)
     if args.json:
         print(json.dumps(verdict.to_dict(), indent=2, default=str))
     else:

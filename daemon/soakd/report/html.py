@@ -401,11 +401,9 @@ def _action_kinds() -> frozenset[str]:
     return ACTION_KINDS
 
 
-def write_report(doc: Mapping[str, Any], html_path: Path | None, json_path: Path | None) -> None:
+def write_report(doc: Mapping[str, Any], html_path: Path | None, json_path: Path) -> None:
     """Render first, then write each file atomically (0600): nothing is half-written."""
     page = render_html(doc).encode("utf-8") if html_path is not None else None
-    body = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode("utf-8") if json_path else None
-    if json_path is not None and body is not None:
-        write_private(json_path, body, fsync=True)
+    write_private(json_path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode("utf-8"), fsync=True)
     if html_path is not None and page is not None:
         write_private(html_path, page, fsync=True)
