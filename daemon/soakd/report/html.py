@@ -94,13 +94,20 @@ def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[s
         assert isinstance(gpu_meta, Mapping)
         gpu.append(("driver", gpu_meta.get("driver")))
         gpu.append(("CUDA (driver)", gpu_meta.get("cuda_driver")))
+        if gpu_meta.get("source") == "recording":
+            gpu.append(("read from", f"an NVML recording ({_get(cfg, 'telemetry.gpu_recording')})"))
         for i, dev in enumerate(gpu_meta.get("devices") or []):
             if isinstance(dev, Mapping):
-                gpu.append((f"GPU {i}", dev.get("name")))
+                facts = [str(dev.get("name") or "unnamed")]
+                if dev.get("mem_total"):
+                    facts.append(f"{dev['mem_total'] / 2**30:.1f} GiB")
+                if dev.get("max_sm_mhz"):
+                    facts.append(f"SM clock up to {dev['max_sm_mhz']} MHz")
+                if dev.get("power_limit_mw"):
+                    facts.append(f"power limit {dev['power_limit_mw'] / 1000:g} W")
+                gpu.append((f"GPU {i}", ", ".join(facts)))
     else:
-        gpu.append(
-            ("name, driver, CUDA", "not recorded in meta.json (this soakd version does not write them)")
-        )
+        gpu.append(("name, driver, CUDA", "not recorded in meta.json (runs before soakd wrote them)"))
     for g in data.get("gpus", []):
         facts = []
         if g.get("mem_total_bytes"):
