@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -91,17 +92,58 @@ def _open(page: Path, work: Path, width: int = WIDTH, height: int = HEIGHT) -> S
     return Shot(Image.open(png).convert("RGB"), [ln for ln in err.splitlines() if ":CONSOLE" in ln], fetched)
 
 
-def _control_run(root: Path) -> Path:
+@pytest.fixture(scope="module")
+def control_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`soakd report` of the recorded H200 control run (a power-cap episode, a downscale, a re-capture
+    with an engine rebuild, an upscale); its run directory."""
     spool = gzip.decompress((H200 / "control" / "spool.lp.gz").read_bytes())
-    run = root / "run"
+    run = tmp_path_factory.mktemp("report") / "run"
     (run / "spool").mkdir(parents=True)
     (run / "spool" / "seg-00000001.lp").write_bytes(spool)
     meta = json.loads((H200 / "rebuild" / "meta.json").read_text())
     meta["run_id"] = spool.split(b"run_id=", 1)[1].split(b" ", 1)[0].decode()
     meta["config"]["run"]["duration"] = 100.0
+    meta["config"]["telemetry"]["collectors"] = ["host", "engine", "allocator", "gpu"]
+    meta["config"]["engine"]["speculative"]["enabled"] = False
     (run / "meta.json").write_text(json.dumps(meta))
     shutil.copy(H200 / "control" / "summary.json", run / "summary.json")
+    assert main(["report", str(run)]) == 1  # FAIL: ttft_p99_ms, requests waited through the rebuild
     return run
+
+
+def test_the_page_has_every_section_and_says_why_a_plot_has_no_data(control_report: Path) -> None:
+    run = control_report
+    page = (run / "report.html").read_text()
+    assert (run / "report.html").stat().st_mode & 0o777 == 0o600
+    for section in ("summary", "criteria", "environment", "plots", "actions", "signoff"):
+        assert f'id="{section}"' in page
+    assert re.search(r'class="banner FAIL">\s*<div class="word">FAIL</div>', page)
+    # The criteria table is verdict.json's: one row per criterion, the failed one marked.
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert page.count('<tr class="failed">') == sum(not c["passed"] for c in verdict["criteria"]) == 1
+    # Ten time plots and the actions timeline: inline SVG, or a "no data (why)" box; never missing.
+    figures = re.findall(r'<figure id="plot-(\w+)" class="plot">(.*?)</figure>', page, re.S)
+    assert len(figures) == 11
+    drawn = {name for name, body in figures if "<svg" in body}
+    assert drawn == {
+        "sm_clock",
+        "power",
+        "temperature",
+        "throughput",
+        "ttft",
+        "tpot",
+        "fragmentation",
+        "actions",
+    }
+    assert "no data (speculative decoding was off (engine.speculative.enabled = false))" in page
+    assert "no data (the engine reported no CUDA-graph steps" in page
+    for kind in ("downscale", "recapture", "engine_rebuild", "upscale", "throttle_enter"):
+        assert f'<td class="mono">{kind}</td>' in page
+    # Self-contained: no script, nothing to fetch.
+    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
+    assert "<script" not in page and "@import" not in page
+    digest = json.loads((run / "report.json").read_text())["digest"]["sha256"]
+    assert f'<p class="mono" id="digest">{digest}</p>' in page
 
 
 def _count(image: Image.Image, rgb: tuple[int, int, int], tolerance: int = 12) -> int:
@@ -115,12 +157,10 @@ def _count(image: Image.Image, rgb: tuple[int, int, int], tolerance: int = 12) -
 
 
 def test_the_report_paints_its_plots_in_chromium_with_no_console_message_and_no_fetch(
-    tmp_path: Path,
+    control_report: Path, tmp_path: Path
 ) -> None:
     _chromium()
-    run = _control_run(tmp_path)
-    assert main(["report", str(run)]) == 1  # FAIL: ttft_p99_ms
-    shot = _open(run / "report.html", tmp_path / "browser")
+    shot = _open(control_report / "report.html", tmp_path / "browser")
 
     assert shot.console == [] and shot.fetched == []
     assert shot.image.size == (WIDTH, HEIGHT)

@@ -8,7 +8,6 @@ import gzip
 import hashlib
 import json
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -123,46 +122,19 @@ def test_eight_hours_of_one_second_points_are_cut_to_minute_buckets_keeping_a_on
     assert set(clock["mid"]) == {1980.0}
 
 
-def test_report_of_the_control_run_has_every_section_and_says_why_a_plot_has_no_data(
+def test_report_json_of_the_control_run_and_its_digest_checked_later(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = control_run(tmp_path)
-    code = main(["report", str(run)])
+    code = main(["report", str(run), "--no-html"])
     out, err = capsys.readouterr()
     assert code == 1 and out.startswith("FAIL")  # ttft_p99_ms: requests waited through the rebuild
-    assert "report: " in err
-    page = (run / "report.html").read_text()
+    assert "report: " in err and not (run / "report.html").exists()
     doc = json.loads((run / "report.json").read_text())
-    for path in (run / "report.html", run / "report.json", run / "verdict.json"):
+    for path in (run / "report.json", run / "verdict.json"):
         assert path.stat().st_mode & 0o777 == 0o600
     assert not list(run.glob(".*tmp"))
-
-    for section in ("summary", "criteria", "environment", "plots", "actions", "signoff"):
-        assert f'id="{section}"' in page
-    assert re.search(r'class="banner FAIL">\s*<div class="word">FAIL</div>', page)
-    # The criteria table is verdict.json's: one row per criterion, the failed one marked.
-    verdict = json.loads((run / "verdict.json").read_text())
-    assert doc["verdict"] == verdict
-    assert page.count('<tr class="failed">') == sum(not c["passed"] for c in verdict["criteria"]) == 1
-    # Ten time plots: drawn as inline SVG, or a "no data (why)" box; never missing.
-    figures = re.findall(r'<figure id="plot-(\w+)" class="plot">(.*?)</figure>', page, re.S)
-    assert len(figures) == 11
-    drawn = {name for name, body in figures if "<svg" in body}
-    assert drawn == {
-        "sm_clock",
-        "power",
-        "temperature",
-        "throughput",
-        "ttft",
-        "tpot",
-        "fragmentation",
-        "actions",
-    }
-    assert "no data (speculative decoding was off (engine.speculative.enabled = false))" in page
-    assert "no data (the engine reported no CUDA-graph steps" in page
-    # Self-contained: nothing is fetched when it is viewed.
-    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
-    assert "<script" not in page and "@import" not in page
+    assert doc["verdict"] == json.loads((run / "verdict.json").read_text())
     env = {g["group"]: dict(g["items"]) for g in doc["environment"]}
     assert env["Engine"]["vLLM version"] == "0.26.0"
     assert env["Trace"]["sha256"] == json.loads((run / "meta.json").read_text())["trace"]["sha256"]
@@ -176,7 +148,13 @@ def test_report_of_the_control_run_has_every_section_and_says_why_a_plot_has_no_
             for p in [*sorted((run / "spool").glob("seg-*.lp")), run / "meta.json", run / "verdict.json"]
         )
     ).hexdigest()
-    assert doc["digest"]["sha256"] == want and want in page
+    assert doc["digest"]["sha256"] == want
+    assert doc["digest"]["files"] == [
+        "spool/seg-00000001.lp",
+        "spool/seg-00000002.lp",
+        "meta.json",
+        "verdict.json",
+    ]
     assert main(["report", str(run), "--verify-digest", want.upper()]) == 0
     segment = run / "spool" / "seg-00000001.lp"
     data = segment.read_bytes()
