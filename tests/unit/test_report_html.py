@@ -8,6 +8,7 @@ import gzip
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,41 @@ def test_bad_report_arguments_are_refused_before_anything_is_written(
     err = capsys.readouterr().err
     assert code == 2 and reason in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_influx_reader_reads_a_cut_short_window_again_in_halves_and_drops_empty_tags() -> None:
+    """InfluxDB marks an answer cut at its row limit `partial`: the window is read again in halves
+    (a real 1.6.7 server with the default config never cuts, so its answers are played here)."""
+    import httpx
+
+    from soakd.config import InfluxConfig
+    from soakd.report.influxql import InfluxReader
+
+    seen: list[tuple[int, int]] = []
+    rows = [(t * 10**9, float(t)) for t in range(0, 100, 10)]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        q = dict(httpx.QueryParams(request.content.decode()))["q"]
+        assert q.startswith('SELECT "fragmentation" FROM "allocator" WHERE "run_id" = \'r\\\'1\'')
+        start, end = (int(x) for x in re.findall(r"time [<>]=? (\d+)", q))
+        seen.append((start, end))
+        inside = [[t, v] for t, v in rows if start <= t < end]
+        series = {
+            "name": "allocator",
+            "tags": {"worker": "0", "config": ""},
+            "columns": ["time", "fragmentation"],
+        }
+        if len(inside) > 3:
+            return httpx.Response(
+                200, json={"results": [{"series": [{**series, "values": inside[:3], "partial": True}]}]}
+            )
+        return httpx.Response(
+            200, json={"results": [{"series": [{**series, "values": [*inside, [end, None]]}]}]}
+        )
+
+    reader = InfluxReader(InfluxConfig(), {}, transport=httpx.MockTransport(answer))
+    with reader:
+        got = list(reader.samples("allocator", "r'1", 0, 80 * 10**9))
+    assert [s.time_ns for s in got] == [t * 10**9 for t in range(0, 80, 10)]
+    assert all(s.tags == {"worker": "0"} for s in got)
+    assert seen[0] == (0, 80 * 10**9) and (0, 40 * 10**9) in seen and len(seen) > 3
