@@ -427,7 +427,8 @@ def _read_run(args: argparse.Namespace, run_dir: Path, meta: dict[str, Any], cfg
         requests, series = fold_run(run_samples(reader, str(meta["run_id"]), start, end))
     if series.points == 0:
         raise UsageError(
-            f"InfluxDB at {reader.url} (database {reader.database!r}) holds no points of run {meta['run_id']}"
+            f"InfluxDB at {reader.shown_url} (database {reader.database!r}) "
+            f"holds no points of run {meta['run_id']}"
         )
     return requests, series
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -56,6 +57,9 @@ class InfluxReader:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = cfg.url.rstrip("/")
+        parts = urlsplit(self.url)
+        # What messages name: never a user:password@ written into the URL.
+        self.shown_url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         if cfg.api == "v2" and cfg.bucket:
             # The v2 bucket "db/rp" (1.8) or a 2.x bucket name that its DBRP mapping (or 3.x) answers to.
             self.database, _, self.retention_policy = cfg.bucket.partition("/")
@@ -89,19 +93,21 @@ class InfluxReader:
             response = self._client.post(self.url + "/query", data=params)
         except httpx.HTTPError as err:
             raise SinkError(
-                f"InfluxDB query at {self.url}: {type(err).__name__}: {err}"[:_MAX_REASON]
+                f"InfluxDB query at {self.shown_url}: {type(err).__name__}: {err}"[:_MAX_REASON]
             ) from err
         if not response.is_success:
             raise SinkError(
-                f"InfluxDB query at {self.url}: HTTP {response.status_code}: {response.text}"[:_MAX_REASON]
+                f"InfluxDB query at {self.shown_url}: HTTP {response.status_code}: {response.text}"[
+                    :_MAX_REASON
+                ]
             )
         try:
             doc = response.json()
             result = doc["results"][0]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise SinkError(f"InfluxDB query at {self.url}: not an InfluxQL answer") from None
+            raise SinkError(f"InfluxDB query at {self.shown_url}: not an InfluxQL answer") from None
         if not isinstance(result, dict):
-            raise SinkError(f"InfluxDB query at {self.url}: not an InfluxQL answer")
+            raise SinkError(f"InfluxDB query at {self.shown_url}: not an InfluxQL answer")
         if isinstance(result.get("error"), str):
             raise SinkError(f"InfluxDB query: {result['error']}"[:_MAX_REASON])
         return result

@@ -335,13 +335,10 @@ class _Fold:
         return _series(name, self.bucket_s, self, {"mid": mid})
 
     def per_second(self, m: str, group: str, fname: str, name: str) -> dict[str, Any] | None:
-        """Sum per bucket over the time the bucket covers (the last one may be cut short)."""
+        """Sum per bucket over the bucket's width. The last bucket may be cut short by the run's end
+        and read low; dividing by the sliver it covers would draw a spike instead."""
         sums = self.reduce((m, group, fname), "sum")
-        mid = {}
-        for i, total in sums.items():
-            covered = min((i + 1) * self.bucket_s, self.span_s) - i * self.bucket_s
-            mid[i] = total / max(covered, 1e-3)
-        return _series(name, self.bucket_s, self, {"mid": mid})
+        return _series(name, self.bucket_s, self, {"mid": {i: v / self.bucket_s for i, v in sums.items()}})
 
     def count(self, m: str, group: str, fname: str, name: str) -> dict[str, Any] | None:
         bk = self.b._bucketed((m, group, fname), self.t0, self.width_ns)
