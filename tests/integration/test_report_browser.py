@@ -7,6 +7,7 @@ A missing chromium skips, unless SOAKD_REQUIRE_SERVERS=1 (CI), which fails inste
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -74,10 +75,11 @@ def _open(page: Path, work: Path, width: int = WIDTH, height: int = HEIGHT) -> S
     try:
         _, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            # Its renderer and GPU processes are in the session it leads: stop them all by its pid.
+        # Its renderer, GPU and crash-handler processes are in the session it leads: whatever of it is
+        # still there is stopped by its pid's group.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
     assert proc.returncode == 0, err[-2000:]
     log = json.loads(netlog.read_text())
     start_job = log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
