@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _trace_reading_flags(run)
 
-    rep = sub.add_parser("report", help="re-judge a finished run from its spool")
+    rep = sub.add_parser("report", help="re-judge a finished run and write its sign-off report")
     rep.add_argument("run", help="run directory or run id")
     rep.add_argument(
         "--config", type=Path, help="judge against this config's criteria (default: the run's own)"

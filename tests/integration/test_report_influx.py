@@ -13,6 +13,7 @@ import pytest
 from servers import Server
 
 from soakd.cli import main
+from soakd.metric import Sample, parse_line
 
 H200 = Path(__file__).parents[1] / "data" / "h200"
 
@@ -32,6 +33,33 @@ def _soak_run(root: Path) -> Path:
     (run / "spool" / "seg-00000001.lp").write_bytes(gzip.decompress((H200 / "soak_spool.lp.gz").read_bytes()))
     (run / "meta.json").write_text(json.dumps(meta))
     shutil.copy(H200 / "soak_summary.json", run / "summary.json")
+    return run
+
+
+def _control_run(root: Path) -> Path:
+    """The recorded H200 control run (GPU series, a power-cap episode, events with booleans and quoted
+    strings, allocator and control series) as a run directory."""
+    spool = gzip.decompress((H200 / "control" / "spool.lp.gz").read_bytes())
+    # The recording predates events writing every number as a float (`ok` was 1i on one kind and true
+    # on another, which InfluxDB refuses in one measurement): its events as soakd writes them now.
+    lines = []
+    for line in spool.decode().splitlines():
+        if line.startswith("events,"):
+            e = parse_line(line)
+            fields = {k: float(v) if isinstance(v, int) else v for k, v in e.fields.items()}
+            lines.append(f"{Sample(e.measurement, fields, e.time_ns, e.tags).to_line()}\n")
+        else:
+            lines.append(line + "\n")
+    spool = "".join(lines).encode()
+    meta = json.loads((H200 / "rebuild" / "meta.json").read_text())
+    meta["run_id"] = spool.split(b"run_id=", 1)[1].split(b" ", 1)[0].split(b",", 1)[0].decode()
+    meta["started_utc"] = "2026-11-30T04:22:52+00:00"
+    meta["config"]["run"]["duration"] = 100.0
+    run = root / meta["run_id"]
+    (run / "spool").mkdir(parents=True)
+    (run / "spool" / "seg-00000001.lp").write_bytes(spool)
+    (run / "meta.json").write_text(json.dumps(meta))
+    shutil.copy(H200 / "control" / "summary.json", run / "summary.json")
     return run
 
 
@@ -69,6 +97,20 @@ def test_the_report_from_influxdb_is_the_report_from_the_spool(
     assert a["data"]["panels"]["throughput"]["series"]
     assert "<svg" in influx_html.read_text()
     assert "from the run's InfluxDB series" in influx_html.read_text()
+
+    # A second run in the same database: GPU series, the throttle episode, events of every kind.
+    control = _control_run(tmp_path)
+    assert main(["report", str(control), "--config", str(cfg), "--ship", "--no-report"]) == 1
+    reports = []
+    for extra in ([], ["--from-influx"]):
+        out = tmp_path / f"control{len(extra)}.json"
+        argv = ["report", str(control), "--config", str(cfg), "--no-html", "--report-json", str(out)]
+        assert main([*argv, *extra]) == 1
+        reports.append(json.loads(out.read_text()))
+        reports[-1].pop("generated")
+    assert reports[0] == reports[1]
+    assert len(reports[0]["data"]["episodes"]) == 1 and reports[0]["data"]["panels"]["sm_clock"]["series"]
+    assert {e["kind"] for e in reports[0]["data"]["events"]} >= {"downscale", "recapture", "engine_rebuild"}
 
 
 def test_a_run_that_influxdb_does_not_hold_is_refused_and_nothing_is_written(
