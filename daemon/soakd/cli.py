@@ -364,7 +364,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not isinstance(meta.get("config"), dict) or "run_id" not in meta:
         raise UsageError("not a soakd run's metadata (no config or run_id)", file=run_dir / META_FILE)
     # Judge by the criteria the run was started with, unless asked to apply another config's.
-    judged_by = base if args.config else config.Config.model_validate(meta["config"])
+    try:
+        judged_by = base if args.config else config.Config.model_validate(meta["config"])
+    except ValueError as err:  # pydantic's ValidationError: a run from a soakd whose config differed
+        first = str(err).splitlines()[1:3]
+        raise UsageError(
+            f"the run's config does not load in this soakd ({' '.join(first)}): judge it with --config FILE",
+            file=run_dir / META_FILE,
+        ) from None
     criteria = judged_by.criteria
     summary_path = run_dir / "summary.json"
     summary = read_json(summary_path) if summary_path.exists() else {}

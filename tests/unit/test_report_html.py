@@ -248,3 +248,17 @@ def test_influx_reader_reads_a_cut_short_window_again_in_halves_and_drops_empty_
     assert [s.time_ns for s in got] == [t * 10**9 for t in range(0, 80, 10)]
     assert all(s.tags == {"worker": "0"} for s in got)
     assert seen[0] == (0, 80 * 10**9) and (0, 40 * 10**9) in seen and len(seen) > 3
+
+
+def test_a_run_whose_config_this_soakd_cannot_load_is_bad_input_naming_meta_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = control_run(tmp_path)
+    meta = json.loads((run / "meta.json").read_text())
+    meta["config"]["trace"]["synthetic"]["rate_rps"] = 2.0  # a key an older soakd wrote
+    (run / "meta.json").write_text(json.dumps(meta))
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"soakd: error: {run / 'meta.json'}: the run's config does not load")
+    assert "trace.synthetic.rate_rps" in err and "--config FILE" in err and len(err.splitlines()) == 1
+    assert not (run / "verdict.json").exists() and not (run / "report.html").exists()
