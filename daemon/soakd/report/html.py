@@ -21,6 +21,7 @@ from typing import Any
 
 from soakd import __version__
 from soakd.files import write_private
+from soakd.report.series import ACTION_KINDS
 from soakd.sinks.spool import list_segments
 
 REPORT_HTML = "report.html"
@@ -372,7 +373,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
         )
     events = data.get("events", [])
     actions = data["panels"]["actions"]
-    has_actions = any(e["kind"] in _action_kinds() for e in events)
+    has_actions = any(e["kind"] in ACTION_KINDS for e in events)
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("soakd", "data"),
         autoescape=True,
@@ -400,12 +401,6 @@ def render_html(doc: Mapping[str, Any]) -> str:
         episodes=data.get("episodes", []),
         span=data.get("span_s") or 0.0,
     )
-
-
-def _action_kinds() -> frozenset[str]:
-    from soakd.report.series import ACTION_KINDS
-
-    return ACTION_KINDS
 
 
 def write_report(doc: Mapping[str, Any], html_path: Path | None, json_path: Path) -> None:
