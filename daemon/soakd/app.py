@@ -338,6 +338,8 @@ class Soak:
         self._nvml: NvmlCollector | None = None
         self._gpu_watch: GpuThrottleWatch | None = None
         self._gpu_events: GpuEventListener | None = None
+        self._gpu_meta: dict[str, Any] | None = None
+        """Driver, CUDA version and each GPU's static facts, for meta.json (the report's environment)."""
         self._host_watch: HostThrottleWatch | None = None
         self._ceiling: CeilingTracker | None = None
         self._controller: Controller | None = None
@@ -367,6 +369,7 @@ class Soak:
             "config_source": self.cfg.source,
             "config": redacted(self.cfg.model_dump(mode="json")),
             "trace": asdict(self.trace.summary),
+            **({"gpu": self._gpu_meta} if self._gpu_meta is not None else {}),
             **extra,
         }
         write_json_atomic(self.run_dir / META_FILE, meta)
@@ -1122,6 +1125,7 @@ class Soak:
         tcfg = self.cfg.telemetry
         source: NvmlSource
         extra: list[Collector] = []
+        cuda = ""
         if tcfg.gpu_recording:
             speed = tcfg.gpu_recording_speed
 
@@ -1142,10 +1146,19 @@ class Soak:
             import pynvml
 
             source = LiveNvml(pynvml, pids=engine.process_ids)
+            with contextlib.suppress(pynvml.NVMLError):
+                version = int(pynvml.nvmlSystemGetCudaDriverVersion())  # 13000 for CUDA 13.0
+                cuda = f"{version // 1000}.{version % 1000 // 10}"
             events = GpuEventListener(pynvml, range(source.gpu_count()), writer.event)
             events.start()
             self._gpu_events = events
             extra.append(events)
+        self._gpu_meta = {
+            "source": "recording" if tcfg.gpu_recording else "nvml",
+            "driver": source.driver_version(),
+            "cuda_driver": cuda,
+            "devices": [source.static(i).to_dict() for i in range(source.gpu_count())],
+        }
         watch = GpuThrottleWatch(
             {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())}, on_event=writer.event
         )
