@@ -227,7 +227,7 @@ def test_influx_reader_reads_a_cut_short_window_again_in_halves_and_drops_empty_
         q = dict(httpx.QueryParams(request.content.decode()))["q"]
         assert q.startswith(
             'SELECT "fragmentation","reserved_bytes_peak","reserved_bytes" FROM "allocator" '
-            'WHERE "run_id" = \'r\\\'1\''
+            "WHERE \"run_id\" = 'r\\'1'"
         )
         start, end = (int(x) for x in re.findall(r"time [<>]=? (\d+)", q))
         seen.append((start, end))
