@@ -49,6 +49,7 @@ DASHBOARD = ROOT / "dashboards" / "soak.json"
 VLLM_METRICS = ROOT / "tests" / "data" / "vllm_metrics"
 DATASOURCE_YAML = ROOT / "dashboards" / "provisioning" / "datasources" / "soakd.yaml"
 PROVIDER_YAML = ROOT / "dashboards" / "provisioning" / "dashboards" / "soakd.yaml"
+ALERTING_YAML = ROOT / "dashboards" / "provisioning" / "alerting" / "soakd.yaml"
 # A recorded H200 (a 700 W power cap at 15-35 s and 50-71 s): the GPU collector's input in the schema soak.
 NVML_PHASES = ROOT / "tests" / "data" / "h200" / "phases" / "nvml_phases.jsonl.gz"
 
@@ -713,6 +714,93 @@ def test_dashboard_provider_provisioning() -> None:
     assert provider["type"] == "file"
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards/soakd"
     assert provider["options"]["foldersFromFilesStructure"] is False
+
+
+@pytest.fixture(scope="module")
+def alert_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(ALERTING_YAML.read_text(encoding="utf-8"))
+    assert doc["apiVersion"] == 1
+    (group,) = doc["groups"]
+    assert group["orgId"] == 1 and group["name"] == "soakd" and group["folder"] == "soakd"
+    assert parse_duration(group["interval"]) == 60
+    rules: list[dict[str, Any]] = group["rules"]
+    return rules
+
+
+def alert_query(rule: dict[str, Any]) -> str:
+    query: str = rule["data"][0]["model"]["query"]
+    return query
+
+
+def test_alert_rules_are_grafana_unified_alerting_provisioning(
+    alert_rules: list[dict[str, Any]], dashboard: dict[str, Any]
+) -> None:
+    datasource = yaml.safe_load(DATASOURCE_YAML.read_text(encoding="utf-8"))["datasources"][0]["uid"]
+    panels = {p["id"] for p in content_panels(dashboard)}
+    uids = [r["uid"] for r in alert_rules]
+    assert len(uids) == len(set(uids)) and all(u.startswith("soakd-") and len(u) <= 40 for u in uids)
+    for rule in alert_rules:
+        uid = rule["uid"]
+        assert rule["title"] and rule["condition"] == "C", uid
+        a, b, c = rule["data"]
+        assert [a["refId"], b["refId"], c["refId"]] == ["A", "B", "C"], uid
+        # A: InfluxQL on the provisioned datasource over a relative range ending now.
+        assert a["datasourceUid"] == datasource == a["model"]["datasource"]["uid"], uid
+        assert a["model"]["refId"] == "A" and a["model"]["rawQuery"] is True, uid
+        assert a["relativeTimeRange"]["from"] >= 300 and a["relativeTimeRange"]["to"] == 0, uid
+        # B: one number per series; C: the threshold on it.
+        assert b["datasourceUid"] == c["datasourceUid"] == "__expr__", uid
+        assert b["model"]["type"] == "reduce" and b["model"]["expression"] == "A", uid
+        assert b["model"]["reducer"] in {"last", "mean", "max", "min", "sum", "count"}, uid
+        mode = b["model"]["settings"]["mode"]
+        assert mode in {"dropNN", "replaceNN"}, uid
+        assert (mode == "replaceNN") == ("replaceWithValue" in b["model"]["settings"]), uid
+        assert c["model"]["type"] == "threshold" and c["model"]["expression"] == "B", uid
+        (condition,) = c["model"]["conditions"]
+        evaluator = condition["evaluator"]
+        assert evaluator["type"] in {"gt", "lt"} and len(evaluator["params"]) == 1, uid
+        # Chosen on purpose (see the file's header), not left to Grafana's defaults.
+        assert rule["noDataState"] == "OK" and rule["execErrState"] == "Error", uid
+        assert parse_duration(rule["for"]) >= 60, uid
+        assert rule["labels"]["severity"] in {"warning", "critical"} and rule["labels"]["service"] == "soakd"
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], uid
+        assert "$labels.host" in rule["annotations"]["summary"], uid
+        assert rule["dashboardUid"] == dashboard["uid"] and rule["panelId"] in panels, uid
+
+
+def test_alert_queries_group_by_host_and_gpu_over_the_rules_range(alert_rules: list[dict[str, Any]]) -> None:
+    for rule in alert_rules:
+        query = alert_query(rule)
+        uid = rule["uid"]
+        # No dashboard variables in alerting: only the time range macro, which Grafana fills in.
+        assert "$timeFilter" in query and "$__" not in query, uid
+        assert not re.search(r"\$(run_id|host|gpu|datasource)\b", query), uid
+        assert "GROUP BY time" not in query, uid  # one value per series over the whole range
+        refs = references(query)
+        want = {"host", "gpu"} if refs.measurement == "gpu" else {"host"}
+        assert refs.tags == want, uid
+        for _, denominator in _RATIO.findall(query):
+            assert f'"{denominator}" > 0' in query, f"{uid}: {denominator}"
+
+
+def test_alert_rules_cover_the_brief(alert_rules: list[dict[str, Any]], schema: SoakSchema) -> None:
+    read = {uid: references(alert_query(r)) for uid, r in ((r["uid"], r) for r in alert_rules)}
+    fields = schema.fields | OPTIONAL
+    for uid, refs in read.items():
+        for name in refs.fields | refs.either:
+            pair = (refs.measurement, name)
+            assert pair in fields or pair in schema.tags, f"{uid}: {pair}"
+    wanted = {
+        ("gpu", "throttle_power_s"),
+        ("gpu", "throttle_thermal_s"),
+        ("gpu", "reason_hw_slowdown_share"),
+        ("engine", "cg_graph_steps"),
+        ("spec_decode", "acceptance_drift"),
+        ("requests", "error"),
+        ("sink", "backlog_age_s"),
+    }
+    have = {(refs.measurement, f) for refs in read.values() for f in refs.fields}
+    assert wanted <= have, wanted - have
 
 
 # ---------------------------------------------------------------------------------------------------
