@@ -247,7 +247,7 @@ def _soak_config(tmp: Path) -> Config:
             # The sink series: a forwarder that finds no InfluxDB (a closed port), retried and counted.
             "sinks.influx.enabled": True,
             "sinks.influx.url": "http://127.0.0.1:9",
-            "sinks.influx.timeout": "1s",
+            "sinks.influx.timeout": "100ms",
             "sinks.influx.interval": "100ms",
             "sinks.influx.final_drain_timeout": "0s",
             # Real seconds (the scheduler's), short enough for several collections and slow-tier
