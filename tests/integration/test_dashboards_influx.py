@@ -275,8 +275,14 @@ def test_the_soak_had_a_throttle_episode_the_control_loop_acted_on(server_soak: 
     kinds = [e.tags["kind"] for e in server_soak.by["events"]]
     assert "throttle_enter" in kinds and "downscale" in kinds, kinds
     gpu = server_soak.by["gpu"]
-    assert sum(float(s.fields.get("throttle_power_s", 0)) for s in gpu) > 30
+    capped_s = sum(float(s.fields.get("throttle_power_s", 0)) for s in gpu)
+    assert capped_s > 30
     assert max(float(s.fields["reason_sw_power_cap_share"]) for s in gpu) > 0.5
+    (down, *_) = [e for e in server_soak.by["events"] if e.tags["kind"] == "downscale"]
+    print(
+        f"\nsoak: power-capped {capped_s:.1f} s (recorded), {kinds.count('throttle_enter')} throttle "
+        f"episode(s), ceiling {down.fields['from_limit']:g} -> {down.fields['to_limit']:g}"
+    )
 
 
 def test_power_cap_alert_fires_on_the_throttled_soak_not_on_a_clean_gpu(
@@ -297,3 +303,17 @@ def test_power_cap_alert_fires_on_the_throttled_soak_not_on_a_clean_gpu(
     # The soak's throttle was a power cap: the thermal and HW-slowdown rules stay quiet on it.
     for uid in ("soakd-gpu-thermal", "soakd-gpu-hw-slowdown"):
         assert set(evaluate(rules[uid], url, soak_run.database, at_end).values()) == {False}, uid
+
+
+def test_rules_stay_quiet_on_healthy_runs(server_soak: ServerSoak, soak_run: Run, h200_run: Run) -> None:
+    # The other direction of a threshold (lt) and the replaced empty ratio, on real data: the soak
+    # passed its error-rate criterion (no failed request: the ratio is null, read as 0), and the live
+    # H200 soak ran 96% of its steps as CUDA graphs.
+    rules = {r["uid"]: r for r in alert_rules()}
+    url = server_soak.influx_url
+    errors = evaluate(rules["soakd-request-errors"], url, soak_run.database, soak_run.last_ns // 10**6 + 1000)
+    assert errors and set(errors.values()) == {False}, errors
+    graphs = evaluate(
+        rules["soakd-cuda-graph-hit-rate"], url, h200_run.database, h200_run.last_ns // 10**6 + 1000
+    )
+    assert graphs and set(graphs.values()) == {False}, graphs
