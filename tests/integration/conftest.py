@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servers import (
@@ -103,3 +105,48 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> I
         yield server
     finally:
         server.stop()
+
+
+@dataclass(frozen=True)
+class ServerSoak:
+    """The shared server-mode soak: its summary, its spooled samples by measurement, and where InfluxDB
+    holds it."""
+
+    doc: dict[str, Any]
+    by: dict[str, list[Any]]
+    influx_url: str
+    database: str
+
+
+# A recorded H200 with two 700 W power-cap episodes (15-35 s and 50-71 s of 85 s), played at 3x so both
+# fall inside the 30 s replay.
+NVML_PHASES = Path(__file__).parents[1] / "data" / "h200" / "phases" / "nvml_phases.jsonl.gz"
+SERVER_SOAK_DB = "server_soak"
+
+
+@pytest.fixture(scope="session")
+def server_soak(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, influxdb: Server) -> ServerSoak:
+    """The server-mode soak of test_engine_lifecycle_e2e, run once for two readers: that test, and the
+    dashboard and alert checks (test_dashboards_influx.py), which need a real run in a real InfluxDB.
+    Besides the engine it replays the recorded H200 as its GPU (so the GPU collector, the throttle
+    detector and the control loop act on a real throttle episode) and ships to the session InfluxDB."""
+    from test_engine_lifecycle_e2e import run_ok, write_config  # the lifecycle tests' config and runner
+
+    tmp = tmp_path_factory.mktemp("server-soak")
+    extra = f"""
+[sinks.influx]
+enabled = true
+url = "{influxdb.url}"
+database = "{SERVER_SOAK_DB}"
+interval = "0.5s"
+[control.batch]
+dwell = "3s"
+"""
+    cfg = write_config(tmp / "server.toml", tiny_model, 'kind = "vllm-server"', extra=extra)
+    collectors = 'collectors = ["host", "engine", "allocator", "metrics"]'
+    text = cfg.read_text(encoding="utf-8")
+    assert text.count(collectors) == 1
+    gpu = f'collectors = ["host", "engine", "allocator", "metrics", "gpu"]\ngpu_recording = "{NVML_PHASES}"'
+    cfg.write_text(text.replace(collectors, gpu + "\ngpu_recording_speed = 3.0"), encoding="utf-8")
+    doc, by = run_ok(cfg)
+    return ServerSoak(doc, by, influxdb.url, SERVER_SOAK_DB)

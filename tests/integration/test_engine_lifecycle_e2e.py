@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
+from conftest import ServerSoak
 from servers import Server, finish_soakd, run_soakd, start_soakd
 
 from soakd.metric import Sample
@@ -97,9 +98,9 @@ def assert_exact_accounting(doc: dict[str, Any], by: dict[str, list[Sample]]) ->
     assert max(keys.values()) == 1, "a request was counted twice"
 
 
-def test_server_mode_with_plugin_metrics_and_allocator(tmp_path: Path, tiny_model: Path) -> None:
-    cfg = write_config(tmp_path / "server.toml", tiny_model, 'kind = "vllm-server"')
-    doc, by = run_ok(cfg)
+def test_server_mode_with_plugin_metrics_and_allocator(server_soak: ServerSoak) -> None:
+    # The run is conftest's (write_config + run_ok below), shared with the dashboard checks.
+    doc, by = server_soak.doc, server_soak.by
     tele = doc["engine_telemetry"]
     assert {"per_step", "spec_per_pos", "spec_per_request", "allocator", "metrics"} <= set(tele["signals"])
     (stat_logger,) = [e["stat_logger"] for e in tele["engines"]]

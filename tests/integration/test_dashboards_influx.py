@@ -1,0 +1,319 @@
+"""The dashboard's panels and the alert rules on a real InfluxDB holding a real soak.
+
+The soak is the shared server-mode run (conftest's `server_soak`: the vLLM CPU engine, ngram speculation,
+the stat-logger plugin, /metrics and the worker extension, a recorded H200 as its GPU with two power-cap
+episodes, the control loop, the forwarder into the session InfluxDB 1.6). Every panel target, annotation,
+variable and alert query is sent to InfluxDB's /query the way Grafana sends it (variables and macros
+filled in), and must return data. What a CPU engine cannot produce (CUDA graphs, CUDA allocator, NVML's
+error events) is checked on a recorded live H200 soak instead (tests/data/h200/live_soak); what this run
+does not reach is in a short allow-list, each entry with its reason.
+
+The power-cap alert's condition (query, reduce, threshold, evaluated as Grafana evaluates them) holds on
+the throttled soak and not on a clean stretch of the H200 recording, run through soakd's own GPU
+collector. No engine start of its own: a few seconds on top of the shared soak.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from conftest import ServerSoak
+from servers import Server
+
+from soakd.collectors.gpu_throttle import GpuThrottleWatch
+from soakd.collectors.nvml import NvmlCollector, RecordedNvml
+from soakd.config import parse_duration
+from soakd.metric import parse_line
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "dashboards" / "soak.json"
+ALERTING_YAML = ROOT / "dashboards" / "provisioning" / "alerting" / "soakd.yaml"
+H200_LIVE_SPOOL = ROOT / "tests" / "data" / "h200" / "live_soak" / "spool.lp.gz"
+NVML_BURN = ROOT / "tests" / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+H200_DB = "h200_live"
+CLEAN_DB = "clean_gpu"
+MAX_DATA_POINTS = 1000  # about a panel's width in pixels: Grafana's default for $__interval
+
+# Checked on the recorded live H200 soak instead: a CPU engine has no CUDA graphs and no CUDA caching
+# allocator, and a recorded GPU has no NVML event stream.
+ON_A_LIVE_GPU = {
+    "CUDA graphs: hit rate and padding waste A",
+    "CUDA graphs: hit rate and padding waste B",
+    "CUDA graphs: steps/s by runtime mode A",
+    "CUDA graphs: token hit rate A",
+    "CUDA graphs: token hit rate B",
+    "Allocator fragmentation A",
+    "Allocator: allocated / reserved A",
+    "Allocator retries and OOMs A",
+    "GPU errors (XID, ECC) A",
+    "alert soakd-cuda-graph-hit-rate",
+}
+# Empty on this run, on purpose.
+ALLOWED_EMPTY = {
+    # A healthy run has no failed or shed requests (the unit schema soak's stub engine makes both, and
+    # tests/unit/test_dashboards.py runs these queries on InfluxDB against them).
+    "Requests error A": "no failed requests",
+    "Requests shed A": "no shed requests",
+    # soakd's default drafts 3 tokens (engine.speculative.num_speculative_tokens): the panel's fourth
+    # position is for k >= 4.
+    "Acceptance rate: overall and per draft position E": "k = 3: no position 3",
+    # psutil sees no temperature sensor in a VM or container.
+    "Max temperature A": "no host sensors here",
+    # The trace's outputs stop at 96 tokens and its sessions after a few turns: later buckets of the
+    # acceptance profile are never reached (soakd's bucket edges; the unit test checks the names).
+    **{f"Acceptance by output-token position {r}": "outputs <= 96 tokens" for r in "CDEFGHI"},
+    **{f"Acceptance by turn {r}": "sessions end before turn 6" for r in "FGHIJK"},
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run in one database: what Grafana would be pointed at."""
+
+    database: str
+    run_id: str
+    first_ns: int
+    last_ns: int
+
+
+# ---------------------------------------------------------------------------------------------------
+# InfluxDB
+
+
+def influxql(url: str, database: str, query: str) -> list[dict[str, Any]]:
+    """The series of one statement; an InfluxQL error fails the test with the statement."""
+    reply = httpx.get(f"{url}/query", params={"db": database, "q": query, "epoch": "ms"}, timeout=30).json()
+    result = reply["results"][0] if "results" in reply else reply
+    assert "error" not in result, f"{result['error']}\n  {query}"
+    return list(result.get("series", []))
+
+
+def write_lines(url: str, database: str, lines: list[str]) -> None:
+    httpx.post(f"{url}/query", params={"q": f'CREATE DATABASE "{database}"'}, timeout=30).raise_for_status()
+    for i in range(0, len(lines), 5000):
+        body = "\n".join(lines[i : i + 5000]).encode()
+        r = httpx.post(f"{url}/write", params={"db": database, "precision": "ns"}, content=body, timeout=30)
+        r.raise_for_status()
+
+
+def run_of(database: str, times_ns: list[int], run_ids: set[str]) -> Run:
+    """The run the points belong to, and the time range that covers them (the reviewer's time picker)."""
+    (run_id,) = run_ids
+    return Run(database, run_id, min(times_ns), max(times_ns))
+
+
+# ---------------------------------------------------------------------------------------------------
+# what Grafana sends
+
+
+def panel_targets(dash: dict[str, Any]) -> Iterator[tuple[str, str, str]]:
+    """(where, query, the panel's minimum interval) of every panel target, annotation and variable."""
+    for panel in dash["panels"]:
+        for p in [panel, *panel.get("panels", [])]:
+            for t in p.get("targets", []):
+                yield f"{p['title']} {t['refId']}", t["query"], p.get("interval", "1s")
+    for a in dash["annotations"]["list"]:
+        if a.get("datasource", {}).get("type") == "influxdb":
+            yield f"annotation {a['name']}", a["query"], "1s"
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            yield f"variable {v['name']}", v["query"], "1s"
+
+
+def interpolate(query: str, run: Run, min_interval: str) -> str:
+    """Grafana's substitution for this dashboard: one run, host and gpu All (allValue .*), the time range
+    around the run, $__interval from the range over MAX_DATA_POINTS but never under the panel's minimum."""
+    start_ms, end_ms = run.first_ns // 10**6 - 1000, run.last_ns // 10**6 + 1000
+    interval_s = max(parse_duration(min_interval), math.ceil((end_ms - start_ms) / MAX_DATA_POINTS / 1000))
+    return (
+        query.replace("$run_id", re.escape(run.run_id))
+        .replace("$host", ".*")
+        .replace("$gpu", ".*")
+        .replace("$timeFilter", f"time >= {start_ms}ms and time <= {end_ms}ms")
+        .replace("$__interval_ms", str(int(interval_s * 1000)))
+        .replace("$__interval", f"{interval_s:g}s")
+    )
+
+
+def values(series: list[dict[str, Any]]) -> int:
+    return sum(v is not None for s in series for row in s["values"] for v in row[1:])
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    rules: list[dict[str, Any]] = yaml.safe_load(ALERTING_YAML.read_text(encoding="utf-8"))["groups"][0][
+        "rules"
+    ]
+    return rules
+
+
+def evaluate(
+    rule: dict[str, Any], url: str, database: str, now_ms: int
+) -> dict[tuple[tuple[str, str], ...], bool]:
+    """The rule's condition per series, as Grafana evaluates it at `now_ms`: A over its relative range,
+    B reduces each series (dropNN drops null/NaN, replaceNN replaces them), C the threshold. No series
+    gives an empty dict (Grafana's No Data, which the rules map to OK)."""
+    a, b, c = rule["data"]
+    rng = a["relativeTimeRange"]
+    time_filter = f"time >= {now_ms - rng['from'] * 1000}ms and time <= {now_ms - rng['to'] * 1000}ms"
+    series = influxql(url, database, a["model"]["query"].replace("$timeFilter", time_filter))
+    settings = b["model"]["settings"]
+    reduce = {"last": lambda v: v[-1], "max": max, "min": min, "mean": lambda v: sum(v) / len(v), "sum": sum}
+    (condition,) = c["model"]["conditions"]
+    op, (threshold,) = condition["evaluator"]["type"], condition["evaluator"]["params"]
+    out = {}
+    for s in series:
+        nums = []
+        for row in s["values"]:
+            v = row[1]
+            number = isinstance(v, int | float) and not math.isnan(v)
+            if number:
+                nums.append(float(v))
+            elif settings["mode"] == "replaceNN":
+                nums.append(float(settings["replaceWithValue"]))
+        reduced = reduce[b["model"]["reducer"]](nums) if nums else math.nan
+        fired = reduced > threshold if op == "gt" else reduced < threshold
+        out[tuple(sorted(s.get("tags", {}).items()))] = bool(fired)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# the data
+
+
+@pytest.fixture(scope="module")
+def soak_run(server_soak: ServerSoak) -> Run:
+    assert server_soak.doc["influx"]["all_shipped"] is True
+    samples = [s for ss in server_soak.by.values() for s in ss]
+    return run_of(server_soak.database, [s.time_ns for s in samples], {server_soak.doc["run_id"]})
+
+
+@pytest.fixture(scope="module")
+def h200_run(influxdb: Server) -> Run:
+    """The recorded live H200 soak (CUDA graphs, CUDA allocator, NVML's events), as soakd spooled it."""
+    with gzip.open(H200_LIVE_SPOOL, "rt", encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    write_lines(influxdb.url, H200_DB, lines)
+    points = [parse_line(line) for line in lines]
+    return run_of(H200_DB, [p.time_ns for p in points], {p.tags["run_id"] for p in points})
+
+
+@pytest.fixture(scope="module")
+def clean_gpu(influxdb: Server) -> tuple[str, int]:
+    """A clean stretch of the H200 recording (20-150 s: the engine serving a soak, no power cap, before
+    the matrix burn) through soakd's own GPU collector and throttle detector, one point a second as a
+    soak writes them, ending now. Returns (host, the last point's time in ms)."""
+    clock = [0.0]
+    source = RecordedNvml(NVML_BURN, lambda: clock[0])
+    watch = GpuThrottleWatch({0: source.static(0).max_sm_mhz}, on_event=lambda *a, **k: None)
+    collector = NvmlCollector(source, on_fast=watch.observe)
+    host = socket.gethostname() + "-clean"
+    end_ns = time.time_ns()
+    seconds = 130
+    lines = []
+    for second in range(seconds):
+        for tick in range(10):
+            clock[0] = 20.0 + second + tick / 10
+            collector.sample_fast(clock[0])
+        collector.sample_slow()
+        now_ns = end_ns - (seconds - 1 - second) * 10**9
+        for sample in [*collector.collect(now_ns), *watch.collect(now_ns)]:
+            sample.tags.update(run_id="clean", host=host)
+            line = sample.to_line()
+            assert line is not None
+            lines.append(line)
+    write_lines(influxdb.url, CLEAN_DB, lines)
+    return host, end_ns // 10**6
+
+
+# ---------------------------------------------------------------------------------------------------
+# the checks
+
+
+def test_every_panel_and_alert_query_returns_data_on_a_real_soak(
+    server_soak: ServerSoak, soak_run: Run, h200_run: Run
+) -> None:
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    url = server_soak.influx_url
+    targets = list(panel_targets(dash))
+    # Both lists name real targets and rules (a typo would silently skip a check).
+    names = {where for where, _, _ in targets} | {f"alert {r['uid']}" for r in alert_rules()}
+    assert set(ON_A_LIVE_GPU) <= names and set(ALLOWED_EMPTY) <= names
+    problems: list[str] = []
+    for where, query, min_interval in targets:
+        run = h200_run if where in ON_A_LIVE_GPU else soak_run
+        series = influxql(url, run.database, interpolate(query, run, min_interval))
+        if values(series) == 0 and where not in ALLOWED_EMPTY:
+            problems.append(f"{where}: no data on {run.run_id}")
+        elif values(series) and where in ALLOWED_EMPTY:
+            problems.append(f"{where}: has data, take it off the allow-list")
+    for rule in alert_rules():
+        where = f"alert {rule['uid']}"
+        run = h200_run if where in ON_A_LIVE_GPU else soak_run
+        now_ms = run.last_ns // 10**6 + 1000
+        if not evaluate(rule, url, run.database, now_ms):
+            problems.append(f"{where}: no series on {run.run_id}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_soak_had_a_throttle_episode_the_control_loop_acted_on(server_soak: ServerSoak) -> None:
+    # Guards the data the panels are checked on: the recorded power cap reached the detector and the
+    # control loop, so the GPU, throttle and control panels show a real episode, not flat lines.
+    kinds = [e.tags["kind"] for e in server_soak.by["events"]]
+    assert "throttle_enter" in kinds and "downscale" in kinds, kinds
+    gpu = server_soak.by["gpu"]
+    capped_s = sum(float(s.fields.get("throttle_power_s", 0)) for s in gpu)
+    assert capped_s > 30
+    assert max(float(s.fields["reason_sw_power_cap_share"]) for s in gpu) > 0.5
+    (down, *_) = [e for e in server_soak.by["events"] if e.tags["kind"] == "downscale"]
+    print(
+        f"\nsoak: power-capped {capped_s:.1f} s (recorded), {kinds.count('throttle_enter')} throttle "
+        f"episode(s), ceiling {down.fields['from_limit']:g} -> {down.fields['to_limit']:g}"
+    )
+
+
+def test_power_cap_alert_fires_on_the_throttled_soak_not_on_a_clean_gpu(
+    server_soak: ServerSoak, soak_run: Run, clean_gpu: tuple[str, int], influxdb: Server
+) -> None:
+    rules = {r["uid"]: r for r in alert_rules()}
+    url = server_soak.influx_url
+    # Grafana evaluates every minute over the last 5: at the run's end the whole run is in the range.
+    at_end = soak_run.last_ns // 10**6 + 1000
+    fired = evaluate(rules["soakd-gpu-power-cap"], url, soak_run.database, at_end)
+    assert list(fired.values()) == [True], fired
+    ((labels, _),) = fired.items()
+    assert dict(labels)["gpu"] == "0" and dict(labels)["host"]
+    host, clean_end = clean_gpu
+    for uid in ("soakd-gpu-power-cap", "soakd-gpu-thermal", "soakd-gpu-hw-slowdown"):
+        clean = evaluate(rules[uid], influxdb.url, CLEAN_DB, clean_end + 1000)
+        assert clean == {(("gpu", "0"), ("host", host)): False}, (uid, clean)
+    # The soak's throttle was a power cap: the thermal and HW-slowdown rules stay quiet on it.
+    for uid in ("soakd-gpu-thermal", "soakd-gpu-hw-slowdown"):
+        assert set(evaluate(rules[uid], url, soak_run.database, at_end).values()) == {False}, uid
+
+
+def test_rules_stay_quiet_on_healthy_runs(server_soak: ServerSoak, soak_run: Run, h200_run: Run) -> None:
+    # The other direction of a threshold (lt) and the replaced empty ratio, on real data: the soak
+    # passed its error-rate criterion (no failed request: the ratio is null, read as 0), and the live
+    # H200 soak ran 96% of its steps as CUDA graphs.
+    rules = {r["uid"]: r for r in alert_rules()}
+    url = server_soak.influx_url
+    errors = evaluate(rules["soakd-request-errors"], url, soak_run.database, soak_run.last_ns // 10**6 + 1000)
+    assert errors and set(errors.values()) == {False}, errors
+    graphs = evaluate(
+        rules["soakd-cuda-graph-hit-rate"], url, h200_run.database, h200_run.last_ns // 10**6 + 1000
+    )
+    assert graphs and set(graphs.values()) == {False}, graphs
