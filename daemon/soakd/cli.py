@@ -389,8 +389,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     checkpoint = None if summary else read_checkpoint(run_dir)
     if args.ship:
-        shipped = asyncio.run(_ship(judged_by, run_dir))
-        print(f"shipped {shipped} lines to InfluxDB", file=sys.stderr)
+        shipped, refused = asyncio.run(_ship(judged_by, run_dir))
+        print(
+            f"shipped {shipped} lines to InfluxDB"
+            + (f"; it refused {refused} (kept in the run's spool/rejected.lp)" if refused else ""),
+            file=sys.stderr,
+        )
     metrics, series = _read_run(args, run_dir, meta, judged_by) if paths or args.from_influx else (None, None)
     verdict = judge(
         run_dir,
@@ -445,7 +449,8 @@ def _read_run(args: argparse.Namespace, run_dir: Path, meta: dict[str, Any], cfg
     return metrics, series
 
 
-async def _ship(cfg: Any, run_dir: Path) -> int:
+async def _ship(cfg: Any, run_dir: Path) -> tuple[int, int]:
+    """Ship what the spool still holds: (lines InfluxDB took, lines it refused)."""
     from soakd.report.runs import SPOOL_DIR
     from soakd.sinks.forwarder import Forwarder
     from soakd.sinks.influx import make_writer
@@ -456,10 +461,10 @@ async def _ship(cfg: Any, run_dir: Path) -> int:
     writer = make_writer(icfg, os.environ)
     try:
         fwd = Forwarder(run_dir / SPOOL_DIR, writer, icfg.batch_lines)
-        before = fwd.lines_shipped
+        before, refused_before = fwd.lines_shipped, fwd.lines_rejected
         if not await fwd.drain(icfg.final_drain_timeout):
             raise SinkError(f"InfluxDB did not take the backlog: {fwd.last_error}")
-        return fwd.lines_shipped - before
+        return fwd.lines_shipped - before, fwd.lines_rejected - refused_before
     finally:
         await writer.aclose()
 

@@ -447,6 +447,8 @@ async def test_a_refused_batch_is_set_aside_not_retried_forever(tmp_path: Path) 
     fwd = Forwarder(tmp_path, Refusing(), batch_lines=3, on_event=lambda kind, _: events.append(kind))
     assert await fwd.drain(5.0)
     assert len(shipped) == 3 and fwd.lines_rejected == 3
+    # Only the lines the sink took count as shipped; the refused ones are counted apart.
+    assert fwd.lines_shipped == 3
     kept = (tmp_path / REJECTED_FILE).read_text().splitlines()
     assert kept == [line for line in iter_lines(tmp_path)][:3]
     assert events == ["sink_rejected"]

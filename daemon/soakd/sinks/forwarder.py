@@ -195,17 +195,20 @@ class Forwarder:
         if batch.cursor == self._cursor:
             return 0
         lines = batch.lines
+        refused = False
         if lines:
             try:
                 await self.writer.write(lines)
             except SinkRejected as err:
                 self._set_aside(lines, str(err), batch.cursor)
+                refused = True
             except SinkError as err:
                 self._record_failure(str(err), len(lines))
                 return 0
         recovering = bool(lines) and self.consecutive_failures > 0
         self._advance(batch)
-        self.lines_shipped += len(lines)
+        # A refused batch moved the cursor on (set aside) but was not shipped: counted as rejected only.
+        self.lines_shipped += 0 if refused else len(lines)
         self.batches += 1 if lines else 0
         self._save_state()
         if recovering:
