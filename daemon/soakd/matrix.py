@@ -171,13 +171,25 @@ def load_matrix(path: Path) -> MatrixSpec:
 
 
 def _line_of(text: str, loc: Sequence[str]) -> int | None:
-    """The line of the n-th [[variant]] table (or of a top-level key) that `loc` points into."""
+    """The line that `loc` points at: a key of the n-th [[variant]] (else that table's header), or a
+    top-level key or table."""
+    lines = text.splitlines()
     if loc and loc[0] == "variant" and len(loc) > 1 and loc[1].isdigit():
+        headers = [i for i, raw in enumerate(lines) if raw.strip().startswith("[[variant]]")]
         n = int(loc[1])
-        seen = [i for i, raw in enumerate(text.splitlines(), 1) if raw.strip().startswith("[[variant]]")]
-        return seen[n] if n < len(seen) else None
+        if n >= len(headers):
+            return None
+        start = headers[n]
+        end = next(
+            (i for i, raw in enumerate(lines) if i > start and raw.lstrip().startswith("[")), len(lines)
+        )
+        if len(loc) > 2:
+            for i in range(start + 1, end):
+                if re.match(rf"\s*{re.escape(loc[2])}\s*=", lines[i]):
+                    return i + 1
+        return start + 1
     if loc:
-        for i, raw in enumerate(text.splitlines(), 1):
+        for i, raw in enumerate(lines, 1):
             if re.match(rf"\s*{re.escape(loc[0])}\s*=", raw) or raw.strip() == f"[{loc[0]}]":
                 return i
     return None
@@ -221,7 +233,7 @@ def plan(
             raise ConfigError(
                 f"variant {v.name!r}: {err.reason}",
                 file=matrix_file,
-                line=_line_of(matrix_file.read_text(encoding="utf-8"), ["variant", str(i)]),
+                line=_line_of(matrix_file.read_text(encoding="utf-8"), ["variant", str(i), "set"]),
                 key=err.key,
             ) from None
         if cfg.engine.kind == "openai":
