@@ -290,12 +290,16 @@ class _ChildStop:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
-        self.stopped = ""
+        self._stopped = ""
+
+    def stopped(self) -> str:
+        """The signal that stopped the matrix ("" while none has)."""
+        return self._stopped
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         def handler(signum: int, _frame: FrameType | None) -> None:
-            self.stopped = signal.Signals(signum).name
+            self._stopped = signal.Signals(signum).name
             if self.proc is not None and self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
 
@@ -367,13 +371,16 @@ class Matrix:
         with stopper.installed():
             for i in order:
                 row, p = self.rows[i], self.planned[i]
-                if stopper.stopped:
-                    row.status, row.reason = "not run", f"matrix stopped ({stopper.stopped})"
+                if stopper.stopped():
+                    row.status, row.reason = "not run", f"matrix stopped ({stopper.stopped()})"
                 elif p.variant.needs == "cuda" and not self._has_cuda():
                     row.status, row.reason = "not applicable", "not applicable (CPU: no CUDA graphs)"
                 else:
                     log.info("matrix_variant_start", variant=row.variant, index=i + 1, of=len(self.rows))
                     self._run_one(row, p, launch)
+                    if stopper.stopped() and row.status == "ran":
+                        # Drained and judged, but over part of the replay: not the variant's numbers.
+                        row.status, row.reason = "failed", f"stopped ({stopper.stopped()}) during the run"
                     log.info(
                         "matrix_variant_end", variant=row.variant, status=row.status, verdict=row.verdict
                     )

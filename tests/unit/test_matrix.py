@@ -212,3 +212,28 @@ def test_cli_bad_matrix_is_exit_2_with_nothing_written(
     (tmp_path / "out").mkdir()
     assert main(["matrix", "--out", str(tmp_path / "out")]) == 2
     assert "a matrix directory is never reused" in capsys.readouterr().err
+
+
+def test_a_stop_mid_variant_marks_it_and_runs_nothing_more(recorded: dict[str, Path], tmp_path: Path) -> None:
+    import os
+    import signal
+
+    m = _write(tmp_path / "m.toml", MATRIX)
+    planned = plan(load_matrix(m), None, {}, matrix_file=m)
+    inner = _fake_runs(recorded, tmp_path, {"baseline": "server", "spec": "rebuild"}, "cpu")
+
+    def launch(argv: list[str], log: Path) -> tuple[int, str]:
+        result = inner(argv, log)  # type: ignore[operator]
+        if 'run.name="soak-spec"' in argv:
+            os.kill(os.getpid(), signal.SIGTERM)  # as systemd stops the matrix while +spec runs
+        return result  # type: ignore[no-any-return]
+
+    before = signal.getsignal(signal.SIGTERM)
+    matrix = Matrix(planned, "baseline", tmp_path, None, launch=launch, gpu_present=lambda: False)
+    rows = {r.variant: r for r in matrix.run()}
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert rows["baseline"].status == "ran"
+    assert (rows["+spec"].status, rows["+spec"].reason) == ("failed", "stopped (SIGTERM) during the run")
+    assert rows["+spec"].link  # its run is still linked
+    assert rows["+broken"].status == rows["+graphs"].status == "not run" and matrix.stopped
+    assert len(inner.calls) == 2  # type: ignore[attr-defined]
