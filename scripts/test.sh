@@ -10,7 +10,7 @@ bash scripts/setup.sh --servers
 # In CI a missing server or systemd-analyze is a failure, never a skip.
 export SOAKD_REQUIRE_SERVERS=1 SOAKD_REQUIRE_SYSTEMD=1
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest --durations=25 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then

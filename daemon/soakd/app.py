@@ -60,7 +60,8 @@ from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
-from soakd.report.criteria import RequestFolder
+from soakd.report.criteria import first_abort
+from soakd.report.metrics import RunMetrics
 from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, verdict_of
 from soakd.report.verdict import VERDICT_FILE, Verdict, write_json_atomic
 from soakd.resume import (
@@ -98,8 +99,11 @@ class SampleWriter:
         tags: dict[str, str],
         wall_ns: Callable[[], int] = time.time_ns,
         after_ns: int = 0,
+        observe: Callable[[Sample], None] | None = None,
     ) -> None:
         self._spool = spool
+        self._observe = observe
+        """Sees every point as written (the verdict's metrics fold)."""
         self._tags = tags
         self._wall_ns = wall_ns
         self._after_ns = after_ns
@@ -123,8 +127,11 @@ class SampleWriter:
             if last is not None and t <= last:
                 t = last + 1
             self._last[key] = t
-            out.append(Sample(s.measurement, s.fields, t, tags))
+            point = Sample(s.measurement, s.fields, t, tags)
+            out.append(point)
             self.counts[s.measurement] = self.counts.get(s.measurement, 0) + 1
+            if self._observe is not None:
+                self._observe(point)
         self._spool.write(out)
 
     def event(self, kind: str, message: str, **fields: FieldValue) -> None:
@@ -336,7 +343,8 @@ class Soak:
         self._ceiling_reason = ""
         self._gpu_clock: Callable[[], float] = time.monotonic
         self._writer_counts: dict[str, int] | None = None
-        self._folder: RequestFolder | None = None
+        self._emit: Callable[..., None] | None = None
+        self._metrics: RunMetrics | None = None
         # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
         # nothing half-made), then taken out of the environment the engine's processes inherit.
         icfg = cfg.sinks.influx
@@ -377,8 +385,8 @@ class Soak:
             # The engine's start cannot be cut short and may outlast the service manager's stop timeout:
             # leave a verdict now (FAIL, stopped before replay); the normal end rewrites it if reached.
             log.warning("stop_during_engine_start", hint="stopping once the engine is up")
-            folder = self._folder if self._folder is not None else RequestFolder()
-            self._guard_sync("early_verdict", lambda: self._judge(self._offset_s, folder))
+            metrics = self._metrics if self._metrics is not None else RunMetrics()
+            self._guard_sync("early_verdict", lambda: self._judge(self._offset_s, metrics))
 
     async def run(self) -> RunResult:
         cfg = self.cfg
@@ -406,14 +414,18 @@ class Soak:
             max_bytes=scfg.max_bytes,
             min_free_bytes=scfg.min_free_bytes,
         )
+        metrics = self._metrics = self.resumed.metrics if self.resumed is not None else RunMetrics()
         writer = SampleWriter(
             spool,
             {"run_id": self.run_id, "host": self.host},
             after_ns=self.resumed.last_point_ns if self.resumed is not None else 0,
+            # Request records are folded before they are written (on_record), the rest as written.
+            observe=lambda s: None if s.measurement == "requests" else metrics.add(s),
         )
         if self.resumed is not None:
             writer.counts.update(self.resumed.points)
         self._writer_counts = writer.counts
+        self._emit = writer.event
 
         def on_spool(kind: str, fields: dict[str, FieldValue]) -> None:
             what = "degraded" if kind == "spool_degraded" else "recovered"
@@ -478,7 +490,8 @@ class Soak:
         scheduler.start()
         for ticker in self._tickers:
             ticker.start()
-        folder = self._folder = self.resumed.folder if self.resumed is not None else RequestFolder()
+        metrics = self._metrics
+        assert metrics is not None
         # A run that crashed after its replay had ended (while stopping the engine or shipping) only
         # needs its verdict: no engine is started for nothing.
         finishing = self.resumed is not None and self.resumed.remaining_s <= 0
@@ -536,7 +549,7 @@ class Soak:
 
                 def on_record(record: RequestRecord) -> None:
                     sample = record.to_sample(self._clock.wall_ns())
-                    folder.add(sample)  # the verdict counts it even if the disk refuses the line
+                    metrics.add(sample)  # the verdict counts it even if the disk refuses the line
                     if self._ceiling is not None:
                         self._ceiling.observe_request(record.input_tokens, record.output_tokens)
                     if controller is not None:
@@ -607,7 +620,7 @@ class Soak:
             completed=stats.completed,
             failed=stats.failed,
         )
-        verdict = self._judge(ran_s, folder)
+        verdict = self._judge(ran_s, metrics)
         self._guard_sync(
             "run_point",
             lambda: writer(
@@ -703,12 +716,12 @@ class Soak:
         notify(f"STATUS=done: {verdict.word}" + (f" (error: {self.error})" if self.error else ""))
         return RunResult(self.run_id, self.run_dir, verdict, summary_doc, self.error, self.stopped_by)
 
-    def _judge(self, ran_s: float, folder: RequestFolder) -> Verdict:
+    def _judge(self, ran_s: float, metrics: RunMetrics) -> Verdict:
         """The verdict, written to verdict.json; if the disk refuses it, still returned (and logged)."""
         verdict = verdict_of(
             self.run_id,
             self.cfg.criteria,
-            folder.summary(),
+            metrics,
             ran_s=ran_s,
             planned_s=self.cfg.run.duration,
             interrupted=self.interrupted or bool(self.error),
@@ -1138,6 +1151,22 @@ class Soak:
             # The GPU's slow tier has its own, faster job (gpu_slow).
             await runner.refresh(timeout_s=cfg.telemetry.slow_interval, exclude=frozenset({"gpu"}))
 
+        async def check_abort() -> None:
+            replayer, metrics = self._replayer, self._metrics
+            if replayer is None or replayer.fatal or metrics is None or self._progress_start is None:
+                return
+            replayed = self._elapsed()
+            if replayed < cfg.criteria.abort_grace:
+                return
+            context = {"duration_s": replayed, "interruptions": float(len(self._interruptions()))}
+            failed = first_abort(cfg.criteria, metrics, context)
+            if failed is None:
+                return
+            reason = f"criterion failed: {failed.expr} (measured {failed.value:.4g})"
+            if self._emit is not None:
+                self._emit("criteria_abort", reason, value=float(failed.value or 0.0), replayed_s=replayed)
+            replayer.fail(reason)
+
         async def check_engine() -> None:
             engine.check()
             if not engine.alive() and self._replayer is not None and not self._replayer.fatal:
@@ -1171,6 +1200,8 @@ class Soak:
             scheduler.add_job(control, "interval", seconds=cfg.control.interval, id="control")
         scheduler.add_job(slow, "interval", seconds=cfg.telemetry.slow_interval, id="slow")
         scheduler.add_job(check_engine, "interval", seconds=1.0, id="engine_check")
+        if cfg.criteria.abort_on:
+            scheduler.add_job(check_abort, "interval", seconds=5.0, id="abort_check")
         scheduler.add_job(flush, "interval", seconds=cfg.sinks.spool.fsync_interval, id="spool_flush")
         if forwarder is not None:
 

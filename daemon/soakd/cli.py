@@ -1,7 +1,7 @@
 """argv -> command. Parses arguments, loads the config, calls the component, maps errors to exit codes.
 
-Exit codes: 0 PASS (or success), 1 FAIL (or a check that did not answer), 2 bad input, 3 internal error
-of the engine or a sink that ended the run.
+Exit codes: 0 PASS (or success), 1 FAIL (or a check that did not answer), 2 bad input, 3 aborted: the run
+ended early on its own (engine failure, an `abort_on` criterion, a changed trace) or an internal error.
 """
 
 from __future__ import annotations
@@ -71,7 +71,14 @@ def _positive(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="soakd", description="Endurance and telemetry daemon for LLM inference.")
+    p = _Parser(
+        prog="soakd",
+        description="Endurance and telemetry daemon for LLM inference.",
+        epilog="exit codes: 0 PASS (or stopped by SIGTERM, drained and judged); 1 FAIL (a criterion did not "
+        "hold); 2 bad input (config, trace, arguments: one line naming file, line and key); 3 aborted "
+        "(the run ended early on its own: engine failure, an abort_on criterion, a changed trace; or an "
+        "internal error)",
+    )
     p.add_argument("--version", action="version", version=f"soakd {__version__}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)

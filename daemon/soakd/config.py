@@ -12,7 +12,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+)
 
 from soakd.errors import ConfigError
 
@@ -332,6 +340,12 @@ Ratio = Annotated[float, Field(ge=0, le=1)] | Literal[False]
 Millis = Annotated[float, Field(gt=0)] | Literal[False]
 
 
+def _check_expr(text: str) -> str:
+    from soakd.report.dsl import validate  # the criteria language imports this module
+
+    return validate(text)
+
+
 class CriteriaConfig(_Section):
     """[criteria]: the acceptance thresholds of the verdict; `false` switches one off."""
 
@@ -342,6 +356,12 @@ class CriteriaConfig(_Section):
     # Daemon crashes resumed during the run. Each one restarted the engine, so the soak did not show
     # `run.duration` of continuous serving: by default an interrupted soak cannot pass.
     max_interruptions: Annotated[int, Field(ge=0)] | Literal[False] = 0
+    # k6-threshold-style lines over the run's metrics, e.g. "p99(ttft_ms) < 500" (soakd.report.dsl).
+    checks: list[Annotated[str, AfterValidator(_check_expr)]] = Field(default_factory=list)
+    # Checks judged during the run too (k6's abortOnFail): once one fails, past `abort_grace` of replay,
+    # the run stops early (drained, FAIL, exit 3) instead of spending the night on a soak that cannot pass.
+    abort_on: list[Annotated[str, AfterValidator(_check_expr)]] = Field(default_factory=list)
+    abort_grace: Duration = Field(default=120.0, ge=0)
 
 
 class Config(_Section):
@@ -414,6 +434,7 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
         loc = _key_path(data, first["loc"])
         key = ".".join(loc) if loc else "(top level)"
         file, line = _blame(source, text, loc, overridden)
+        line = _item_line(text, line, first.get("input")) if file is not None else line
         raise ConfigError(_reason(first), file=file, line=line, key=key) from None
     if cfg.replay.end and cfg.replay.end <= cfg.replay.start:
         file, line = _blame(source, text, ["replay", "end"], overridden)
@@ -437,6 +458,17 @@ def _blame(
     if key and any(key[: len(k)] == k or k[: len(key)] == key for k in overridden):
         return None, None
     return source, _find_line(text, loc) if text else None
+
+
+def _item_line(text: str, line: int | None, value: object) -> int | None:
+    """A string item of a multi-line array: the line that holds it, rather than the array's key line."""
+    if line is None or not isinstance(value, str) or not value:
+        return line
+    lines = text.splitlines()
+    for number in range(line, min(len(lines), line + 200) + 1):
+        if value in lines[number - 1]:
+            return number
+    return line
 
 
 def _reason(error: Any) -> str:

@@ -30,7 +30,7 @@ import structlog
 from soakd.files import open_private_append
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled
-from soakd.report.criteria import RequestFolder
+from soakd.report.metrics import METRIC_MEASUREMENTS, RunMetrics
 from soakd.report.runs import CHECKPOINT_FILE, SPOOL_DIR, SUMMARY_FILE
 from soakd.report.verdict import write_json_atomic
 from soakd.sinks.spool import iter_lines, list_segments
@@ -192,8 +192,8 @@ class ResumeState:
     """Requests that came due before the crash."""
     finished_keys: set[RequestKey]
     """Requests with a record in the spool."""
-    folder: RequestFolder
-    """The verdict's fold over the records already written."""
+    metrics: RunMetrics
+    """The verdict's fold over the points already written (request records and the metrics' series)."""
     finished: int
     lost: list[RequestKey]
     """Came due, never finished, not counted at an earlier crash: in flight at this crash."""
@@ -204,7 +204,7 @@ class ResumeState:
     last_seen_ns: int
     """The run's last sign of life (newest write to its spool, journal or checkpoint)."""
     damaged_lines: int = 0
-    """`requests` lines of the spool that could not be parsed (skipped, each logged)."""
+    """Lines of the spool the verdict reads that could not be parsed (skipped, each logged)."""
     last_point_ns: int = 0
     """The newest point time in the spool: points after the resume must come later (a wall clock set
     back meanwhile would otherwise overwrite earlier points of the same series in InfluxDB)."""
@@ -230,7 +230,7 @@ def _last_seen_ns(run_dir: Path, checkpoint: Checkpoint) -> int:
 def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
     """Rebuild the run's accounting from its journal and spool (one pass over the spool)."""
     due = read_journal(run_dir / JOURNAL_FILE)
-    folder = RequestFolder()
+    metrics = RunMetrics()
     finished: set[RequestKey] = set()
     points: dict[str, int] = {}
     newest = 0
@@ -244,16 +244,18 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
         end = min((i for i in (line.find(","), line.find(" ")) if i >= 0), default=len(line))
         name = line[:end]
         points[name] = points.get(name, 0) + 1
-        if name == "requests":
-            try:
-                sample = parse_line(line)
-                key = request_key(sample)
-            except (ValueError, OverflowError) as err:
-                # A damaged line (a power loss can leave NULs) is not a request to count: said, not fatal.
-                damaged += 1
-                log.warning("spool_line_damaged", run_dir=str(run_dir), error=str(err)[:200])
-                continue
-            folder.add(sample)
+        if name not in METRIC_MEASUREMENTS:
+            continue
+        try:
+            sample = parse_line(line)
+            key = request_key(sample) if name == "requests" else None
+        except (ValueError, OverflowError) as err:
+            # A damaged line (a power loss can leave NULs) is not a point to count: said, not fatal.
+            damaged += 1
+            log.warning("spool_line_damaged", run_dir=str(run_dir), error=str(err)[:200])
+            continue
+        metrics.add(sample)
+        if key is not None:
             finished.add(key)
     counted = set(checkpoint.lost)
     lost = sorted(k for k in due if k not in finished and k not in counted)
@@ -262,7 +264,7 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
         checkpoint=checkpoint,
         due=due,
         finished_keys=finished,
-        folder=folder,
+        metrics=metrics,
         finished=len(finished),
         lost=lost,
         offset_s=offset,

@@ -229,6 +229,26 @@ async def test_engine_death_ends_the_replay_early_with_every_request_recorded(tm
     assert result.verdict.word == "FAIL"
 
 
+async def test_an_abort_criterion_ends_the_run_early_and_fails_it(tmp_path: Path) -> None:
+    over = {
+        "run.duration": "60s",
+        "trace.synthetic.duration": "60s",
+        "criteria.abort_on": ["p99(tpot_ms) < 0.0001"],
+        "criteria.abort_grace": "1s",
+    }
+    soak = Soak(config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
+    result = await asyncio.wait_for(soak.run(), 30)
+    assert result.error.startswith("criterion failed: p99(tpot_ms) < 0.0001 (measured ")
+    assert 1 <= result.summary["ran_s"] < 15
+    assert result.verdict.word == "FAIL"
+    (abort,) = [c for c in result.verdict.criteria if c.expr]
+    assert not abort.passed and abort.value is not None and abort.value > 0.0001
+    events = [
+        s for s in iter_samples(result.run_dir / "spool", "events") if s.tags["kind"] == "criteria_abort"
+    ]
+    assert len(events) == 1 and float(events[0].fields["replayed_s"]) >= 1
+
+
 async def test_stop_during_warm_up_skips_the_replay(tmp_path: Path) -> None:
     class SlowWarm(StubEngine):
         async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
@@ -351,6 +371,7 @@ async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_pat
         "telemetry.gpu_recording_speed": 40.0,
         "telemetry.gpu_fast_interval": "25ms",
         "telemetry.gpu_slow_interval": "250ms",
+        "criteria.checks": ["throttle_time_pct < 5", "throttle_episodes == 0", "errors == 0"],
     }
     soak = Soak(config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
     result = await asyncio.wait_for(soak.run(), 60)
@@ -371,6 +392,13 @@ async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_pat
     power_s = sum(float(s.fields.get("throttle_power_s", 0)) for s in gpu)
     assert 20 < power_s <= 25.35  # the recorded field-74 growth, as far as the run got through it
     assert result.summary["gpu_throttle"]["0"]["enters"] == 1
+    # The verdict's checks see the episode through the fold fed as points were written.
+    checks = {c.expr: c for c in result.verdict.criteria if c.expr}
+    assert not checks["throttle_time_pct < 5"].passed and checks["throttle_time_pct < 5"].value is not None
+    assert checks["throttle_time_pct < 5"].value > 5
+    assert checks["throttle_episodes == 0"].value == 1 and checks["errors == 0"].passed
+    written = json.loads((result.run_dir / "verdict.json").read_text())
+    assert written["metrics"]["throttle_time_pct"] == checks["throttle_time_pct < 5"].value
 
 
 async def test_decode_throughput_as_a_share_of_the_ceiling(tmp_path: Path) -> None:

@@ -80,7 +80,7 @@ def test_state_of_a_crashed_run(tmp_path: Path) -> None:
     assert cp is not None
     state = load_state(run_dir, cp)
     assert state.lost == [(0, 2, 0), (0, 4, 0)]  # came due, never finished
-    assert state.finished == 3 and state.folder.summary().scheduled == 3
+    assert state.finished == 3 and state.metrics.summary().scheduled == 3
     assert state.offset_s == 12.0  # the journal's last due time beats the 9 s checkpoint
     assert state.remaining_s == 48.0
     assert state.points == {"requests": 3, "host": 1}

@@ -6,13 +6,17 @@ import math
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from soakd.config import CriteriaConfig
 from soakd.metric import Sample
+from soakd.report.dsl import OPS, measure, parse_check
+
+if TYPE_CHECKING:
+    from soakd.report.metrics import RunMetrics
 
 
 def _pct(values: npt.NDArray[np.float64], q: float) -> float | None:
@@ -30,12 +34,13 @@ class Quantiles:
     request, 32 MB per million requests for four latencies).
     """
 
-    __slots__ = ("_counts", "_exact", "_floor", "_limit", "_log_step", "_max", "_min", "_n")
+    __slots__ = ("_counts", "_exact", "_floor", "_limit", "_log_step", "_max", "_min", "_n", "_sum")
 
     def __init__(self, exact_limit: int = 8192, rel_error: float = 0.005, floor: float = 1e-6) -> None:
         self._exact: array[float] | None = array("d")
         self._counts: npt.NDArray[np.int64] | None = None
         self._n = 0
+        self._sum = 0.0
         self._max = -math.inf
         self._min = math.inf
         self._log_step = math.log1p(rel_error)
@@ -47,6 +52,7 @@ class Quantiles:
 
     def add(self, value: float) -> None:
         self._n += 1
+        self._sum += value
         self._max = max(self._max, value)
         self._min = min(self._min, value)
         if self._exact is not None:
@@ -88,6 +94,14 @@ class Quantiles:
     @property
     def max(self) -> float | None:
         return self._max if self._n else None
+
+    @property
+    def min(self) -> float | None:
+        return self._min if self._n else None
+
+    @property
+    def mean(self) -> float | None:
+        return self._sum / self._n if self._n else None
 
 
 _BUCKETS = 6000  # (1 + 0.005) ** 6000 ~ 1e13: 1 us .. ~4 months
@@ -201,6 +215,13 @@ class RequestFolder:
         s.input_tokens += int(tokens_in) if isinstance(tokens_in, int) else 0
         s.output_tokens += int(tokens_out) if isinstance(tokens_out, int) else 0
 
+    def quantiles(self, name: str) -> Quantiles:
+        """One latency's distribution (seconds) by its criteria name: ttft_ms, tpot_ms, e2e_ms,
+        lateness_ms."""
+        return {"ttft_ms": self._ttft, "tpot_ms": self._tpot, "e2e_ms": self._e2e, "lateness_ms": self._late}[
+            name
+        ]
+
     def summary(self) -> RequestSummary:
         s = self._s
         s.ttft = LatencyStats.of(self._ttft)
@@ -234,6 +255,8 @@ class CriterionResult:
     value: float | None
     passed: bool
     detail: str = ""
+    expr: str = ""
+    """The `[criteria] checks` line this result judges (empty for the named criteria)."""
 
 
 def evaluate(
@@ -245,8 +268,10 @@ def evaluate(
     interrupted: bool = False,
     interruptions: int = 0,
     lost_in_flight: int = 0,
+    metrics: RunMetrics | None = None,
 ) -> list[CriterionResult]:
-    """Judge the summary. A criterion whose value cannot be measured fails: no data is no evidence."""
+    """Judge the summary (and, for `checks`, the run's metrics). A criterion whose value cannot be
+    measured fails: no data is no evidence."""
     results: list[CriterionResult] = []
 
     def check(name: str, op: str, threshold: float | bool, value: float | None, detail: str = "") -> None:
@@ -255,8 +280,7 @@ def evaluate(
         if value is None:
             results.append(CriterionResult(name, op, float(threshold), None, False, "no data"))
             return
-        ok = value <= threshold if op == "<=" else value >= threshold
-        results.append(CriterionResult(name, op, float(threshold), value, ok, detail))
+        results.append(CriterionResult(name, op, float(threshold), value, OPS[op](value, threshold), detail))
 
     # A soak stopped early has not shown what the full duration would: it cannot pass.
     if interrupted:
@@ -286,4 +310,27 @@ def evaluate(
             float(interruptions),
             f"daemon restarts resumed; {lost_in_flight} requests lost in flight" if interruptions else "",
         )
+    context = {
+        "duration_s": ran_s,
+        "interruptions": float(interruptions),
+        "lost_in_flight": float(lost_in_flight),
+    }
+    for text in [*criteria.checks, *criteria.abort_on]:
+        parsed = parse_check(text)  # validated when the config was loaded
+        value, note = measure(parsed, metrics, context) if metrics is not None else (None, "")
+        passed = value is not None and OPS[parsed.op](value, parsed.threshold)
+        detail = note if value is not None else ("no data" + (f": {note}" if note else ""))
+        results.append(CriterionResult(parsed.name, parsed.op, parsed.threshold, value, passed, detail, text))
     return results
+
+
+def first_abort(
+    criteria: CriteriaConfig, metrics: RunMetrics, context: dict[str, float]
+) -> CriterionResult | None:
+    """The first `abort_on` check that fails now (one with no data yet does not abort), or None."""
+    for text in criteria.abort_on:
+        parsed = parse_check(text)
+        value, note = measure(parsed, metrics, context)
+        if value is not None and not OPS[parsed.op](value, parsed.threshold):
+            return CriterionResult(parsed.name, parsed.op, parsed.threshold, value, False, note, text)
+    return None

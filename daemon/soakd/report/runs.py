@@ -10,7 +10,8 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
-from soakd.report.criteria import RequestSummary, evaluate, summarize
+from soakd.report.criteria import evaluate
+from soakd.report.metrics import METRIC_MEASUREMENTS, RunMetrics
 from soakd.report.verdict import VERDICT_FILE, Verdict, make_verdict, write_json_atomic
 from soakd.sinks.spool import iter_samples, list_segments, torn_tail_bytes
 
@@ -73,14 +74,15 @@ def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
 def verdict_of(
     run_id: str,
     criteria: CriteriaConfig,
-    requests: RequestSummary,
+    metrics: RunMetrics,
     *,
     ran_s: float,
     planned_s: float,
     interrupted: bool,
     interruptions: list[dict[str, Any]],
 ) -> Verdict:
-    """The verdict over folded request records and the run's interruptions (nothing is written)."""
+    """The verdict over the run's folded points and its interruptions (nothing is written)."""
+    requests = metrics.summary()
     results = evaluate(
         criteria,
         requests,
@@ -89,7 +91,15 @@ def verdict_of(
         interrupted=interrupted,
         interruptions=len(interruptions),
         lost_in_flight=sum(int(i.get("lost_in_flight", 0)) for i in interruptions),
+        metrics=metrics,
     )
+    values = metrics.scalars()
+    values["duration_s"] = ran_s
+    values["interruptions"] = float(len(interruptions))
+    values["lost_in_flight"] = float(sum(int(i.get("lost_in_flight", 0)) for i in interruptions))
+    for r in results:
+        if r.expr:
+            values.setdefault(r.name, r.value)
     return make_verdict(
         run_id,
         results,
@@ -98,6 +108,7 @@ def verdict_of(
         planned_s=planned_s,
         interrupted=interrupted,
         interruptions=interruptions,
+        metrics=values,
     )
 
 
@@ -109,13 +120,15 @@ def judge(
     ran_s: float,
     planned_s: float,
     interrupted: bool,
-    requests: RequestSummary | None = None,
+    metrics: RunMetrics | None = None,
     interruptions: list[dict[str, Any]] | None = None,
 ) -> Verdict:
-    """Evaluate the criteria over the run's request records (read from its spool unless `requests` is
-    given, already folded); write verdict.json."""
-    if requests is None:
-        requests = summarize(iter_samples(run_dir / SPOOL_DIR, "requests", on_damaged=_damaged))
+    """Evaluate the criteria over the run's points (read from its spool unless `metrics` is given,
+    already folded); write verdict.json."""
+    if metrics is None:
+        metrics = RunMetrics().add_all(
+            iter_samples(run_dir / SPOOL_DIR, METRIC_MEASUREMENTS, on_damaged=_damaged)
+        )
         for segment in list_segments(run_dir / SPOOL_DIR):
             torn = torn_tail_bytes(segment)
             if torn:
@@ -128,7 +141,7 @@ def judge(
     verdict = verdict_of(
         run_id,
         criteria,
-        requests,
+        metrics,
         ran_s=ran_s,
         planned_s=planned_s,
         interrupted=interrupted,

@@ -25,6 +25,8 @@ class Verdict:
     interrupted: bool
     interruptions: list[dict[str, Any]] = field(default_factory=list)
     """Daemon crashes the run was resumed from: replay time, downtime, requests lost in flight."""
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    """Every run-level metric by its criteria name (soakd.report.metrics), for reports and comparisons."""
 
     @property
     def word(self) -> str:
@@ -47,6 +49,7 @@ class Verdict:
             "lost_in_flight": sum(int(i.get("lost_in_flight", 0)) for i in self.interruptions),
             "criteria": [asdict(c) for c in self.criteria],
             "requests": self.requests.to_dict(),
+            "metrics": self.metrics,
         }
 
     def lines(self) -> list[str]:
@@ -74,9 +77,12 @@ def make_verdict(
     planned_s: float,
     interrupted: bool,
     interruptions: list[dict[str, Any]] | None = None,
+    metrics: dict[str, float | None] | None = None,
 ) -> Verdict:
     passed = bool(criteria) and all(c.passed for c in criteria)
-    return Verdict(run_id, passed, criteria, requests, ran_s, planned_s, interrupted, interruptions or [])
+    return Verdict(
+        run_id, passed, criteria, requests, ran_s, planned_s, interrupted, interruptions or [], metrics or {}
+    )
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

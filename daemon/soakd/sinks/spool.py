@@ -17,7 +17,7 @@ import errno
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -635,17 +635,22 @@ DamagedFn = Callable[[Path, int, str], None]
 
 
 def iter_samples(
-    directory: Path, measurement: str | None = None, on_damaged: DamagedFn | None = None
+    directory: Path,
+    measurement: str | Collection[str] | None = None,
+    on_damaged: DamagedFn | None = None,
 ) -> Iterator[Sample]:
-    """The samples of a spool, in write order, optionally only those of one measurement.
+    """The samples of a spool, in write order, optionally only those of one measurement (or of several).
 
     A line that is not valid line protocol (a disk or a power loss damaged it) goes to `on_damaged` and
     is skipped; without it, ValueError naming the segment and line.
     """
-    prefix = None if measurement is None else measurement.translate(_MEAS_ESC)
+    wanted = (
+        None if measurement is None else {measurement} if isinstance(measurement, str) else set(measurement)
+    )
+    prefixes = None if wanted is None else tuple(m.translate(_MEAS_ESC) for m in wanted)
     for path, number, line in iter_numbered_lines(directory):
         # Cheap prefix test before parsing: a line starts with its escaped measurement name.
-        if prefix is not None and not line.startswith(prefix):
+        if prefixes is not None and not line.startswith(prefixes):
             continue
         try:
             sample = parse_line(line)
@@ -654,5 +659,5 @@ def iter_samples(
                 raise ValueError(f"{path}:{number}: {err}") from None
             on_damaged(path, number, str(err))
             continue
-        if measurement is None or sample.measurement == measurement:
+        if wanted is None or sample.measurement in wanted:
             yield sample

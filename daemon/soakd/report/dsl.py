@@ -1,0 +1,295 @@
+"""The criteria language of `[criteria] checks`: parse `p99(ttft_ms) < 500`-style lines, measure them.
+
+One check is `METRIC OP NUMBER`, k6-threshold style:
+
+    METRIC  := NAME | AGG "(" NAME ("," KEY "=" DURATION)* ")" | "events(" KIND ")"
+    AGG     := pNN | pNN.N | min | max | mean | sustained_ratio
+    OP      := < | <= | > | >= | == | !=
+
+- a latency distribution (ttft_ms, tpot_ms, e2e_ms, lateness_ms) takes pNN, min, max or mean;
+- a windowed series (tokens_per_s, spec_acceptance, graph_hit_rate, sm_clock_ratio, temp_c ...) takes
+  min/max/mean over windows (`window=`, default 1m), or `sustained_ratio(S, last=1h, first=1h)`: its
+  value over the last span divided by its value over the first; one with a whole-run meaning (a ratio of
+  sums, a rate) may also stand alone;
+- a run scalar (errors, error_rate, throttle_time_pct, fragmentation_growth, engine_restarts ...)
+  stands alone; `events(KIND)` counts events of one kind.
+
+Parsing is strict (every unknown name, function or key is an error naming what is known), so a typo in
+config.toml is exit 2 at load time, never a criterion that silently cannot fail.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from soakd.report.metrics import RunMetrics
+
+OPS: dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    ">": operator.gt,
+}
+DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "e2e_ms", "lateness_ms")
+# Windowed series, and whether the bare name means something over the whole run (see metrics.SERIES).
+SERIES_TOTAL = {
+    "tokens_per_s": True,
+    "requests_per_s": True,
+    "spec_acceptance": True,
+    "graph_hit_rate": True,
+    "prefix_hit_rate": True,
+    "error_rate_window": False,
+    "throttle_pct": False,
+    "sm_clock_ratio": False,
+    "power_w": False,
+    "temp_c": False,
+    "fragmentation": False,
+    "kv_cache_usage": False,
+}
+# Run scalars: from the fold (metrics.RunMetrics.scalars) or from the run itself (duration_s,
+# interruptions, lost_in_flight).
+SCALARS = (
+    "requests",
+    "completed",
+    "errors",
+    "shed",
+    "error_rate",
+    "completed_ratio",
+    "output_tokens",
+    "input_tokens",
+    "throttle_time_pct",
+    "host_throttle_time_pct",
+    "fragmentation_growth",
+    "peak_gpu_mem_bytes",
+    "peak_engine_rss_bytes",
+    "peak_allocator_reserved_bytes",
+    "engine_restarts",
+    "engine_rebuilds",
+    "throttle_episodes",
+    "recaptures",
+    "replay_s",
+    "duration_s",
+    "interruptions",
+    "lost_in_flight",
+)
+AGGREGATES = ("min", "max", "mean", "sustained_ratio")
+DEFAULT_WINDOW_S = 60.0
+DEFAULT_SPAN_S = 3600.0
+
+_TOKEN = re.compile(
+    r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])|(?P<dur>\d[\w.]*)|(?P<name>[A-Za-z_][A-Za-z0-9_.]*)"
+    r"|(?P<op><=|>=|==|!=|<|>)|(?P<punct>[(),=]))"
+)
+_PCT = re.compile(r"p(\d{1,2}(?:\.\d+)?)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One parsed check."""
+
+    text: str
+    agg: str | None
+    """None (a bare name), "p" (a percentile), min/max/mean/sustained_ratio, or "events"."""
+    metric: str
+    op: str
+    threshold: float
+    q: float | None = None
+    kwargs: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The metric as written canonically: `p99(ttft_ms)`, `min(spec_acceptance, window=300s)`."""
+        if self.agg is None:
+            return self.metric
+        head = f"p{self.q:g}" if self.agg == "p" else self.agg
+        args = [self.metric, *(f"{k}={v:g}s" for k, v in sorted(self.kwargs.items()))]
+        return f"{head}({', '.join(args)})"
+
+
+def _duration(text: str) -> float:
+    from soakd.config import parse_duration
+
+    seconds = parse_duration(text)
+    if seconds <= 0:
+        raise ValueError(f"duration {text!r} must be more than 0")
+    return seconds
+
+
+def _tokens(text: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    pos = 0
+    stripped = text.rstrip()
+    while pos < len(stripped):
+        m = _TOKEN.match(stripped, pos)
+        if m is None or m.end() == pos:
+            raise ValueError(f"unexpected {stripped[pos:].lstrip()[:20]!r}")
+        kind = m.lastgroup
+        assert kind is not None
+        out.append((kind, m.group(kind)))
+        pos = m.end()
+    return out
+
+
+def parse_check(text: str) -> Check:
+    """Parse one check; ValueError says what is wrong, in words a config error can carry."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("a check is a string like 'p99(ttft_ms) < 500'")
+    toks = _tokens(text)
+    ops = [i for i, (kind, _) in enumerate(toks) if kind == "op"]
+    if len(ops) != 1:
+        raise ValueError(f"{text!r}: expected one comparison (< <= > >= == !=) between a metric and a number")
+    i = ops[0]
+    left, op, right = toks[:i], toks[i][1], toks[i + 1 :]
+    if len(right) != 1 or right[0][0] != "num":
+        raise ValueError(f"{text!r}: the right side of {op} must be a number")
+    threshold = float(right[0][1])
+    if not math.isfinite(threshold):
+        raise ValueError(f"{text!r}: the threshold must be finite")
+    return _metric(text, left, op, threshold)
+
+
+def _metric(text: str, toks: list[tuple[str, str]], op: str, threshold: float) -> Check:
+    if not toks or toks[0][0] != "name":
+        raise ValueError(f"{text!r}: the left side must be a metric")
+    head = toks[0][1]
+    if len(toks) == 1:
+        if head in DISTRIBUTIONS:
+            raise ValueError(f"{text!r}: {head} is a distribution: use p50/p99/min/max/mean({head})")
+        if head in SERIES_TOTAL and not SERIES_TOTAL[head]:
+            raise ValueError(f"{text!r}: {head} is a series: use min/max/mean({head}) or sustained_ratio")
+        if head not in SCALARS and head not in SERIES_TOTAL:
+            raise ValueError(f"{text!r}: unknown metric {head!r} (known: {', '.join(_known())})")
+        return Check(text, None, head, op, threshold)
+    if toks[1] != ("punct", "(") or toks[-1] != ("punct", ")") or len(toks) < 4 or toks[2][0] != "name":
+        raise ValueError(f"{text!r}: expected {head}(METRIC ...) {op} NUMBER")
+    arg = toks[2][1]
+    kwargs = _kwargs(text, toks[3:-1])
+    if head == "events":
+        _no_kwargs(text, head, kwargs)
+        return Check(text, "events", arg, op, threshold)
+    pct = _PCT.match(head)
+    if pct is not None:
+        if arg not in DISTRIBUTIONS:
+            raise ValueError(f"{text!r}: {head}() takes a latency ({', '.join(DISTRIBUTIONS)}), not {arg!r}")
+        q = float(pct.group(1))
+        if not 0 < q < 100:
+            raise ValueError(f"{text!r}: percentile {q:g} must be between 0 and 100")
+        _no_kwargs(text, head, kwargs)
+        return Check(text, "p", arg, op, threshold, q=q)
+    if head not in AGGREGATES:
+        raise ValueError(f"{text!r}: unknown function {head!r} (known: pNN, {', '.join(AGGREGATES)}, events)")
+    if head == "sustained_ratio":
+        if arg not in SERIES_TOTAL:
+            raise ValueError(
+                f"{text!r}: sustained_ratio takes a series ({', '.join(SERIES_TOTAL)}), not {arg!r}"
+            )
+        unknown = set(kwargs) - {"last", "first"}
+        if unknown:
+            raise ValueError(
+                f"{text!r}: sustained_ratio takes last= and first=, not {', '.join(sorted(unknown))}"
+            )
+        return Check(
+            text, head, arg, op, threshold, kwargs={"first": DEFAULT_SPAN_S, "last": DEFAULT_SPAN_S} | kwargs
+        )
+    if arg in DISTRIBUTIONS:
+        _no_kwargs(text, head, kwargs)
+        return Check(text, head, arg, op, threshold)
+    if arg not in SERIES_TOTAL:
+        raise ValueError(
+            f"{text!r}: {head}() takes a latency or a series "
+            f"({', '.join([*DISTRIBUTIONS, *SERIES_TOTAL])}), not {arg!r}"
+        )
+    unknown = set(kwargs) - {"window"}
+    if unknown:
+        raise ValueError(f"{text!r}: {head}() takes window=, not {', '.join(sorted(unknown))}")
+    return Check(text, head, arg, op, threshold, kwargs={"window": DEFAULT_WINDOW_S} | kwargs)
+
+
+def _kwargs(text: str, toks: list[tuple[str, str]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    i = 0
+    while i < len(toks):
+        part = toks[i : i + 4]
+        if (
+            len(part) < 4
+            or part[0] != ("punct", ",")
+            or part[1][0] != "name"
+            or part[2] != ("punct", "=")
+            or part[3][0] not in ("num", "dur", "name")
+        ):
+            raise ValueError(f"{text!r}: expected ', key=DURATION' (like ', last=1h')")
+        key, raw = part[1][1], part[3][1]
+        if key in out:
+            raise ValueError(f"{text!r}: {key}= given twice")
+        try:
+            out[key] = _duration(raw)
+        except ValueError as err:
+            raise ValueError(f"{text!r}: {key}={raw}: {err}") from None
+        i += 4
+    return out
+
+
+def _no_kwargs(text: str, head: str, kwargs: Mapping[str, float]) -> None:
+    if kwargs:
+        raise ValueError(f"{text!r}: {head}() takes no {', '.join(sorted(kwargs))}=")
+
+
+def _known() -> list[str]:
+    return [*SCALARS, *(s for s, total in SERIES_TOTAL.items() if total)]
+
+
+def validate(text: str) -> str:
+    """For the config: the check as written, once it parses."""
+    parse_check(text)
+    return text
+
+
+# -- measuring ----------------------------------------------------------------------------------------
+
+
+def measure(check: Check, metrics: RunMetrics, context: Mapping[str, float]) -> tuple[float | None, str]:
+    """The check's measured value (None: nothing to measure) and a short note on what it covered."""
+    if check.agg is None:
+        if check.metric in context:
+            return context[check.metric], ""
+        if check.metric in SERIES_TOTAL:
+            return metrics.over(check.metric), ""
+        return metrics.scalars().get(check.metric), ""
+    if check.agg == "events":
+        return float(metrics.events.get(check.metric, 0)), ""
+    if check.metric in DISTRIBUTIONS:
+        q = metrics.requests.quantiles(check.metric)
+        raw = {"p": q.percentile(check.q or 0.0), "min": q.min, "max": q.max, "mean": q.mean}[check.agg]
+        return (raw * 1000.0 if raw is not None else None), f"{len(q)} requests"
+    if check.agg == "sustained_ratio":
+        first_s, last_s = check.kwargs["first"], check.kwargs["last"]
+        span = metrics.span_s
+        if span < max(first_s, last_s):
+            return None, f"the replay ran {span:.0f} s, shorter than first={first_s:g}s / last={last_s:g}s"
+        first = metrics.over(check.metric, first_s=first_s)
+        last = metrics.over(check.metric, last_s=last_s)
+        if first is None or last is None or first == 0:
+            return None, "no data in the first or last span"
+        note = "spans overlap" if first_s + last_s > span else ""
+        return last / first, f"last {last:.4g} / first {first:.4g}" + (f"; {note}" if note else "")
+    window = check.kwargs.get("window", DEFAULT_WINDOW_S)
+    points = metrics.windows(check.metric, window)
+    if not points:
+        return None, ""
+    values = [v for _, v in points]
+    value = (
+        min(values)
+        if check.agg == "min"
+        else max(values)
+        if check.agg == "max"
+        else sum(values) / len(values)
+    )
+    return value, f"{len(values)} windows of {window:g} s"
