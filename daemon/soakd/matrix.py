@@ -30,7 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from soakd import config
 from soakd.errors import ConfigError, UsageError
-from soakd.report._metrics_standin import load_metrics
 from soakd.report.compare import (
     DEFAULT_TOLERANCE_PCT,
     compare_metrics,
@@ -39,6 +38,7 @@ from soakd.report.compare import (
     fmt_value,
     trace_warning,
 )
+from soakd.report.metrics import load_metrics
 from soakd.report.runs import META_FILE, read_json
 from soakd.report.verdict import VERDICT_FILE, write_json_atomic
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from soakd.report._metrics_standin import load_metrics
+from soakd.report.metrics import load_metrics
 from soakd.report.runs import META_FILE, read_json
 from soakd.report.verdict import VERDICT_FILE
 
@@ -21,13 +21,27 @@ Direction = Literal["lower", "higher", "none"]
 Status = Literal["better", "worse", "same", "changed", "n/a"]
 
 DEFAULT_TOLERANCE_PCT = 5.0
+ZERO_NOISE = 1e-3
 
 # Names whose better side is not readable off their form (see `direction`).
-_HIGHER = {"tokens_per_s", "completed_ratio", "graph_hit_rate", "spec_acceptance", "min(spec_acceptance)"}
+_HIGHER = {
+    "tokens_per_s",
+    "requests_per_s",
+    "completed_ratio",
+    "graph_hit_rate",
+    "spec_acceptance",
+    "min(spec_acceptance)",
+    "prefix_hit_rate",
+    "min(sm_clock_ratio)",
+}
 _LOWER = {
     "errors",
     "error_rate",
+    "shed",
     "throttle_time_pct",
+    "host_throttle_time_pct",
+    "throttle_episodes",
+    "max(temp_c)",
     "fragmentation_growth",
     "engine_restarts",
     "interruptions",
@@ -37,9 +51,12 @@ _CONFIG_NOISE = {"run.name", "run.output_dir", "run.host"}
 
 
 def direction(name: str) -> Direction:
-    """Which way is better for a metric of the criteria DSL's names."""
+    """Which way is better for a metric of the criteria language's names (report.metrics); counts of
+    what the trace or the controller made happen (requests, output_tokens, replay_s, engine_rebuilds,
+    recaptures) have no better side."""
     if name in _HIGHER:
         return "higher"
+    # Latency distributions (p50(ttft_ms), max(e2e_ms), ...) and peaks of memory.
     if name in _LOWER or name.startswith("peak_") or name.endswith("_ms)"):
         return "lower"
     return "none"
@@ -78,8 +95,10 @@ def _delta(name: str, a: float | None, b: float | None, tolerance_pct: float) ->
         return MetricDelta(name, a, b, None, None, way, "n/a")
     delta = b - a
     rel = delta / abs(a) if a != 0 else (0.0 if delta == 0 else None)
-    # Within the tolerance (relative to A) is noise; from a zero A, any change is a change.
-    if rel is not None and abs(rel) * 100.0 <= tolerance_pct:
+    # Within the tolerance (relative to A) is noise, and so is a change of at most ZERO_NOISE in the
+    # metric's unit (ms, ratio, %, count, byte) around zero: 0 -> 1 error is a change, a fragmentation
+    # growth of -5e-5 -> 0 (+100 %) is not.
+    if (rel is not None and abs(rel) * 100.0 <= tolerance_pct) or abs(delta) <= ZERO_NOISE:
         return MetricDelta(name, a, b, delta, rel, way, "same")
     if way == "none":
         return MetricDelta(name, a, b, delta, rel, way, "changed")
@@ -254,7 +273,7 @@ def fmt_value(name: str, value: float | None) -> str:
         return "-"
     if name.endswith("_bytes"):
         return fmt_bytes(value)
-    if name.endswith("_ms)") or name in ("tokens_per_s", "duration_s"):
+    if name.endswith("_ms)") or name in ("tokens_per_s", "requests_per_s", "replay_s"):
         return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
     if float(value).is_integer():
         return f"{value:,.0f}"
