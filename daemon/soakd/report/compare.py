@@ -45,6 +45,7 @@ _LOWER = {
     "fragmentation_growth",
     "engine_restarts",
     "interruptions",
+    "lost_in_flight",
 }
 # Differences in these config keys are expected between any two runs and say nothing about them.
 _CONFIG_NOISE = {"run.name", "run.output_dir", "run.host"}
