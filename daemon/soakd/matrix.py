@@ -224,6 +224,10 @@ def plan(
                 key=f"variant.{i}.set",
             )
         full = {**overrides, **flatten(spec.base), **own}
+        for key, value in full.items():
+            if not _plain(value):
+                # Each override travels to `soakd run` as --set KEY=VALUE (TOML): dates cannot.
+                raise ConfigError(f"{key}: not a string, number, boolean or array of them", file=matrix_file)
         full["run.name"] = _run_name(base_name, v.name)
         try:
             cfg = config.load(config_path, full)
@@ -243,6 +247,12 @@ def plan(
             )
         out.append(Planned(v, full, cfg.engine.kind))
     return out
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return isinstance(value, str | int | float | bool)
 
 
 def _run_name(base: str, variant: str) -> str:

@@ -83,6 +83,9 @@ def test_every_variant_is_checked_against_the_config_before_anything_runs(tmp_pa
     trace = _write(tmp_path / "t.toml", '[[variant]]\nname = "a"\nset = { "trace.path" = "other.jsonl" }\n')
     with pytest.raises(ConfigError, match="may not change the trace"):
         plan(load_matrix(trace), None, {}, matrix_file=trace)
+    when = _write(tmp_path / "d.toml", '[[variant]]\nname = "a"\nset = { "run.seed" = 2026-11-30 }\n')
+    with pytest.raises(ConfigError, match=r"run\.seed: not a string, number, boolean or array of them"):
+        plan(load_matrix(when), None, {}, matrix_file=when)
     with pytest.raises(UsageError, match=r"engine\.kind must be vllm-local or vllm-server"):
         plan(DEFAULT_MATRIX, None, {"engine.kind": "openai", "engine.url": "http://127.0.0.1:1"})
 
