@@ -82,11 +82,41 @@ class MetricDelta:
         return math.inf if self.rel is None else abs(self.rel) * 100.0
 
 
+# The table's order: what a reviewer reads first (throughput, latency, outcome), then the rest by name
+# (verdict.json keeps its metrics sorted by name, which would put `completed` first).
+_ORDER = [
+    "tokens_per_s",
+    "requests_per_s",
+    *(
+        f"{q}({d})"
+        for d in ("ttft_ms", "tpot_ms", "e2e_ms", "lateness_ms")
+        for q in ("p50", "p90", "p99", "max")
+    ),
+    "requests",
+    "completed",
+    "errors",
+    "shed",
+    "error_rate",
+    "completed_ratio",
+    "spec_acceptance",
+    "min(spec_acceptance)",
+    "graph_hit_rate",
+    "prefix_hit_rate",
+    "peak_gpu_mem_bytes",
+    "peak_engine_rss_bytes",
+    "peak_allocator_reserved_bytes",
+    "fragmentation_growth",
+    "throttle_time_pct",
+    "host_throttle_time_pct",
+]
+_RANK = {name: i for i, name in enumerate(_ORDER)}
+
+
 def compare_metrics(
     a: dict[str, float | None], b: dict[str, float | None], tolerance_pct: float = DEFAULT_TOLERANCE_PCT
 ) -> list[MetricDelta]:
-    """Deltas of every metric either side has, in A's order (then B's extra names)."""
-    names = list(a) + [n for n in b if n not in a]
+    """Deltas of every metric either side has: the main ones first, then the rest by name."""
+    names = sorted(set(a) | set(b), key=lambda n: (_RANK.get(n, len(_RANK)), n))
     return [_delta(n, a.get(n), b.get(n), tolerance_pct) for n in names]
 
 
