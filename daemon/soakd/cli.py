@@ -178,7 +178,12 @@ def _percent(text: str) -> float:
 
 
 def _compare_parser(sub: Any) -> None:
-    cmp = sub.add_parser("compare", help="two runs side by side: metrics with deltas, verdicts, environment")
+    cmp = sub.add_parser(
+        "compare",
+        help="two runs side by side: metrics with deltas, verdicts, environment",
+        epilog="exit codes: 0 compared; 1 with --fail-on-regression, a metric worse by more than PCT% "
+        "or runs of different traces; 2 bad arguments or an unreadable run",
+    )
     cmp.add_argument("run_a", metavar="RUN_A", help="baseline: run directory or run id")
     cmp.add_argument("run_b", metavar="RUN_B", help="candidate: run directory or run id")
     cmp.add_argument("--config", type=Path, help="config whose run.output_dir holds the run ids")
@@ -196,7 +201,10 @@ def _compare_parser(sub: Any) -> None:
 
 def _matrix_parser(sub: Any) -> None:
     mx = sub.add_parser(
-        "matrix", help="ablation matrix: the same trace run against variants that change one thing each"
+        "matrix",
+        help="ablation matrix: the same trace run against variants that change one thing each",
+        epilog="exit codes: 0 every applicable variant ran to a verdict (PASS or FAIL); 1 a variant "
+        "failed or the matrix was stopped; 2 a bad config or matrix file (nothing run)",
     )
     mx.add_argument("--config", type=Path, help="the run config every variant shares")
     mx.add_argument("--matrix", type=Path, help="matrix file ([base], [[variant]]; default: built-in)")
