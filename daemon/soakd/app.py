@@ -79,6 +79,7 @@ from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.health import SinkHealth, SpoolHealth
 from soakd.sinks.influx import LineWriter, make_writer
 from soakd.sinks.spool import Spool
+from soakd.sinks.webhook import WebhookHealth, WebhookSender, WebhookSink, make_sender
 from soakd.ticker import Ticker
 from soakd.tinymodel import is_model_dir
 from soakd.traces.loader import Trace, open_trace
@@ -337,6 +338,8 @@ class Soak:
         self._nvml: NvmlCollector | None = None
         self._gpu_watch: GpuThrottleWatch | None = None
         self._gpu_events: GpuEventListener | None = None
+        self._gpu_meta: dict[str, Any] | None = None
+        """Driver, CUDA version and each GPU's static facts, for meta.json (the report's environment)."""
         self._host_watch: HostThrottleWatch | None = None
         self._ceiling: CeilingTracker | None = None
         self._controller: Controller | None = None
@@ -349,7 +352,10 @@ class Soak:
         # nothing half-made), then taken out of the environment the engine's processes inherit.
         icfg = cfg.sinks.influx
         self._lines: LineWriter | None = make_writer(icfg, os.environ) if icfg.enabled else None
-        for name in (icfg.token_env, icfg.password_env, "CREDENTIALS_DIRECTORY"):
+        wcfg = cfg.sinks.webhook
+        self._alerts: WebhookSender | None = make_sender(wcfg, os.environ) if wcfg.enabled else None
+        secret_names = (icfg.token_env, icfg.password_env, wcfg.token_env, wcfg.password_env)
+        for name in (*secret_names, "CREDENTIALS_DIRECTORY"):
             os.environ.pop(name, None)
 
     def _write_meta(self, extra: dict[str, Any]) -> None:
@@ -363,6 +369,7 @@ class Soak:
             "config_source": self.cfg.source,
             "config": redacted(self.cfg.model_dump(mode="json")),
             "trace": asdict(self.trace.summary),
+            **({"gpu": self._gpu_meta} if self._gpu_meta is not None else {}),
             **extra,
         }
         write_json_atomic(self.run_dir / META_FILE, meta)
@@ -435,6 +442,7 @@ class Soak:
 
         spool.on_event = on_spool
         forwarder = self._make_forwarder(writer)
+        webhook = self._make_webhook(writer)
         dcfg = cfg.telemetry.spec_drift
         drift = AcceptanceDrift(
             DriftSettings(dcfg.baseline, dcfg.window, dcfg.threshold, dcfg.min_draft_tokens),
@@ -469,9 +477,13 @@ class Soak:
         health: list[Collector] = [SpoolHealth(spool)]
         if forwarder is not None:
             health.append(SinkHealth(forwarder))
+        if webhook is not None:
+            health.append(WebhookHealth(webhook))
         runner = CollectorRunner([*collectors, _JobHealth(self), *health], writer)
         controller = self._make_controller(engine, engine_collector, drift, writer)
         scheduler = self._scheduler = self._make_scheduler(runner, spool, forwarder, engine)
+        if webhook is not None:
+            self._add_webhook_job(scheduler, spool, webhook)
         if self.resumed is not None:
             gaps = self._checkpoint.interruptions if self._checkpoint is not None else []
             last = gaps[-1] if gaps else None
@@ -641,6 +653,16 @@ class Soak:
             ),
         )
         self._guard_sync("spool_flush", lambda: spool.flush(fsync=True))
+        alerted_all = True
+        if webhook is not None:
+            # First: the verdict and the episodes the end resolved reach the on-call in seconds.
+            notify("STATUS=sending the last alerts")
+            try:
+                alerted_all = await webhook.drain(cfg.sinks.webhook.final_drain_timeout)
+            except Exception as err:  # noqa: BLE001  (the verdict and summary must still be written)
+                log.error("shutdown_step_failed", step="webhook_drain", error=f"{type(err).__name__}: {err}")
+                alerted_all = False
+            await self._guard("webhook_close", webhook.aclose())
         shipped_all = True
         if forwarder is not None:
             notify("STATUS=shipping spool to InfluxDB")
@@ -685,6 +707,7 @@ class Soak:
                 "backlog_lines": forwarder.backlog_lines(),
                 "all_shipped": shipped_all,
             },
+            "webhook": None if webhook is None else {**webhook.summary(), "all_delivered": alerted_all},
             "collectors": {name: asdict(h) for name, h in runner.health.items()},
             "scheduler": {"missed": self.scheduler_missed, "errors": self.scheduler_errors},
             "tickers": {
@@ -793,7 +816,9 @@ class Soak:
         """While a stop drains, ask the service manager for more time, in slices, up to a bound: the
         drain, the final shipping and the engine's shutdown, which the config bounds one by one."""
         step_s = 10.0
-        budget = self.cfg.replay.drain_timeout + self.cfg.sinks.influx.final_drain_timeout + 120.0
+        sinks = self.cfg.sinks
+        budget = self.cfg.replay.drain_timeout + sinks.influx.final_drain_timeout + 120.0
+        budget += sinks.webhook.final_drain_timeout if sinks.webhook.enabled else 0.0
         deadline = time.monotonic() + budget
         while time.monotonic() < deadline:
             notify(f"EXTEND_TIMEOUT_USEC={int(3 * step_s * 1e6)}")
@@ -966,6 +991,25 @@ class Soak:
             return None
         return Forwarder(self.run_dir / SPOOL_DIR, self._lines, icfg.batch_lines, on_event=on_event)
 
+    def _make_webhook(self, writer: SampleWriter) -> WebhookSink | None:
+        if self._alerts is None:
+            return None
+
+        def on_event(kind: str, fields: dict[str, float | int | str]) -> None:
+            writer.event(kind, f"alert webhook {kind.removeprefix('webhook_')}", **fields)
+
+        return WebhookSink(self.run_dir / SPOOL_DIR, self._alerts, self.cfg.sinks.webhook, on_event=on_event)
+
+    def _add_webhook_job(self, scheduler: AsyncIOScheduler, spool: Spool, webhook: WebhookSink) -> None:
+        interval = self.cfg.sinks.webhook.interval
+
+        async def alert() -> None:
+            # As the InfluxDB job: most of one interval, so a backlog never makes the job skip a run.
+            spool.flush(fsync=False)
+            await webhook.tick(0.8 * interval)
+
+        scheduler.add_job(alert, "interval", seconds=interval, id="webhook")
+
     def _engine_config(self) -> EngineConfig:
         """The engine configuration to start: the config's, with soakd's scheduler class when the batch
         policy moves vLLM's admission limit live (and the file it reads named in the environment, which
@@ -1081,6 +1125,7 @@ class Soak:
         tcfg = self.cfg.telemetry
         source: NvmlSource
         extra: list[Collector] = []
+        cuda = ""
         if tcfg.gpu_recording:
             speed = tcfg.gpu_recording_speed
 
@@ -1101,10 +1146,19 @@ class Soak:
             import pynvml
 
             source = LiveNvml(pynvml, pids=engine.process_ids)
+            with contextlib.suppress(pynvml.NVMLError):
+                version = int(pynvml.nvmlSystemGetCudaDriverVersion())  # 13000 for CUDA 13.0
+                cuda = f"{version // 1000}.{version % 1000 // 10}"
             events = GpuEventListener(pynvml, range(source.gpu_count()), writer.event)
             events.start()
             self._gpu_events = events
             extra.append(events)
+        self._gpu_meta = {
+            "source": "recording" if tcfg.gpu_recording else "nvml",
+            "driver": source.driver_version(),
+            "cuda_driver": cuda,
+            "devices": [source.static(i).to_dict() for i in range(source.gpu_count())],
+        }
         watch = GpuThrottleWatch(
             {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())}, on_event=writer.event
         )

@@ -97,13 +97,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _trace_reading_flags(run)
 
-    rep = sub.add_parser("report", help="re-judge a finished run from its spool")
+    rep = sub.add_parser("report", help="re-judge a finished run and write its sign-off report")
     rep.add_argument("run", help="run directory or run id")
     rep.add_argument(
         "--config", type=Path, help="judge against this config's criteria (default: the run's own)"
     )
     rep.add_argument("--ship", action="store_true", help="also ship what the spool still holds to InfluxDB")
-    rep.add_argument("--json", action="store_true")
+    rep.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
+    rep.add_argument(
+        "--html", type=Path, metavar="PATH", help="write the HTML report here (default RUN/report.html)"
+    )
+    rep.add_argument(
+        "--report-json",
+        type=Path,
+        metavar="PATH",
+        help="write the report's JSON twin here (default RUN/report.json)",
+    )
+    rep.add_argument(
+        "--no-report", action="store_true", help="re-judge only: write no report.html/report.json"
+    )
+    rep.add_argument("--no-html", action="store_true", help="write report.json only (no plots drawn)")
+    rep.add_argument(
+        "--from-influx",
+        action="store_true",
+        help="read the run's points from InfluxDB ([sinks.influx], InfluxQL /query) instead of its spool",
+    )
+    rep.add_argument(
+        "--verify-digest",
+        metavar="HEX",
+        help="only check the run's data digest against HEX (from a signed report): exit 0 same, 1 changed",
+    )
 
     _compare_parser(sub)
     _matrix_parser(sub)
@@ -356,17 +379,60 @@ def _hardware_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def _report_paths(args: argparse.Namespace, run_dir: Path) -> tuple[Path | None, Path] | None:
+    """Where the report goes (HTML, JSON); checked before anything is written."""
+    from soakd.report.html import REPORT_HTML, REPORT_JSON
+
+    if args.no_report and (args.html or args.report_json or args.no_html):
+        raise UsageError("--no-report with --html, --report-json or --no-html: which is it?")
+    if args.no_html and args.html:
+        raise UsageError("--no-html with --html: which is it?")
+    if args.no_report:
+        return None
+    html = None if args.no_html else args.html or run_dir / REPORT_HTML
+    paths = (html, args.report_json or run_dir / REPORT_JSON)
+    for flag, path in zip(("--html", "--report-json"), paths, strict=True):
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            raise UsageError(f"{flag} {path}: not a file in an existing folder")
+    return paths
+
+
+def _verify_digest(run_dir: Path, expected: str) -> int:
+    from soakd.report.html import data_digest
+
+    want = expected.strip().lower()
+    if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
+        raise UsageError(f"--verify-digest: expected 64 hex digits (a sha256), got {expected!r}")
+    digest = data_digest(run_dir)
+    same = digest["sha256"] == want
+    print(
+        f"{'digest ok' if same else 'digest CHANGED'}: {digest['sha256']} over {len(digest['files'])} files "
+        f"({digest['bytes']} bytes) of {run_dir}"
+    )
+    return EXIT_OK if same else EXIT_FAIL
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from soakd import config
     from soakd.report.runs import META_FILE, find_run, judge, read_json
 
     base = _load_config(args.config, {}) if args.config else config.load(None)
     run_dir = find_run(args.run, base.resolve(base.run.output_dir))
+    if args.verify_digest is not None:
+        return _verify_digest(run_dir, args.verify_digest)
+    paths = _report_paths(args, run_dir)
     meta = read_json(run_dir / META_FILE)
     if not isinstance(meta.get("config"), dict) or "run_id" not in meta:
         raise UsageError("not a soakd run's metadata (no config or run_id)", file=run_dir / META_FILE)
     # Judge by the criteria the run was started with, unless asked to apply another config's.
-    judged_by = base if args.config else config.Config.model_validate(meta["config"])
+    try:
+        judged_by = base if args.config else config.Config.model_validate(meta["config"])
+    except ValueError as err:  # pydantic's ValidationError: a run from a soakd whose config differed
+        first = str(err).splitlines()[1:3]
+        raise UsageError(
+            f"the run's config does not load in this soakd ({' '.join(first)}): judge it with --config FILE",
+            file=run_dir / META_FILE,
+        ) from None
     criteria = judged_by.criteria
     summary_path = run_dir / "summary.json"
     summary = read_json(summary_path) if summary_path.exists() else {}
@@ -376,6 +442,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from soakd.resume import read_checkpoint
 
     checkpoint = None if summary else read_checkpoint(run_dir)
+    if args.ship:
+        shipped = asyncio.run(_ship(judged_by, run_dir))
+        print(f"shipped {shipped} lines to InfluxDB", file=sys.stderr)
+    metrics, series = _read_run(args, run_dir, meta, judged_by) if paths or args.from_influx else (None, None)
     verdict = judge(
         run_dir,
         str(meta["run_id"]),
@@ -383,12 +453,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
         ran_s=float(summary.get("ran_s", checkpoint.elapsed_s if checkpoint is not None else 0.0)),
         planned_s=planned,
         interrupted=bool(summary.get("interrupted", not summary)),
+        metrics=metrics,
     )
-    if args.ship:
-        shipped = asyncio.run(
-            _ship(base if args.config else config.Config.model_validate(meta["config"]), run_dir)
-        )
-        print(f"shipped {shipped} lines to InfluxDB", file=sys.stderr)
+    if paths is not None and series is not None:
+        from soakd.report.html import build_doc, write_report
+
+        data = series.build(meta["config"])
+        source = "influx" if args.from_influx else "spool"
+        write_report(build_doc(run_dir, meta, verdict.to_dict(), data, source=source), *paths)
+        print(f"report: {' and '.join(str(p) for p in paths if p is not None)}", file=sys.stderr)
     if args.json:
         print(json.dumps(verdict.to_dict(), indent=2, default=str))
     else:
@@ -396,6 +469,34 @@ def _cmd_report(args: argparse.Namespace) -> int:
         for line in _hardware_lines(summary):
             print(line)
     return verdict.exit_code
+
+
+def _read_run(args: argparse.Namespace, run_dir: Path, meta: dict[str, Any], cfg: Any) -> tuple[Any, Any]:
+    """The run's metrics and the report's series, from the spool or (--from-influx) InfluxDB."""
+    import time
+
+    from soakd.report.runs import META_FILE, READ_FIELDS, SPOOL_DIR, damaged_line, fold_run, warn_torn_tails
+
+    if not args.from_influx:
+        from soakd.report.series import spool_samples
+
+        folded = fold_run(spool_samples(run_dir / SPOOL_DIR, READ_FIELDS, on_damaged=damaged_line))
+        warn_torn_tails(run_dir / SPOOL_DIR)
+        return folded
+    from soakd.report.influxql import InfluxReader, run_samples, run_window
+
+    try:
+        start, end = run_window(meta, time.time_ns())
+    except ValueError as err:
+        raise UsageError(str(err), file=run_dir / META_FILE) from None
+    with InfluxReader(cfg.sinks.influx, os.environ) as reader:
+        metrics, series = fold_run(run_samples(reader, str(meta["run_id"]), start, end))
+    if series.points == 0:
+        raise UsageError(
+            f"InfluxDB at {reader.shown_url} (database {reader.database!r}) "
+            f"holds no points of run {meta['run_id']}"
+        )
+    return metrics, series
 
 
 async def _ship(cfg: Any, run_dir: Path) -> int:

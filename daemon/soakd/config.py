@@ -11,6 +11,7 @@ import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -274,11 +275,77 @@ class InfluxConfig(_Section):
     final_drain_timeout: Duration = Field(default=60.0, ge=0)
 
 
+# Event kinds the webhook sink can alert on (soakd.sinks.webhook.RULES; "verdict" is the run's end).
+WebhookKind = Literal[
+    "throttle_enter",
+    "spec_drift",
+    "spool_degraded",
+    "sink_outage",
+    "webhook_outage",
+    "sink_rejected",
+    "engine_failed",
+    "engine_error",
+    "engine_restart",
+    "engine_rebuild",
+    "replay_error",
+    "gpu_xid",
+    "gpu_error",
+    "verdict",
+]
+_DEFAULT_WEBHOOK_KINDS: tuple[WebhookKind, ...] = (
+    "throttle_enter",
+    "spec_drift",
+    "spool_degraded",
+    "sink_outage",
+    "engine_failed",
+    "engine_error",
+    "engine_restart",
+    "engine_rebuild",
+    "replay_error",
+    "gpu_xid",
+    "gpu_error",
+    "verdict",
+)
+
+
+def _http_url(value: object) -> object:
+    if isinstance(value, str) and value:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http:// or https:// URL with a host")
+    return value
+
+
+class WebhookConfig(_Section):
+    """[sinks.webhook]: critical events POSTed as alerts from the spool (soakd.sinks.webhook)."""
+
+    enabled: bool = False
+    url: Annotated[str, BeforeValidator(_http_url)] = ""
+    format: Literal["alertmanager", "webhook"] = "alertmanager"
+    kinds: list[WebhookKind] = Field(default_factory=lambda: list(_DEFAULT_WEBHOOK_KINDS))
+    severity: dict[WebhookKind, Literal["critical", "warning", "info"]] = Field(default_factory=dict)
+    external_url: Annotated[str, BeforeValidator(_http_url)] = ""
+    receiver: str = "soakd"
+    username: str = ""
+    password_env: str = "SOAKD_WEBHOOK_PASSWORD"
+    token_env: str = "SOAKD_WEBHOOK_TOKEN"
+    # Absent: 1m for "alertmanager" (below its 5m resolve_timeout), 4h for "webhook" (Alertmanager's
+    # own repeat_interval); 0: never.
+    resend_interval: Duration | None = None
+    max_alerts: int = Field(default=64, ge=1)
+    # Lines read per step: the event loop waits ~20-30 ms for 5,000 on a busy 2-core host (RESULTS.md).
+    batch_lines: int = Field(default=5000, ge=1)
+    timeout: Duration = Field(default=5.0, gt=0)
+    interval: Duration = Field(default=2.0, gt=0)
+    final_drain_timeout: Duration = Field(default=20.0, ge=0)
+
+
 class SinksConfig(_Section):
     """[sinks]"""
 
     spool: SpoolConfig = SpoolConfig()
     influx: InfluxConfig = InfluxConfig()
+    webhook: WebhookConfig = WebhookConfig()
 
 
 class BatchControlConfig(_Section):
@@ -444,6 +511,9 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
             line=line,
             key="replay.end",
         )
+    if cfg.sinks.webhook.enabled and not cfg.sinks.webhook.url:
+        file, line = _blame(source, text, ["sinks", "webhook", "url"], overridden)
+        raise ConfigError("needed when sinks.webhook.enabled", file=file, line=line, key="sinks.webhook.url")
     cfg._base_dir = base_dir
     cfg._source = source
     return cfg

@@ -1,4 +1,4 @@
-"""Start and stop real database servers (influxd 1.x, victoria-metrics) on loopback for tests."""
+"""Start and stop real servers (influxd 1.x, victoria-metrics, Alertmanager) on loopback for tests."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 
 INFLUXD = os.environ.get("SOAKD_INFLUXD", "/usr/bin/influxd")
 VICTORIA_METRICS = os.environ.get("SOAKD_VICTORIA_METRICS", "/usr/bin/victoria-metrics")
+ALERTMANAGER = os.environ.get("SOAKD_ALERTMANAGER", "/usr/bin/prometheus-alertmanager")
 START_TIMEOUT_S = 60.0
 
 
@@ -152,6 +153,45 @@ def start_victoria_metrics(root: Path, http_port: int | None = None) -> Server:
         {"http": http_port},
     )
     _wait_ready(server, "/health", 200)
+    return server
+
+
+def start_alertmanager(root: Path, webhook_url: str) -> Server:
+    """Start an Alertmanager (no cluster) that sends every alert group to `webhook_url` at once
+    (group_wait 0s), and each change of a group a second later (group_interval 1s)."""
+    root.mkdir(parents=True, exist_ok=True)
+    http_port = free_port()
+    config = root / "alertmanager.yml"
+    config.write_text(
+        f"""\
+route:
+  receiver: hook
+  group_by: [alertname, run_id]
+  group_wait: 0s
+  group_interval: 1s
+  repeat_interval: 4h
+receivers:
+  - name: hook
+    webhook_configs:
+      - url: "{webhook_url}"
+        send_resolved: true
+""",
+        encoding="utf-8",
+    )
+    server = _spawn(
+        "alertmanager",
+        [
+            ALERTMANAGER,
+            f"--config.file={config}",
+            f"--storage.path={root / 'data'}",
+            f"--web.listen-address=127.0.0.1:{http_port}",
+            "--cluster.listen-address=",
+        ],
+        root,
+        f"http://127.0.0.1:{http_port}",
+        {"http": http_port},
+    )
+    _wait_ready(server, "/-/ready", 200)
     return server
 
 

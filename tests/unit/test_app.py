@@ -399,6 +399,19 @@ async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_pat
     assert checks["throttle_episodes == 0"].value == 1 and checks["errors == 0"].passed
     written = json.loads((result.run_dir / "verdict.json").read_text())
     assert written["metrics"]["throttle_time_pct"] == checks["throttle_time_pct < 5"].value
+    # meta.json names the GPU; the sign-off report of the run shades the episode and says what ran.
+    meta = json.loads((result.run_dir / "meta.json").read_text())
+    assert meta["gpu"]["driver"] == "580.159.04" and meta["gpu"]["source"] == "recording"
+    assert meta["gpu"]["devices"][0]["name"] == "NVIDIA H200"
+    from soakd.cli import main
+
+    assert main(["report", str(result.run_dir), "--no-html"]) in (0, 1)
+    report = json.loads((result.run_dir / "report.json").read_text())
+    (episode,) = report["data"]["episodes"]
+    assert episode["scope"] == "GPU 0" and "sw_power_cap" in episode["reasons"]
+    gpu_env = dict(next(g["items"] for g in report["environment"] if g["group"] == "GPU"))
+    assert gpu_env["GPU 0"] == "NVIDIA H200, 140.4 GiB, SM clock up to 1980 MHz, power limit 700 W"
+    assert report["data"]["panels"]["sm_clock"]["series"]
 
 
 async def test_decode_throughput_as_a_share_of_the_ceiling(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from soakd import config
-from soakd.config import InfluxConfig
+from soakd.config import InfluxConfig, WebhookConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT_DIR = ROOT / "systemd"
@@ -181,11 +181,12 @@ def test_a_crash_loop_ends_in_failed(service: Unit) -> None:
 
 
 def test_load_credential_example_names_the_configured_variables() -> None:
-    """The commented LoadCredential= lines name the credentials make_writer looks for by default."""
+    """The commented LoadCredential= lines name the credentials make_writer / make_sender look for by
+    default."""
     examples = re.findall(r"^#LoadCredential=([^:\s]+):(\S+)$", SERVICE.read_text(encoding="utf-8"), re.M)
     names = {name for name, _ in examples}
     defaults = InfluxConfig()
-    assert names == {defaults.token_env, defaults.password_env}
+    assert names == {defaults.token_env, defaults.password_env, WebhookConfig().token_env}
     assert all(path.startswith("/etc/soakd/") for _, path in examples)
 
 
@@ -196,7 +197,11 @@ def test_kill_mode_and_timeouts_fit_the_config(service: Unit) -> None:
     assert start >= 15 * 60
     assert start > cfg.engine.start_timeout  # soakd gives up on the engine before systemd kills it
     stop = timespan_s(one(service, "Service", "TimeoutStopSec"))
-    drain = cfg.replay.drain_timeout + cfg.sinks.influx.final_drain_timeout
+    drain = (
+        cfg.replay.drain_timeout
+        + cfg.sinks.influx.final_drain_timeout
+        + cfg.sinks.webhook.final_drain_timeout
+    )
     assert stop >= drain + 60, f"TimeoutStopSec {stop} s leaves under a minute beyond the {drain} s drain"
 
 

@@ -463,6 +463,17 @@ _HANDLERS: dict[str, Callable[[RunMetrics, Sample], None]] = {
 }
 METRIC_MEASUREMENTS = frozenset(_HANDLERS)
 """The measurements the fold reads (a spool reader can skip every other line unparsed)."""
+METRIC_FIELDS: dict[str, tuple[str, ...] | None] = {
+    "requests": None,
+    "engine": ("cg_steps", "cg_graph_steps", "prefix_queries", "prefix_hits", "kv_cache_usage_max"),
+    "spec_decode": ("draft_tokens", "accepted"),
+    "gpu": ("sm_clock_ratio", "power_w_mean", "temp_c_max", "mem_used_bytes"),
+    "throttle": ("throttled_s",),
+    "allocator": ("fragmentation", "reserved_bytes_peak", "reserved_bytes"),
+    "host": ("engine_rss_bytes",),
+    "events": None,
+}
+"""The fields the fold reads, per measurement (None: all): what a reader of InfluxDB must ask for."""
 
 
 def load_metrics(run_dir: Path) -> dict[str, float | None]:

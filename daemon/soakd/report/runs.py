@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,10 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
+from soakd.metric import Sample
 from soakd.report.criteria import evaluate
-from soakd.report.metrics import METRIC_MEASUREMENTS, RunMetrics
+from soakd.report.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
+from soakd.report.series import FIELDS, SeriesBuilder
 from soakd.report.verdict import VERDICT_FILE, Verdict, make_verdict, write_json_atomic
 from soakd.sinks.spool import iter_samples, list_segments, torn_tail_bytes
 
@@ -20,6 +23,21 @@ SUMMARY_FILE = "summary.json"
 log = structlog.get_logger(__name__)
 
 SPOOL_DIR = "spool"
+
+
+def _union(*maps: dict[str, tuple[str, ...] | None]) -> dict[str, tuple[str, ...] | None]:
+    out: dict[str, tuple[str, ...] | None] = {}
+    for m in maps:
+        for name, fields in m.items():
+            have = out.get(name, ())
+            out[name] = None if fields is None or (name in out and have is None) else (*(have or ()), *fields)
+    return {k: None if v is None else tuple(dict.fromkeys(v)) for k, v in out.items()}
+
+
+# What a report reads: the plotted series and the verdict's metrics.
+READ_FIELDS = _union(FIELDS, METRIC_FIELDS)
+
+
 # Written by soakd.resume (which imports this module, hence the name here).
 CHECKPOINT_FILE = "checkpoint.json"
 
@@ -56,9 +74,19 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _damaged(path: Path, line: int, why: str) -> None:
+def damaged_line(path: Path, line: int, why: str) -> None:
+    """Told of a spool line that is not line protocol (iter_samples' `on_damaged`)."""
     # Said, never silent, and never the end of the judgement: one damaged record is one record less.
     log.warning("spool_line_damaged", file=str(path), line=line, error=why[:200])
+
+
+def warn_torn_tails(spool_dir: Path) -> None:
+    """Warn of each segment whose last line was torn by a crash (readers stop at its last whole line)."""
+    for segment in list_segments(spool_dir):
+        torn = torn_tail_bytes(segment)
+        if torn:
+            # A crash mid-write: the whole lines before it are read, the tail is not a record.
+            log.warning("spool_torn_tail", file=str(segment), bytes=torn, kept="up to the last whole line")
 
 
 def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
@@ -127,15 +155,9 @@ def judge(
     already folded); write verdict.json."""
     if metrics is None:
         metrics = RunMetrics().add_all(
-            iter_samples(run_dir / SPOOL_DIR, METRIC_MEASUREMENTS, on_damaged=_damaged)
+            iter_samples(run_dir / SPOOL_DIR, METRIC_MEASUREMENTS, on_damaged=damaged_line)
         )
-        for segment in list_segments(run_dir / SPOOL_DIR):
-            torn = torn_tail_bytes(segment)
-            if torn:
-                # A crash mid-write: the whole lines before it are read, the tail is not a record.
-                log.warning(
-                    "spool_torn_tail", file=str(segment), bytes=torn, kept="up to the last whole line"
-                )
+        warn_torn_tails(run_dir / SPOOL_DIR)
     if interruptions is None:
         interruptions = read_interruptions(run_dir)
     verdict = verdict_of(
@@ -149,3 +171,13 @@ def judge(
     )
     write_json_atomic(run_dir / VERDICT_FILE, verdict.to_dict())
     return verdict
+
+
+def fold_run(samples: Iterable[Sample]) -> tuple[RunMetrics, SeriesBuilder]:
+    """One pass over a run's points: the metrics the verdict judges and the report's series."""
+    metrics = RunMetrics()
+    builder = SeriesBuilder()
+    for sample in samples:
+        metrics.add(sample)
+        builder.add(sample)
+    return metrics, builder

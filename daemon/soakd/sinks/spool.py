@@ -42,7 +42,9 @@ STATE_CODES: dict[SpoolState, int] = {"ok": 0, "essential": 1, "full": 2}
 # reads them back from the spool), what soakd saw and did (events, control, throttle), the run's closing
 # record, and the sinks' own health, so that the degradation itself stays on record. Everything else is
 # periodic telemetry, where a gap thins a graph but loses no outcome.
-ESSENTIAL_MEASUREMENTS = frozenset({"requests", "events", "run", "control", "throttle", "sink", "spool"})
+ESSENTIAL_MEASUREMENTS = frozenset(
+    {"requests", "events", "run", "control", "throttle", "sink", "spool", "webhook"}
+)
 
 # Free space is read with statvfs at most this often, or sooner once this much was written since.
 SPACE_CHECK_INTERVAL_S = 1.0

@@ -1,0 +1,411 @@
+"""The sign-off report of a run: one self-contained HTML file (inline SVG plots, inline CSS, nothing
+fetched when it is viewed) and its JSON twin, built from the run's files and its time series.
+
+The JSON twin is the report's content (environment, verdict, digest, the bucketed series); the HTML is
+drawn from it alone. The data digest is sha256 over the spool segments in order, then meta.json, then
+verdict.json, byte for byte: `cat spool/seg-*.lp meta.json verdict.json | sha256sum` in the run
+directory gives the same figure, so a signer can check later that the data was not changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from soakd import __version__
+from soakd.files import write_private
+from soakd.report.series import ACTION_KINDS
+from soakd.sinks.spool import list_segments
+
+REPORT_HTML = "report.html"
+REPORT_JSON = "report.json"
+SCHEMA = 1
+DIGEST_FILES = ("meta.json", "verdict.json")
+_EVENT_ROWS = 400  # the HTML lists at most this many events; the JSON has them all
+
+
+def data_digest(run_dir: Path) -> dict[str, Any]:
+    """sha256 over the spool segments (in order), meta.json and verdict.json, and the files it covers."""
+    h = hashlib.sha256()
+    names: list[str] = []
+    paths = [*list_segments(run_dir / "spool"), *(run_dir / n for n in DIGEST_FILES)]
+    total = 0
+    for path in paths:
+        if not path.is_file():
+            continue
+        with path.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+                total += len(chunk)
+        names.append(path.relative_to(run_dir).as_posix())
+    return {
+        "sha256": h.hexdigest(),
+        "files": names,
+        "bytes": total,
+        "recompute": "cd RUN_DIR && cat spool/seg-*.lp meta.json verdict.json | sha256sum",
+    }
+
+
+def _text(value: Any) -> str:
+    if value is None or value == "":
+        return "not recorded"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list | dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def _get(d: Mapping[str, Any], path: str) -> Any:
+    node: Any = d
+    for part in path.split("."):
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part)
+    return node
+
+
+def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the run ran on, from meta.json (and the GPU series where meta.json does not say)."""
+    cfg = meta.get("config") if isinstance(meta.get("config"), Mapping) else {}
+    engine = meta.get("engine") if isinstance(meta.get("engine"), Mapping) else {}
+    trace = meta.get("trace") if isinstance(meta.get("trace"), Mapping) else {}
+    assert isinstance(cfg, Mapping) and isinstance(engine, Mapping) and isinstance(trace, Mapping)
+
+    run = [
+        ("run id", meta.get("run_id")),
+        ("host", meta.get("host")),
+        ("started (UTC)", meta.get("started_utc")),
+        ("planned duration (s)", _get(cfg, "run.duration")),
+        ("resumed after crashes", meta.get("resumes")),
+        ("config file", meta.get("config_source")),
+        ("soakd version", meta.get("soakd_version")),
+        ("Python", meta.get("python")),
+    ]
+    gpu_meta = meta.get("gpu") if isinstance(meta.get("gpu"), Mapping) else None
+    gpu: list[tuple[str, Any]] = []
+    if gpu_meta is not None:
+        assert isinstance(gpu_meta, Mapping)
+        gpu.append(("driver", gpu_meta.get("driver")))
+        gpu.append(("CUDA (driver)", gpu_meta.get("cuda_driver")))
+        if gpu_meta.get("source") == "recording":
+            gpu.append(("read from", f"an NVML recording ({_get(cfg, 'telemetry.gpu_recording')})"))
+        for i, dev in enumerate(gpu_meta.get("devices") or []):
+            if isinstance(dev, Mapping):
+                facts = [str(dev.get("name") or "unnamed")]
+                if dev.get("mem_total"):
+                    facts.append(f"{dev['mem_total'] / 2**30:.1f} GiB")
+                if dev.get("max_sm_mhz"):
+                    facts.append(f"SM clock up to {dev['max_sm_mhz']} MHz")
+                if dev.get("power_limit_mw"):
+                    facts.append(f"power limit {dev['power_limit_mw'] / 1000:g} W")
+                gpu.append((f"GPU {i}", ", ".join(facts)))
+    else:
+        gpu.append(("name, driver, CUDA", "not recorded in meta.json (runs before soakd wrote them)"))
+    for g in data.get("gpus", []):
+        facts = []
+        if g.get("mem_total_bytes"):
+            facts.append(f"{g['mem_total_bytes'] / 2**30:.1f} GiB")
+        if g.get("power_limit_w"):
+            facts.append(f"power limit {g['power_limit_w']:g} W")
+        gpu.append((f"GPU {g['index']} (from its series)", ", ".join(facts) or "seen"))
+    if not data.get("gpus"):
+        gpu.append(("GPU series", "none in this run"))
+
+    spec = _get(cfg, "engine.speculative") or {}
+    details = engine.get("details") if isinstance(engine.get("details"), Mapping) else {}
+    assert isinstance(details, Mapping)
+    eng = [
+        ("engine", engine.get("kind") or _get(cfg, "engine.kind")),
+        ("vLLM version", engine.get("version")),
+        ("model", engine.get("model") or _get(cfg, "engine.model")),
+        ("engine config id", engine.get("config_id")),
+        ("platform", details.get("platform")),
+        ("CUDA-graph mode", details.get("cudagraph_mode")),
+        ("max_num_seqs", details.get("max_num_seqs") or _get(cfg, "engine.max_num_seqs")),
+        ("max_model_len", engine.get("max_model_len") or _get(cfg, "engine.max_model_len")),
+        ("dtype", _get(cfg, "engine.dtype")),
+        ("gpu_memory_utilization", _get(cfg, "engine.gpu_memory_utilization")),
+        ("enforce_eager", _get(cfg, "engine.enforce_eager")),
+        ("prefix caching", _get(cfg, "engine.enable_prefix_caching")),
+        (
+            "speculative decoding",
+            f"{spec.get('method')}, {spec.get('num_speculative_tokens')} tokens"
+            if isinstance(spec, Mapping) and spec.get("enabled")
+            else "off",
+        ),
+        ("extra engine args", _get(cfg, "engine.extra_args")),
+        ("engine start (s)", engine.get("start_s")),
+    ]
+    engines = meta.get("engines")
+    if isinstance(engines, list) and len(engines) > 1:
+        ids = [str(e.get("config_id")) for e in engines if isinstance(e, Mapping)]
+        eng.append(("engine configs over the run", " -> ".join(ids)))
+    tr = [
+        ("path", trace.get("path") or _get(cfg, "trace.path")),
+        ("sha256", trace.get("sha256")),
+        ("format", trace.get("format")),
+        ("requests", trace.get("requests")),
+        ("span (s)", trace.get("span_s")),
+        ("sessions", trace.get("sessions")),
+        ("replay speed", _get(cfg, "replay.speed")),
+    ]
+    return [
+        {"group": name, "items": [[k, _text(v)] for k, v in items]}
+        for name, items in (("Run", run), ("GPU", gpu), ("Engine", eng), ("Trace", tr))
+    ]
+
+
+def build_doc(
+    run_dir: Path,
+    meta: Mapping[str, Any],
+    verdict: Mapping[str, Any],
+    data: Mapping[str, Any],
+    *,
+    source: str,
+    now: datetime | None = None,
+) -> dict[str, Any]:
+    """The report (the JSON twin). Everything but `generated` is the same whichever source the series
+    came from."""
+    return {
+        "schema": SCHEMA,
+        "run_id": verdict.get("run_id") or meta.get("run_id"),
+        "verdict": dict(verdict),
+        "environment": environment(meta, data),
+        "digest": data_digest(run_dir),
+        "data": dict(data),
+        "generated": {
+            "utc": (now or datetime.now(UTC)).isoformat(timespec="seconds"),
+            "source": source,
+            "soakd_version": __version__,
+        },
+    }
+
+
+# -- plots ------------------------------------------------------------------------------------------
+
+_GPU_SHADE = "#d62728"
+_HOST_SHADE = "#ff7f0e"
+
+
+def _time_axis(span_s: float) -> tuple[float, str]:
+    if span_s <= 900:
+        return 1.0, "s"
+    if span_s <= 3 * 3600:
+        return 60.0, "min"
+    return 3600.0, "h"
+
+
+def _with_gaps(
+    t: Sequence[float | None], y: Sequence[float | None], width: float
+) -> tuple[list[float], list[float]]:
+    """NaN where points are much further apart than usual (a bucket, or the series' own interval if
+    longer), so a gap (an engine rebuild) shows as a gap and a 5 s series is still a line."""
+    known = [x for x in t if x is not None]
+    steps = sorted(b - a for a, b in itertools.pairwise(known))
+    usual = steps[len(steps) // 2] if steps else width
+    limit = max(1.5 * width, 2.5 * usual)
+    xs: list[float] = []
+    ys: list[float] = []
+    prev: float | None = None
+    for x, v in zip(t, y, strict=True):
+        if x is None:
+            continue
+        if prev is not None and x - prev > limit:
+            xs.append((prev + x) / 2)
+            ys.append(math.nan)
+        xs.append(x)
+        ys.append(math.nan if v is None else v)
+        prev = x
+    return xs, ys
+
+
+class _Plotter:
+    """Draws the report's panels as inline SVG with matplotlib (no pyplot: no global figure state)."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        # Stable ids and no date: the same data draws the same SVG; text stays text (smaller, selectable).
+        matplotlib.rcParams.update({"svg.hashsalt": "soakd-report", "svg.fonttype": "none", "font.size": 9})
+        self.data = data
+        self.span_s = float(data.get("span_s") or 0.0) or 1.0
+        self.scale, self.unit = _time_axis(self.span_s)
+
+    def _figure(self, rows: int = 1, height: float = 2.4) -> Any:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(10, height * rows))
+        # Fixed margins, the same on every plot (time axes line up down the page); constrained layout
+        # would draw each figure twice.
+        inch = height * rows
+        fig.subplots_adjust(left=0.13, right=0.94, top=1 - 0.15 / inch, bottom=0.5 / inch, hspace=0.12)
+        axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
+        for ax in axes:
+            ax.set_xlim(0, self.span_s / self.scale)
+            ax.grid(True, alpha=0.3, linewidth=0.5)
+        axes[-1].set_xlabel(f"time since the run's first point ({self.unit})")
+        return fig, list(axes)
+
+    def _shade(self, ax: Any) -> None:
+        for ep in self.data.get("episodes", []):
+            color = _HOST_SHADE if ep["scope"] == "host CPUs" else _GPU_SHADE
+            start, end = ep["start_s"] / self.scale, ep["end_s"] / self.scale
+            rec = ep.get("recovering_s")
+            mid = rec / self.scale if rec is not None else end
+            ax.axvspan(start, mid, color=color, alpha=0.15, linewidth=0)
+            if mid < end:
+                ax.axvspan(mid, end, color=color, alpha=0.06, linewidth=0)
+
+    def _svg(self, fig: Any) -> str:
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+        text = buf.getvalue()
+        start = text.find("<svg")
+        return text[start:] if start >= 0 else text
+
+    def panel(self, name: str, panel: Mapping[str, Any]) -> str:
+        fig, (ax,) = self._figure()
+        width = float(self.data.get("latency_bucket_s" if name in ("ttft", "tpot") else "bucket_s") or 1.0)
+        for i, s in enumerate(panel["series"]):
+            color = f"C{i % 10}"
+            t = [None if x is None else x / self.scale for x in s["t"]]
+            xs, mid = _with_gaps(t, s.get("mid") or [None] * len(t), width / self.scale)
+            # Markers where there are few points: a lone point between gaps is still seen.
+            marker = "." if len(xs) < 80 else None
+            ax.plot(xs, mid, color=color, linewidth=1.2, marker=marker, markersize=3, label=s["name"])
+            if "lo" in s and "hi" in s and s["lo"] != s["hi"]:
+                _, lo = _with_gaps(t, s["lo"], width / self.scale)
+                _, hi = _with_gaps(t, s["hi"], width / self.scale)
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0)
+        for ref in panel.get("refs", []):
+            ax.axhline(ref["value"], color="0.3", linestyle="--", linewidth=0.9, label=ref["name"])
+        counts = panel.get("counts") or []
+        if counts:
+            twin = ax.twinx()
+            for s in counts:
+                t = [x / self.scale for x in s["t"] if x is not None]
+                twin.bar(t, s["mid"], width=width / self.scale, color="#d62728", alpha=0.5, label=s["name"])
+            twin.set_ylabel("requests per bucket")
+        if panel.get("log"):
+            ax.set_yscale("log")
+        ax.set_ylabel(panel.get("unit", ""))
+        self._shade(ax)
+        if panel["series"] or panel.get("refs"):
+            ax.legend(loc="upper left", fontsize=7, ncols=4, framealpha=0.7)
+        return self._svg(fig)
+
+    def actions(self, panel: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> str:
+        ceiling = panel["series"]
+        kinds = sorted({e["kind"] for e in events})
+        rows = 2 if ceiling else 1
+        fig, axes = self._figure(rows, height=max(2.2, 0.2 * len(kinds) + 0.9))
+        ax = axes[0]
+        for i, kind in enumerate(kinds):
+            xs = [e["t_s"] / self.scale for e in events if e["kind"] == kind]
+            ax.scatter(xs, [i] * len(xs), marker="|", s=120, color=f"C{i % 10}", linewidths=2)
+        ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
+        ax.set_ylim(-0.7, max(len(kinds), 1) - 0.3)
+        self._shade(ax)
+        if ceiling:
+            s = ceiling[0]
+            t = [None if x is None else x / self.scale for x in s["t"]]
+            xs, mid = _with_gaps(t, s["mid"], float(self.data.get("bucket_s") or 1.0) / self.scale)
+            axes[1].step(xs, mid, where="mid", color="C0", linewidth=1.2)
+            axes[1].set_ylabel("concurrency\nceiling")
+            self._shade(axes[1])
+        return self._svg(fig)
+
+
+PANEL_ORDER = (
+    "sm_clock",
+    "power",
+    "temperature",
+    "throughput",
+    "ttft",
+    "tpot",
+    "spec_acceptance",
+    "spec_drift",
+    "cudagraph",
+    "fragmentation",
+)
+
+
+def _fmt_time(seconds: float) -> str:
+    s = round(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _fmt_num(value: Any) -> str:
+    if value is None:
+        return "no data"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_html(doc: Mapping[str, Any]) -> str:
+    """The HTML page of a report document (build_doc's result)."""
+    import jinja2
+
+    data = doc["data"]
+    plotter = _Plotter(data)
+    figures = []
+    for name in PANEL_ORDER:
+        panel = data["panels"][name]
+        figures.append(
+            {
+                "id": name,
+                "title": panel["title"],
+                "why": panel["why"],
+                "svg": None if panel["why"] else plotter.panel(name, panel),
+            }
+        )
+    events = data.get("events", [])
+    actions = data["panels"]["actions"]
+    has_actions = any(e["kind"] in ACTION_KINDS for e in events)
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("soakd", "data"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["t"] = _fmt_time
+    env.filters["num"] = _fmt_num
+    template = env.get_template("report.html.j2")
+    verdict = doc["verdict"]
+    return template.render(
+        doc=doc,
+        verdict=verdict,
+        criteria=verdict.get("criteria", []),
+        has_expr=any("expr" in c for c in verdict.get("criteria", [])),
+        requests=verdict.get("requests") or {},
+        figures=figures,
+        actions_svg=plotter.actions(actions, events) if events else None,
+        actions_note=None
+        if has_actions
+        else "no control actions, recaptures, rebuilds or restarts in this run",
+        events=events[:_EVENT_ROWS],
+        events_left=max(0, len(events) - _EVENT_ROWS),
+        episodes=data.get("episodes", []),
+        span=data.get("span_s") or 0.0,
+    )
+
+
+def write_report(doc: Mapping[str, Any], html_path: Path | None, json_path: Path) -> None:
+    """Render first, then write each file atomically (0600): nothing is half-written."""
+    page = render_html(doc).encode("utf-8") if html_path is not None else None
+    write_private(json_path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode("utf-8"), fsync=True)
+    if html_path is not None and page is not None:
+        write_private(html_path, page, fsync=True)
