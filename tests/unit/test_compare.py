@@ -84,6 +84,25 @@ def test_different_traces_are_flagged_not_comparable(runs: dict[str, Path]) -> N
     assert text[0].startswith("!! NOT COMPARABLE: the runs replayed different traces (sha256 bbbafd98f350")
 
 
+def test_a_different_gpu_is_named(runs: dict[str, Path], tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(runs["rebuild"], other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["gpu"] = {"driver": "580.159.04", "devices": [{"name": "NVIDIA H100 80GB HBM3"}] * 2}
+    (other / "meta.json").write_text(json.dumps(meta))
+    comp = compare_runs(runs["rebuild"], other)
+    env = {e.key: e for e in comp.environment}
+    assert (env["GPU"].a, env["GPU"].b) == (None, "2x NVIDIA H100 80GB HBM3") and env["GPU"].differs
+    assert comp.comparable  # the same trace: comparable, the GPU difference is in the table
+    meta["gpu"]["devices"] = [{"name": "NVIDIA H200"}]
+    (runs_h200 := tmp_path / "h200").mkdir()
+    shutil.copytree(other, runs_h200, dirs_exist_ok=True)
+    (runs_h200 / "meta.json").write_text(json.dumps(meta))
+    assert (
+        "different GPU: 2x NVIDIA H100 80GB HBM3 vs 1x NVIDIA H200" in compare_runs(other, runs_h200).warnings
+    )
+
+
 def test_tolerance_and_zero_baselines() -> None:
     a = {"p99(ttft_ms)": 100.0, "tokens_per_s": 50.0, "errors": 0.0, "graph_hit_rate": None, "requests": 10.0}
     b = {"p99(ttft_ms)": 104.0, "tokens_per_s": 60.0, "errors": 2.0, "graph_hit_rate": 0.9, "requests": 10.0}

@@ -227,12 +227,17 @@ def _get(doc: Any, *keys: str) -> Any:
 def environment(meta: dict[str, Any]) -> dict[str, Any]:
     """The facts of a run's meta.json that decide whether two runs measure the same thing."""
     engine = meta.get("engine") or {}
+    gpu: dict[str, Any] = meta["gpu"] if isinstance(meta.get("gpu"), dict) else {}
+    names = [str(d.get("name")) for d in gpu.get("devices") or [] if isinstance(d, dict)]
     return {
         "model": engine.get("model") or _get(meta, "config", "engine", "model"),
         "engine kind": engine.get("kind") or _get(meta, "config", "engine", "kind"),
         "engine config id": engine.get("config_id"),
         "vLLM version": engine.get("version"),
         "platform": _get(engine, "details", "platform"),
+        # meta.json's `gpu` is written when the gpu collector runs: a run without it names no GPU.
+        "GPU": " + ".join(f"{names.count(n)}x {n}" for n in dict.fromkeys(names)) or None,
+        "GPU driver": gpu.get("driver"),
         "CUDA graphs": engine.get("cudagraphs"),
         "speculative tokens": engine.get("speculative_tokens"),
         "trace sha256": _get(meta, "trace", "sha256"),
@@ -282,7 +287,7 @@ def compare_runs(a_dir: Path, b_dir: Path, tolerance_pct: float = DEFAULT_TOLERA
     trace = trace_warning(env_a["trace sha256"], env_b["trace sha256"])
     if trace:
         warnings.append(trace)
-    for key in ("model", "vLLM version", "platform"):
+    for key in ("model", "vLLM version", "platform", "GPU"):
         if env_a[key] is not None and env_b[key] is not None and env_a[key] != env_b[key]:
             warnings.append(f"different {key}: {env_a[key]} vs {env_b[key]}")
     return Comparison(
