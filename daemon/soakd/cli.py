@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="only check the run's data digest against HEX (from a signed report): exit 0 same, 1 changed",
     )
 
+    _compare_parser(sub)
+    _matrix_parser(sub)
+
     chk = sub.add_parser("check", help="validate the config and say what soakd would connect to")
     chk.add_argument("--config", type=Path)
     chk.add_argument("--trace")
@@ -185,6 +188,57 @@ def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
 def _config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="config file (its [trace] and [replay] sections apply)")
     _set_flag(p, "trace.arrivals.rate_rps=5")
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError("must be a number >= 0")
+    return value
+
+
+def _compare_parser(sub: Any) -> None:
+    cmp = sub.add_parser(
+        "compare",
+        help="two runs side by side: metrics with deltas, verdicts, environment",
+        epilog="exit codes: 0 compared; 1 with --fail-on-regression, a metric worse by more than PCT% "
+        "or runs of different traces; 2 bad arguments or an unreadable run",
+    )
+    cmp.add_argument("run_a", metavar="RUN_A", help="baseline: run directory or run id")
+    cmp.add_argument("run_b", metavar="RUN_B", help="candidate: run directory or run id")
+    cmp.add_argument("--config", type=Path, help="config whose run.output_dir holds the run ids")
+    cmp.add_argument(
+        "--tolerance", type=_percent, default=5.0, metavar="PCT", help="changes within PCT%% of A are 'same'"
+    )
+    cmp.add_argument(
+        "--fail-on-regression",
+        type=_percent,
+        metavar="PCT",
+        help="exit 1 if any metric is worse than A by more than PCT%% (or the runs are not comparable)",
+    )
+    cmp.add_argument("--json", action="store_true")
+
+
+def _matrix_parser(sub: Any) -> None:
+    mx = sub.add_parser(
+        "matrix",
+        help="ablation matrix: the same trace run against variants that change one thing each",
+        epilog="exit codes: 0 every applicable variant ran to a verdict (PASS or FAIL); 1 a variant "
+        "failed or the matrix was stopped; 2 a bad config or matrix file (nothing run)",
+    )
+    mx.add_argument("--config", type=Path, help="the run config every variant shares")
+    mx.add_argument("--matrix", type=Path, help="matrix file ([base], [[variant]]; default: built-in)")
+    mx.add_argument("--trace", help="trace file (overrides trace.path)")
+    mx.add_argument("--duration", help="each variant's replay, e.g. 10m (overrides run.duration)")
+    _set_flag(mx, "replay.speed=2 (every variant)")
+    mx.add_argument("--out", type=Path, help="matrix directory (default: OUTPUT_DIR/matrix-<time>)")
+    mx.add_argument(
+        "--tolerance", type=_percent, default=5.0, metavar="PCT", help="deltas within PCT%% are 'same'"
+    )
+    mx.add_argument("--json", action="store_true", help="print matrix.json instead of the table")
 
 
 def _trace_parser(sub: Any) -> None:
@@ -469,6 +523,70 @@ async def _ship(cfg: Any, run_dir: Path) -> tuple[int, int]:
         await writer.aclose()
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from soakd.report.compare import compare_runs, lines
+    from soakd.report.runs import find_run
+
+    base = _load_config(args.config, {})
+    out_dir = base.resolve(base.run.output_dir)
+    comp = compare_runs(find_run(args.run_a, out_dir), find_run(args.run_b, out_dir), args.tolerance)
+    if args.json:
+        print(json.dumps(comp.to_dict(), indent=2, default=str))
+    else:
+        print("\n".join(lines(comp)))
+    for warning in comp.warnings:
+        print(f"soakd: warning: {warning}", file=sys.stderr)
+    if args.fail_on_regression is None:
+        return EXIT_OK
+    worse = comp.regressions(args.fail_on_regression)
+    for m in worse:
+        print(
+            f"soakd: regression: {m.name} worse than A by more than {args.fail_on_regression:g}%",
+            file=sys.stderr,
+        )
+    return EXIT_FAIL if worse or not comp.comparable else EXIT_OK
+
+
+def _cmd_matrix(args: argparse.Namespace) -> int:
+    from datetime import UTC, datetime
+
+    from soakd.matrix import DEFAULT_MATRIX, MATRIX_MD, Matrix, load_matrix, markdown, plan
+
+    spec = load_matrix(args.matrix) if args.matrix else DEFAULT_MATRIX
+    config_path = args.config
+    if config_path is None and spec.config and args.matrix is not None:
+        config_path = (args.matrix.parent / spec.config).resolve()
+    elif config_path is None and os.environ.get("SOAKD_CONFIG"):
+        config_path = Path(os.environ["SOAKD_CONFIG"])
+    overrides = dict(args.overrides)
+    if args.trace:
+        overrides["trace.path"] = str(Path(args.trace).resolve())
+    if args.duration:
+        overrides["run.duration"] = args.duration
+    # Every variant's config is checked before the first engine starts.
+    planned = plan(spec, config_path, overrides, matrix_file=args.matrix)
+    cfg = _load_config(config_path, overrides)
+    out = args.out or cfg.resolve(cfg.run.output_dir) / f"matrix-{datetime.now(UTC):%Y%m%dT%H%M%SZ}"
+    if out.exists():
+        raise UsageError(f"{out} exists: a matrix directory is never reused")
+    if not out.parent.is_dir():
+        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    out.mkdir(mode=0o700)
+    matrix = Matrix(planned, spec.baseline_name, out, config_path, args.tolerance)
+    rows = matrix.run()
+    if args.json:
+        print(json.dumps(matrix.to_dict(), indent=2, default=str))
+    else:
+        print("\n".join(markdown(matrix)))
+        print(f"\nwritten to {out / MATRIX_MD}")
+    if matrix.stopped:
+        print("soakd: matrix stopped before every variant ran", file=sys.stderr)
+    failed = [r for r in rows if r.status in ("failed", "not run")]
+    for r in failed:
+        print(f"soakd: variant {r.variant}: {r.reason}", file=sys.stderr)
+    return EXIT_FAIL if failed else EXIT_OK
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from soakd.checks import run_checks
 
@@ -678,6 +796,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "run": _cmd_run,
             "report": _cmd_report,
             "check": _cmd_check,
+            "compare": _cmd_compare,
+            "matrix": _cmd_matrix,
             "model": _cmd_model,
             "trace": _cmd_trace,
             "telemetry": _cmd_telemetry,
