@@ -253,6 +253,8 @@ def start_vllm(
         "--enable-tokenizer-info-endpoint",
         "--seed",
         "0",
+        # torch.compile is not under test and doubles a CPU engine's start.
+        "--enforce-eager",
         *extra,
     ]
     # The CPU build sizes its KV cache from this variable (GiB), not from gpu_memory_utilization.
