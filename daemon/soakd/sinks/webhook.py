@@ -161,10 +161,13 @@ def _str_map(value: object) -> bool:
 
 
 def rfc3339(time_ns: int) -> str:
-    """UTC RFC 3339 with microseconds (what Alertmanager parses), from Unix nanoseconds."""
+    """UTC RFC 3339 to the microsecond, from Unix nanoseconds, written as Alertmanager (Go's
+    RFC3339Nano) writes it: no trailing zeros in the fraction, no fraction at all on a whole second, so
+    a payload of ours and Alertmanager's own notification carry the same string for the same time."""
     seconds, micros = divmod(time_ns // 1000, 1_000_000)
-    moment = datetime.fromtimestamp(seconds, UTC).replace(microsecond=micros)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    moment = datetime.fromtimestamp(seconds, UTC)
+    fraction = f"{micros:06d}".rstrip("0")
+    return moment.strftime("%Y-%m-%dT%H:%M:%S") + (f".{fraction}" if fraction else "") + "Z"
 
 
 def _label(value: FieldValue) -> str:
