@@ -646,6 +646,9 @@ class Soak:
                             "requests": verdict.requests.scheduled,
                             "completed": verdict.requests.completed,
                             "failed": verdict.requests.failed,
+                            # Stopped on purpose (SIGTERM: a service stop): the FAIL is expected, and
+                            # an alert on it is a warning, not a page.
+                            "stopped": int(bool(self.stopped_by)),
                         },
                         self._clock.wall_ns(),
                     )

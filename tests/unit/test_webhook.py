@@ -124,9 +124,10 @@ class Run:
     def telemetry(self, n: int) -> None:
         self.writer(Sample("gpu", {"sm_mhz": 1980.0 - i}, self.wall_ns() + i, {"gpu": "0"}) for i in range(n))
 
-    def verdict(self, passed: bool) -> None:
+    def verdict(self, passed: bool, stopped: bool = False) -> None:
         self.t += 1.0
         fields = {"passed": int(passed), "ran_s": 3600.0, "planned_s": 3600.0, "requests": 10, "completed": 9}
+        fields["stopped"] = int(stopped)
         self.writer([Sample("run", {**fields, "failed": 1}, self.wall_ns())])
 
 
@@ -504,3 +505,19 @@ def test_times_are_written_as_alertmanager_writes_them() -> None:
     assert rfc3339(base + 100_000_000) == "2026-11-30T00:53:20.1Z"
     assert rfc3339(base) == "2026-11-30T00:53:20Z"
     assert rfc3339(base + 999) == "2026-11-30T00:53:20Z"  # below a microsecond: not written
+
+
+async def test_a_run_stopped_on_purpose_is_a_warning_not_a_page(tmp_path: Path, receiver: Receiver) -> None:
+    run = Run(tmp_path)
+    clock = FakeTime()
+    cfg = WebhookConfig(enabled=True, url=receiver.url, resend_interval=0.0)
+    sink = WebhookSink(run.dir, make_sender(cfg, {}), cfg, clock=clock)
+    run.verdict(passed=False, stopped=True)
+    await sink.tick(5.0)
+    run.verdict(passed=False)
+    await sink.tick(5.0)
+    stopped, failed = receiver.alerts[-2:]
+    assert (stopped["labels"]["alertname"], stopped["labels"]["severity"]) == ("SoakdRunStopped", "warning")
+    assert "stopped by a signal" in stopped["annotations"]["description"]
+    assert (failed["labels"]["alertname"], failed["labels"]["severity"]) == ("SoakdRunFailed", "critical")
+    await sink.aclose()

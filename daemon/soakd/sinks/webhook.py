@@ -266,10 +266,13 @@ class AlertBook:
 
     def _verdict(self, s: Sample) -> Alert:
         passed = s.fields.get("passed") in (1, True)
+        stopped = not passed and s.fields.get("stopped") in (1, True)
         word = "PASS" if passed else "FAIL"
-        severity: Severity = "info" if passed else self.severity.get("verdict", "critical")
+        severity: Severity = (
+            "info" if passed else "warning" if stopped else self.severity.get("verdict", "critical")
+        )
         labels = {
-            "alertname": "SoakdRunPassed" if passed else "SoakdRunFailed",
+            "alertname": "SoakdRunPassed" if passed else "SoakdRunStopped" if stopped else "SoakdRunFailed",
             "severity": severity,
             "kind": "verdict",
             "verdict": word,
@@ -282,7 +285,8 @@ class AlertBook:
             return float(value) if isinstance(value, int | float) else 0.0
 
         description = (
-            f"soak {labels['run_id']}: {word} after {num('ran_s'):.0f} of {num('planned_s'):.0f} s; "
+            f"soak {labels['run_id']}: {word}{' (stopped by a signal)' if stopped else ''} after "
+            f"{num('ran_s'):.0f} of {num('planned_s'):.0f} s; "
             f"{num('completed'):.0f} of {num('requests'):.0f} requests completed, {num('failed'):.0f} failed"
         )
         annotations = {
