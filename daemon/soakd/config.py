@@ -460,6 +460,22 @@ class Config(_Section):
         return p if p.is_absolute() else self._base_dir / p
 
 
+def read_toml(path: Path) -> tuple[str, dict[str, Any]]:
+    """A TOML file's text and data; unreadable, not UTF-8 or bad TOML is a ConfigError naming the line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"cannot read: {err.strerror}", file=path) from None
+    except UnicodeDecodeError:
+        raise ConfigError("not UTF-8 text", file=path) from None
+    try:
+        return text, tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        line = _decode_error_line(str(err))
+        reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))
+        raise ConfigError(f"TOML syntax: {reason}", file=path, line=line) from None
+
+
 def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
     """Read and validate a config file (None: the built-in defaults), then apply dotted overrides.
 
@@ -472,18 +488,7 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
     if path is not None:
         p = Path(path)
         source = str(p)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except OSError as err:
-            raise ConfigError(f"cannot read: {err.strerror}", file=p) from None
-        except UnicodeDecodeError:
-            raise ConfigError("not UTF-8 text", file=p) from None
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            line = _decode_error_line(str(err))
-            reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))
-            raise ConfigError(f"TOML syntax: {reason}", file=p, line=line) from None
+        text, data = read_toml(p)
         base_dir = p.resolve().parent
     overridden: list[tuple[str, ...]] = []
     for dotted, value in (overrides or {}).items():

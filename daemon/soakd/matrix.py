@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -145,20 +144,7 @@ def flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def load_matrix(path: Path) -> MatrixSpec:
     """Read and validate a matrix file; a bad one is a ConfigError naming file, line and key."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"cannot read: {err.strerror}", file=path) from None
-    except UnicodeDecodeError:
-        raise ConfigError("not UTF-8 text", file=path) from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        match = re.search(r"at line (\d+)", str(err))
-        reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))
-        raise ConfigError(
-            f"TOML syntax: {reason}", file=path, line=int(match[1]) if match else None
-        ) from None
+    text, data = config.read_toml(path)
     try:
         return MatrixSpec.model_validate(data)
     except ValidationError as err:

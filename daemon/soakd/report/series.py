@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from soakd.metric import FieldValue, Sample, parse_line
-from soakd.sinks.spool import DamagedFn, iter_numbered_lines
+from soakd.metric import FieldValue, Sample
+from soakd.sinks.spool import DamagedFn, iter_samples
 
 # The fields the report reads, per measurement (None: every field). InfluxDB is asked for these only.
 FIELDS: dict[str, tuple[str, ...] | None] = {
@@ -552,21 +552,4 @@ def spool_samples(
 ) -> Iterator[Sample]:
     """The spool's samples of `measurements`, in write order; other lines are skipped before parsing
     (most of a spool is host and collector points the report does not draw)."""
-    wanted = frozenset(measurements)
-    for path, number, line in iter_numbered_lines(spool_dir):
-        cut = len(line)
-        for sep in (",", " "):
-            pos = line.find(sep)
-            if 0 <= pos < cut:
-                cut = pos
-        if line[:cut] not in wanted and "\\" not in line[:cut]:
-            continue
-        try:
-            sample = parse_line(line)
-        except ValueError as err:
-            if on_damaged is None:
-                raise ValueError(f"{path}:{number}: {err}") from None
-            on_damaged(path, number, str(err))
-            continue
-        if sample.measurement in wanted:
-            yield sample
+    return iter_samples(spool_dir, frozenset(measurements), on_damaged)
