@@ -22,6 +22,8 @@ import structlog
 from soakd import __version__
 from soakd.errors import EngineError, InputError, SinkError, UsageError
 
+log = structlog.get_logger(__name__)
+
 EXIT_OK = 0
 EXIT_FAIL = 1
 EXIT_INPUT = 2
@@ -316,6 +318,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = asyncio.run(soak.run())
     finally:
         progress.close()
+    if cfg.run.report and result.stopped_by != "SIGTERM":
+        _report_after_run(result.run_dir)
     if args.json:
         doc = {**result.summary, "verdict_detail": result.verdict.to_dict(), "run_dir": str(result.run_dir)}
         print(json.dumps(doc, indent=2, default=str))
@@ -330,6 +334,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # A service stop is a clean end: drained, flushed, verdict (marked interrupted) written.
         return 0
     return result.verdict.exit_code
+
+
+def _report_after_run(run_dir: Path) -> None:
+    """The sign-off report of a run that just ended, from its spool and the verdict it wrote. The engine
+    is stopped by now; a report that cannot be made is logged and leaves the exit code alone."""
+    import time
+
+    from soakd.report.html import REPORT_HTML, REPORT_JSON, build_doc, write_report
+    from soakd.report.runs import META_FILE, READ_FIELDS, SPOOL_DIR, damaged_line, fold_run, read_json
+    from soakd.report.series import spool_samples
+    from soakd.report.verdict import VERDICT_FILE
+
+    t0 = time.monotonic()
+    try:
+        meta = read_json(run_dir / META_FILE)
+        verdict = read_json(run_dir / VERDICT_FILE)
+        _, series = fold_run(spool_samples(run_dir / SPOOL_DIR, READ_FIELDS, on_damaged=damaged_line))
+        doc = build_doc(run_dir, meta, verdict, series.build(meta["config"]), source="spool")
+        write_report(doc, run_dir / REPORT_HTML, run_dir / REPORT_JSON)
+    except Exception as err:  # noqa: BLE001 - the run is judged already; the report is an extra
+        log.error("report_not_written", run_dir=str(run_dir), error=f"{type(err).__name__}: {err}"[:300])
+        return
+    log.info("report_written", path=str(run_dir / REPORT_HTML), seconds=round(time.monotonic() - t0, 2))
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:

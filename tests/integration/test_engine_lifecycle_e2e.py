@@ -190,6 +190,7 @@ def test_sigterm_mid_run_drains_flushes_and_exits_0(
     assert kinds[-1] == "run_end" and len(list(iter_samples(run_dir / "spool", "run"))) == 1
     checkpoint = read_checkpoint(run_dir)
     assert checkpoint is not None and checkpoint.stopped_by == "SIGTERM"  # never resumed
+    assert not (run_dir / "report.html").exists()  # a service stop is quick: the report comes later
 
 
 def _lines(tmp_path: Path) -> int:

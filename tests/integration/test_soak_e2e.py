@@ -211,6 +211,10 @@ max_interruptions = 1
     (gap,) = verdict["interruptions"]
     assert gap["down_s"] > 0 and gap["at_s"] >= max(due.values())
     assert verdict["exit_code"] == code
+    # The run that ended on its own wrote its sign-off report, with the verdict it judged.
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["verdict"]["verdict"] == verdict["verdict"] and report["generated"]["source"] == "spool"
+    assert "<svg" in (run_dir / "report.html").read_text()
 
     # InfluxDB has exactly the spool's points, measurement by measurement: the outage was backfilled,
     # the resumed forwarder shipped nothing twice, and no point of the two processes collides.

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from soakd.cli import main
+from soakd.config import CriteriaConfig
 from soakd.metric import Sample, parse_line
 from soakd.report.html import build_doc, render_html
 from soakd.report.series import SeriesBuilder, nice_bucket
@@ -265,3 +267,24 @@ def test_a_run_whose_config_this_soakd_cannot_load_is_bad_input_naming_meta_json
     assert err.startswith(f"soakd: error: {run / 'meta.json'}: the run's config does not load")
     assert "trace.synthetic.rate_rps" in err and "--config FILE" in err and len(err.splitlines()) == 1
     assert not (run / "verdict.json").exists() and not (run / "report.html").exists()
+
+
+def test_the_report_after_a_run_uses_the_run_s_own_verdict_and_never_fails_the_run(tmp_path: Path) -> None:
+    from soakd.cli import _report_after_run
+    from soakd.report.runs import judge
+
+    run = control_run(tmp_path)
+    meta = json.loads((run / "meta.json").read_text())
+    judge(run, meta["run_id"], CriteriaConfig(), ran_s=100.0, planned_s=100.0, interrupted=False)
+    written = json.loads((run / "verdict.json").read_text())
+    with capture_logs() as logs:
+        _report_after_run(run)
+    report = json.loads((run / "report.json").read_text())
+    assert report["verdict"] == written and "<svg" in (run / "report.html").read_text()
+    assert "report_not_written" not in [e["event"] for e in logs]
+    # A run whose files are unreadable: said in the log, nothing raised (the run's exit code stands).
+    (run / "verdict.json").write_text("{not json")
+    (run / "report.html").unlink()
+    with capture_logs() as logs:
+        _report_after_run(run)
+    assert "report_not_written" in [e["event"] for e in logs] and not (run / "report.html").exists()
