@@ -60,10 +60,10 @@ from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
-from soakd.report.criteria import first_abort
+from soakd.report.criteria import first_abort, run_context
 from soakd.report.metrics import RunMetrics
 from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, verdict_of
-from soakd.report.verdict import VERDICT_FILE, Verdict, write_json_atomic
+from soakd.report.verdict import VERDICT_FILE, Verdict, lost_in_flight, write_json_atomic
 from soakd.resume import (
     JOURNAL_FILE,
     Checkpoint,
@@ -104,7 +104,8 @@ class SampleWriter:
     ) -> None:
         self._spool = spool
         self._observe = observe
-        """Sees every point as written (the verdict's metrics fold)."""
+        """Sees every point as written (the verdict's metrics fold), before the spool takes it: the
+        verdict counts a point even if the disk refuses its line."""
         self._tags = tags
         self._wall_ns = wall_ns
         self._after_ns = after_ns
@@ -426,8 +427,7 @@ class Soak:
             spool,
             {"run_id": self.run_id, "host": self.host},
             after_ns=self.resumed.last_point_ns if self.resumed is not None else 0,
-            # Request records are folded before they are written (on_record), the rest as written.
-            observe=lambda s: None if s.measurement == "requests" else metrics.add(s),
+            observe=metrics.add,
         )
         if self.resumed is not None:
             writer.counts.update(self.resumed.points)
@@ -502,8 +502,6 @@ class Soak:
         scheduler.start()
         for ticker in self._tickers:
             ticker.start()
-        metrics = self._metrics
-        assert metrics is not None
         # A run that crashed after its replay had ended (while stopping the engine or shipping) only
         # needs its verdict: no engine is started for nothing.
         finishing = self.resumed is not None and self.resumed.remaining_s <= 0
@@ -561,7 +559,6 @@ class Soak:
 
                 def on_record(record: RequestRecord) -> None:
                     sample = record.to_sample(self._clock.wall_ns())
-                    metrics.add(sample)  # the verdict counts it even if the disk refuses the line
                     if self._ceiling is not None:
                         self._ceiling.observe_request(record.input_tokens, record.output_tokens)
                     if controller is not None:
@@ -1215,7 +1212,8 @@ class Soak:
             replayed = self._elapsed()
             if replayed < cfg.criteria.abort_grace:
                 return
-            context = {"duration_s": replayed, "interruptions": float(len(self._interruptions()))}
+            gaps = self._interruptions()
+            context = run_context(replayed, len(gaps), lost_in_flight(gaps))
             failed = first_abort(cfg.criteria, metrics, context)
             if failed is None:
                 return

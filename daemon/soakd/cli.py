@@ -342,15 +342,14 @@ def _report_after_run(run_dir: Path) -> None:
     import time
 
     from soakd.report.html import REPORT_HTML, REPORT_JSON, build_doc, write_report
-    from soakd.report.runs import META_FILE, READ_FIELDS, SPOOL_DIR, damaged_line, fold_run, read_json
-    from soakd.report.series import spool_samples
+    from soakd.report.runs import META_FILE, fold_spool, read_json
     from soakd.report.verdict import VERDICT_FILE
 
     t0 = time.monotonic()
     try:
         meta = read_json(run_dir / META_FILE)
         verdict = read_json(run_dir / VERDICT_FILE)
-        _, series = fold_run(spool_samples(run_dir / SPOOL_DIR, READ_FIELDS, on_damaged=damaged_line))
+        _, series = fold_spool(run_dir)
         doc = build_doc(run_dir, meta, verdict, series.build(meta["config"]), source="spool")
         write_report(doc, run_dir / REPORT_HTML, run_dir / REPORT_JSON)
     except Exception as err:  # noqa: BLE001 - the run is judged already; the report is an extra
@@ -506,14 +505,10 @@ def _read_run(args: argparse.Namespace, run_dir: Path, meta: dict[str, Any], cfg
     """The run's metrics and the report's series, from the spool or (--from-influx) InfluxDB."""
     import time
 
-    from soakd.report.runs import META_FILE, READ_FIELDS, SPOOL_DIR, damaged_line, fold_run, warn_torn_tails
+    from soakd.report.runs import META_FILE, fold_run, fold_spool
 
     if not args.from_influx:
-        from soakd.report.series import spool_samples
-
-        folded = fold_run(spool_samples(run_dir / SPOOL_DIR, READ_FIELDS, on_damaged=damaged_line))
-        warn_torn_tails(run_dir / SPOOL_DIR)
-        return folded
+        return fold_spool(run_dir)
     from soakd.report.influxql import InfluxReader, run_samples, run_window
 
     try:

@@ -10,7 +10,7 @@ import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -295,19 +295,11 @@ WebhookKind = Literal[
     "gpu_error",
     "verdict",
 ]
-_DEFAULT_WEBHOOK_KINDS: tuple[WebhookKind, ...] = (
-    "throttle_enter",
-    "spec_drift",
-    "spool_degraded",
-    "sink_outage",
-    "engine_failed",
-    "engine_error",
-    "engine_restart",
-    "engine_rebuild",
-    "replay_error",
-    "gpu_xid",
-    "gpu_error",
-    "verdict",
+# Every kind but two, which are opt-in: the alert sink's own outage (told to a receiver it cannot reach
+# until the outage is over) and an InfluxDB batch refusal (a data problem for the morning, not a page).
+_OPT_IN_WEBHOOK_KINDS = frozenset({"webhook_outage", "sink_rejected"})
+_DEFAULT_WEBHOOK_KINDS: tuple[WebhookKind, ...] = tuple(
+    k for k in get_args(WebhookKind) if k not in _OPT_IN_WEBHOOK_KINDS
 )
 
 

@@ -310,11 +310,7 @@ def evaluate(
             float(interruptions),
             f"daemon restarts resumed; {lost_in_flight} requests lost in flight" if interruptions else "",
         )
-    context = {
-        "duration_s": ran_s,
-        "interruptions": float(interruptions),
-        "lost_in_flight": float(lost_in_flight),
-    }
+    context = run_context(ran_s, interruptions, lost_in_flight)
     for text in [*criteria.checks, *criteria.abort_on]:
         parsed = parse_check(text)  # validated when the config was loaded
         value, note = measure(parsed, metrics, context) if metrics is not None else (None, "")
@@ -322,6 +318,16 @@ def evaluate(
         detail = note if value is not None else ("no data" + (f": {note}" if note else ""))
         results.append(CriterionResult(parsed.name, parsed.op, parsed.threshold, value, passed, detail, text))
     return results
+
+
+def run_context(duration_s: float, interruptions: int, lost_in_flight: int) -> dict[str, float]:
+    """The metrics that come from the run itself, not from its points (dsl.measure's `context`): how long
+    it ran, the crashes it was resumed from and the requests lost in flight at them."""
+    return {
+        "duration_s": duration_s,
+        "interruptions": float(interruptions),
+        "lost_in_flight": float(lost_in_flight),
+    }
 
 
 def first_abort(

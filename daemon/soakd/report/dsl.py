@@ -260,9 +260,7 @@ def measure(check: Check, metrics: RunMetrics, context: Mapping[str, float]) -> 
     if check.agg is None:
         if check.metric in context:
             return context[check.metric], ""
-        if check.metric in SERIES_TOTAL:
-            return metrics.over(check.metric), ""
-        return metrics.scalars().get(check.metric), ""
+        return metrics.scalar(check.metric), ""
     if check.agg == "events":
         return float(metrics.events.get(check.metric, 0)), ""
     if check.metric in DISTRIBUTIONS:

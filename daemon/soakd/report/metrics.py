@@ -45,7 +45,6 @@ class _Bucket:
     """Per GPU: [seconds throttled, seconds observed] by its throttle detector."""
     sm_ratio_sum: float = 0.0
     sm_ratio_n: int = 0
-    sm_ratio_min: float = math.inf
     power_sum: float = 0.0
     power_n: int = 0
     temp_max: float = -math.inf
@@ -264,7 +263,6 @@ class RunMetrics:
         if ratio is not None:
             b.sm_ratio_sum += ratio
             b.sm_ratio_n += 1
-            b.sm_ratio_min = min(b.sm_ratio_min, ratio)
         power = _num(f.get("power_w_mean"))
         if power is not None:
             b.power_sum += power
@@ -377,9 +375,10 @@ class RunMetrics:
         elif last_s is not None:
             lo = max(lo, hi - max(1, round(last_s / BUCKET_S)) + 1)
         bs = [self._buckets[i] for i in range(lo, hi + 1) if i in self._buckets]
-        if name in ("tokens_per_s", "requests_per_s") and first_s is None and last_s is None:
-            return series.window(bs, self.span_s) if self.span_s > 0 else None
-        return series.window(bs, (hi - lo + 1) * BUCKET_S)
+        # Over the whole replay a rate is per second of the replay itself (the records' span, none without
+        # records), not of the 10-second buckets it touches; the other series do not use the span.
+        whole = first_s is None and last_s is None
+        return series.window(bs, self.span_s if whole else (hi - lo + 1) * BUCKET_S)
 
     def throttle_time_pct(self) -> float | None:
         """% of the replay (the whole observation if nothing was replayed) that the worst GPU's throttle
@@ -408,10 +407,9 @@ class RunMetrics:
         growth = [sum(last[w]) / len(last[w]) - sum(first[w]) / len(first[w]) for w in last if w in first]
         return max(growth) if growth else None
 
-    def scalars(self) -> dict[str, float | None]:
-        """Every run-level metric by its criteria name (what verdict.json's `metrics` holds)."""
+    def _request_scalars(self) -> dict[str, float | None]:
         s = self.summary()
-        out: dict[str, float | None] = {
+        return {
             "requests": float(s.scheduled),
             "completed": float(s.completed),
             "errors": float(s.failed),
@@ -421,6 +419,21 @@ class RunMetrics:
             "output_tokens": float(s.output_tokens),
             "input_tokens": float(s.input_tokens),
         }
+
+    def scalar(self, name: str) -> float | None:
+        """One run scalar by its bare criteria name, computed alone (an `abort_on` check judged every few
+        seconds must not compute every metric of the run)."""
+        fn = _RUN_SCALARS.get(name)
+        if fn is not None:
+            return fn(self)
+        series = SERIES.get(name)
+        if series is not None and series.total:
+            return self.over(name)
+        return self._request_scalars().get(name)
+
+    def scalars(self) -> dict[str, float | None]:
+        """Every run-level metric by its criteria name (what verdict.json's `metrics` holds)."""
+        out = self._request_scalars()
         for dist in DISTRIBUTIONS:
             q = self.requests.quantiles(dist)
             for p in (50, 90, 99):
@@ -430,20 +443,11 @@ class RunMetrics:
         for name, series in SERIES.items():
             if series.total:
                 out[name] = self.over(name)
-        out["throttle_time_pct"] = self.throttle_time_pct()
-        out["host_throttle_time_pct"] = self.host_throttle_time_pct()
+        for name, fn in _RUN_SCALARS.items():
+            out[name] = fn(self)
         out["min(sm_clock_ratio)"] = _min(self.windows("sm_clock_ratio", 60))
         out["max(temp_c)"] = self.over("temp_c")
         out["min(spec_acceptance)"] = _min(self.windows("spec_acceptance", 60))
-        out["fragmentation_growth"] = self.fragmentation_growth()
-        out["peak_gpu_mem_bytes"] = self.peak_gpu_mem_bytes
-        out["peak_engine_rss_bytes"] = self.peak_engine_rss_bytes
-        out["peak_allocator_reserved_bytes"] = self.peak_allocator_reserved_bytes
-        out["engine_restarts"] = float(self.events.get("engine_restart", 0))
-        out["engine_rebuilds"] = float(self.events.get("engine_rebuild", 0))
-        out["throttle_episodes"] = float(self.events.get("throttle_enter", 0))
-        out["recaptures"] = float(self.events.get("recapture", 0))
-        out["replay_s"] = self.span_s
         return out
 
 
@@ -460,6 +464,20 @@ _HANDLERS: dict[str, Callable[[RunMetrics, Sample], None]] = {
     "allocator": RunMetrics._add_allocator,
     "host": RunMetrics._add_host,
     "events": RunMetrics._add_event,
+}
+# The run scalars that are neither request counts nor a series over the whole run.
+_RUN_SCALARS: dict[str, Callable[[RunMetrics], float | None]] = {
+    "throttle_time_pct": RunMetrics.throttle_time_pct,
+    "host_throttle_time_pct": RunMetrics.host_throttle_time_pct,
+    "fragmentation_growth": RunMetrics.fragmentation_growth,
+    "peak_gpu_mem_bytes": lambda m: m.peak_gpu_mem_bytes,
+    "peak_engine_rss_bytes": lambda m: m.peak_engine_rss_bytes,
+    "peak_allocator_reserved_bytes": lambda m: m.peak_allocator_reserved_bytes,
+    "engine_restarts": lambda m: float(m.events.get("engine_restart", 0)),
+    "engine_rebuilds": lambda m: float(m.events.get("engine_rebuild", 0)),
+    "throttle_episodes": lambda m: float(m.events.get("throttle_enter", 0)),
+    "recaptures": lambda m: float(m.events.get("recapture", 0)),
+    "replay_s": lambda m: m.span_s,
 }
 METRIC_MEASUREMENTS = frozenset(_HANDLERS)
 """The measurements the fold reads (a spool reader can skip every other line unparsed)."""

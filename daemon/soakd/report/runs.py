@@ -12,10 +12,10 @@ import structlog
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
 from soakd.metric import Sample
-from soakd.report.criteria import evaluate
+from soakd.report.criteria import evaluate, run_context
 from soakd.report.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
-from soakd.report.series import FIELDS, SeriesBuilder
-from soakd.report.verdict import VERDICT_FILE, Verdict, make_verdict, write_json_atomic
+from soakd.report.series import FIELDS, SeriesBuilder, spool_samples
+from soakd.report.verdict import VERDICT_FILE, Verdict, lost_in_flight, make_verdict, write_json_atomic
 from soakd.sinks.spool import iter_samples, list_segments, torn_tail_bytes
 
 META_FILE = "meta.json"
@@ -111,6 +111,7 @@ def verdict_of(
 ) -> Verdict:
     """The verdict over the run's folded points and its interruptions (nothing is written)."""
     requests = metrics.summary()
+    lost = lost_in_flight(interruptions)
     results = evaluate(
         criteria,
         requests,
@@ -118,13 +119,10 @@ def verdict_of(
         planned_s=planned_s,
         interrupted=interrupted,
         interruptions=len(interruptions),
-        lost_in_flight=sum(int(i.get("lost_in_flight", 0)) for i in interruptions),
+        lost_in_flight=lost,
         metrics=metrics,
     )
-    values = metrics.scalars()
-    values["duration_s"] = ran_s
-    values["interruptions"] = float(len(interruptions))
-    values["lost_in_flight"] = float(sum(int(i.get("lost_in_flight", 0)) for i in interruptions))
+    values = {**metrics.scalars(), **run_context(ran_s, len(interruptions), lost)}
     for r in results:
         if r.expr:
             values.setdefault(r.name, r.value)
@@ -181,3 +179,10 @@ def fold_run(samples: Iterable[Sample]) -> tuple[RunMetrics, SeriesBuilder]:
         metrics.add(sample)
         builder.add(sample)
     return metrics, builder
+
+
+def fold_spool(run_dir: Path) -> tuple[RunMetrics, SeriesBuilder]:
+    """`fold_run` over a run's spool: damaged lines skipped and logged, torn tails warned of."""
+    folded = fold_run(spool_samples(run_dir / SPOOL_DIR, READ_FIELDS, on_damaged=damaged_line))
+    warn_torn_tails(run_dir / SPOOL_DIR)
+    return folded

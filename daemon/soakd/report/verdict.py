@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ class Verdict:
             "planned_s": self.planned_s,
             "interrupted": self.interrupted,
             "interruptions": self.interruptions,
-            "lost_in_flight": sum(int(i.get("lost_in_flight", 0)) for i in self.interruptions),
+            "lost_in_flight": lost_in_flight(self.interruptions),
             "criteria": [asdict(c) for c in self.criteria],
             "requests": self.requests.to_dict(),
             "metrics": self.metrics,
@@ -66,6 +67,11 @@ class Verdict:
                 f"{float(i['down_s']):.1f} s, {int(i['lost_in_flight'])} requests lost in flight"
             )
         return out
+
+
+def lost_in_flight(interruptions: Iterable[Mapping[str, Any]]) -> int:
+    """Requests in flight at the crashes a run was resumed from (a checkpoint's interruptions)."""
+    return sum(int(i.get("lost_in_flight", 0)) for i in interruptions)
 
 
 def make_verdict(
