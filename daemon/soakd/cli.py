@@ -303,7 +303,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     overrides = dict(args.overrides)
     if args.trace:
-        overrides["trace.path"] = str(Path(args.trace).resolve())
+        overrides["trace.path"] = _trace_arg(args.trace)
     if args.duration:
         overrides["run.duration"] = args.duration
     _reading_overrides(args, overrides)
@@ -582,7 +582,7 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
         config_path = Path(os.environ["SOAKD_CONFIG"])
     overrides = dict(args.overrides)
     if args.trace:
-        overrides["trace.path"] = str(Path(args.trace).resolve())
+        overrides["trace.path"] = _trace_arg(args.trace)
     if args.duration:
         overrides["run.duration"] = args.duration
     # Every variant's config is checked before the first engine starts.
@@ -612,7 +612,7 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from soakd.checks import run_checks
 
-    overrides = {"trace.path": str(Path(args.trace).resolve())} if args.trace else {}
+    overrides = {"trace.path": _trace_arg(args.trace)} if args.trace else {}
     cfg = _load_config(args.config, overrides)
     results = asyncio.run(run_checks(cfg))
     if args.json:
@@ -637,11 +637,18 @@ def _refuse_existing(out: Path, force: bool) -> None:
         raise UsageError(f"{out.parent} is not a directory")
 
 
+def _trace_arg(value: str) -> str:
+    """A trace named on the command line: "bundled:NAME" as it is, a path made absolute."""
+    from soakd.config import BUNDLED_PREFIX
+
+    return value if value.startswith(BUNDLED_PREFIX) else str(Path(value).resolve())
+
+
 def _open_cli_trace(args: argparse.Namespace) -> Any:
     from soakd.traces import open_trace
 
     overrides = dict(args.overrides)
-    overrides["trace.path"] = str(Path(args.file).resolve())
+    overrides["trace.path"] = _trace_arg(args.file)
     if args.format:
         overrides["trace.format"] = args.format
     _reading_overrides(args, overrides)

@@ -111,10 +111,25 @@ class SyntheticTraceConfig(_Section):
 TraceFormat = Literal["auto", "native", "mooncake", "bailian", "azure", "burstgpt", "sharegpt", "synthetic"]
 
 
+BUNDLED_PREFIX = "bundled:"
+# Traces shipped with soakd (package data), by the name `trace.path = "bundled:NAME"` uses.
+BUNDLED_TRACES = {
+    "demo": "data/demo_trace.jsonl",  # Mooncake format, 247 requests over 2 min, prefix sharing (the default)
+    "multiturn": "data/multiturn_trace.jsonl.gz",  # native, 7,983 requests over 9 min, multi-turn chat
+}
+
+
+def _trace_path(value: str) -> str:
+    if value.startswith(BUNDLED_PREFIX) and value[len(BUNDLED_PREFIX) :] not in BUNDLED_TRACES:
+        names = ", ".join(BUNDLED_PREFIX + n for n in BUNDLED_TRACES)
+        raise ValueError(f"no bundled trace {value!r} (there are {names})")
+    return value
+
+
 class TraceConfig(_Section):
     """[trace]: the recorded traffic to replay."""
 
-    path: str = ""
+    path: Annotated[str, AfterValidator(_trace_path)] = ""
     format: TraceFormat = "auto"
     skip_bad_rows: bool = False
     sort: bool = False

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
+from pydantic import ValidationError
 
-from soakd.config import ArrivalConfig, SyntheticTraceConfig, TraceConfig
+from soakd.config import BUNDLED_TRACES, ArrivalConfig, SyntheticTraceConfig, TraceConfig
 from soakd.errors import TraceError
 from soakd.traces import RequestSpec, Trace, open_trace, synthesize, write_native
 from soakd.traces.loader import DEMO_RESOURCE
@@ -360,3 +361,43 @@ def test_write_native_refuses_bad_specs_and_keeps_the_old_file(tmp_path: Path) -
         write_native(out, [RequestSpec(0, 1.0, 1, 1, 4), RequestSpec(1, 0.5, 1, 1, 4)], 4)
     assert out.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+# --- bundled multi-turn trace ---------------------------------------------------------------------
+
+
+def test_bundled_multiturn_trace_has_sessions_reuse_and_a_quiet_minute() -> None:
+    trace = open_trace(TraceConfig(path="bundled:multiturn"), lambda p: Path("/nonexistent") / p, 0)
+    s = trace.summary
+    assert s.format == "native" and s.block_size == 16
+    assert 7000 <= s.requests <= 9000 and 530.0 <= s.span_s <= 540.0
+    assert s.sessions > 1000
+    assert s.block_reuse_ratio > 0.5
+    arrivals = [x.arrival_s for x in trace]
+    # Nothing arrives in the quiet minute the re-capture policy waits for; both sides are busy.
+    assert not [t for t in arrivals if 300.0 <= t < 360.0]
+    assert sum(1 for t in arrivals if 240.0 <= t < 300.0) > 600
+    assert sum(1 for t in arrivals if 360.0 <= t < 420.0) > 600
+    # Later turns carry their conversation's history: the prompt starts with the previous turn's blocks.
+    by_session: dict[str, list[tuple[int, ...]]] = {}
+    for x in trace:
+        if x.session:
+            by_session.setdefault(x.session, []).append(x.hash_ids)
+    grown = [h for h in by_session.values() if len(h) > 1 and len(h[0]) < 128]
+    assert grown and all(h[1][: len(h[0])] == h[0] for h in grown)
+
+
+def test_bundled_multiturn_trace_is_what_the_script_writes(tmp_path: Path) -> None:
+    out = tmp_path / "multiturn.jsonl.gz"
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_multiturn_trace.py"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
+    bundled = REPO / "daemon" / "soakd" / BUNDLED_TRACES["multiturn"]
+    assert out.read_bytes() == bundled.read_bytes(), "rerun scripts/make_multiturn_trace.py"
+
+
+def test_an_unknown_bundled_trace_is_refused_by_the_config() -> None:
+    with pytest.raises(ValidationError, match="no bundled trace 'bundled:nope'"):
+        TraceConfig(path="bundled:nope")

@@ -30,7 +30,7 @@ from typing import IO, Any
 
 import structlog
 
-from soakd.config import ReplayConfig, TraceConfig
+from soakd.config import BUNDLED_PREFIX, BUNDLED_TRACES, ReplayConfig, TraceConfig
 from soakd.errors import TraceError
 from soakd.traces import azure, bailian, burstgpt, mooncake, native, sharegpt
 from soakd.traces.model import (
@@ -46,7 +46,7 @@ from soakd.traces.synth import synthesize
 
 log = structlog.get_logger(__name__)
 
-DEMO_RESOURCE = "data/demo_trace.jsonl"
+DEMO_RESOURCE = BUNDLED_TRACES["demo"]
 SYNTHETIC_PATH = "<synthetic>"
 DEFAULT_BLOCK_SIZE = 16  # for formats without block ids: vLLM's KV block size, so prefixes align
 FORMATS = ("native", "mooncake", "bailian", "azure", "burstgpt", "sharegpt")
@@ -113,19 +113,30 @@ class _Counts:
     unsorted_at: TraceError | None = None
 
 
+def trace_source(path: str, resolve: Callable[[str], Path]) -> Traversable:
+    """The file `trace.path` names: "" or "bundled:NAME" is a trace shipped with soakd, else a path."""
+    if not path:
+        return files("soakd").joinpath(DEMO_RESOURCE)
+    if path.startswith(BUNDLED_PREFIX):
+        # The config refused unknown names when it loaded.
+        return files("soakd").joinpath(BUNDLED_TRACES[path[len(BUNDLED_PREFIX) :]])
+    return resolve(path)
+
+
 def open_trace(
     cfg: TraceConfig, resolve: Callable[[str], Path], seed: int, replay: ReplayConfig | None = None
 ) -> Trace:
     """Validate, transform and summarise the trace `cfg` names; raises TraceError on the first bad row.
 
-    `cfg.path == ""` is the bundled demo trace. `resolve` turns a configured path into a real one
+    `cfg.path == ""` is the bundled demo trace, "bundled:NAME" another bundled one.
+    `resolve` turns a configured path into a real one
     (relative to the config file). `seed` drives generated times and synthetic traces; `replay`
     carries the window and rate-scale transforms.
     """
     transforms = Transforms.of(replay)
     if cfg.format == "synthetic":
         return _synthetic(cfg, seed, transforms)
-    source: Traversable = resolve(cfg.path) if cfg.path else files("soakd").joinpath(DEMO_RESOURCE)
+    source = trace_source(cfg.path, resolve)
     name = str(source)
     stamp = _stamp(source, name)
     fmt = cfg.format if cfg.format != "auto" else detect(source, name)
