@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -263,3 +266,28 @@ def test_host_collector_falls_back_to_psutil_clock(tmp_path: Path, monkeypatch: 
     assert reads[0].cpu_mhz == 1234.0
     assert reads[0].core_throttle_total is None
     assert reads[0].thermal_margin_c is None
+
+
+def test_host_collector_reports_its_own_and_the_engines_cpu(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    # A real child process that burns CPU stands in for the engine; soakd's own share is this process.
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        t = [0.0]
+        collector = HostCollector(lambda: [burner.pid], spool, root=tmp_path, clock=lambda: t[0])
+        collector.collect(1 * S)  # primes; first sight of the engine process: its CPU counts from here
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+        time.sleep(0.5)
+        t[0] = 1.0
+        host = next(s for s in collector.collect(2 * S) if s.measurement == "host")
+        # 0.3 s of this process's CPU in one (fake) second; the burner ran flat out for ~0.8 s.
+        assert 25.0 <= float(host.fields["soakd_cpu_percent"]) <= 100.0
+        assert float(host.fields["soakd_cpu_seconds"]) >= 0.3
+        assert 30.0 <= float(host.fields["engine_cpu_percent"]) <= 200.0
+        collector.close()
+    finally:
+        burner.kill()
+        burner.wait()

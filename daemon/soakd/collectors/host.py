@@ -254,6 +254,12 @@ class HostThrottleReading:
 HostReadFn = Callable[[float, HostThrottleReading], None]
 
 
+def _cpu_s(proc: psutil.Process) -> float:
+    """User + system CPU seconds of one process (all its threads)."""
+    t = proc.cpu_times()
+    return float(t.user + t.system)
+
+
 class HostCollector:
     """CPU and memory of the machine, RSS of the engine's processes, free space under the spool.
 
@@ -277,24 +283,36 @@ class HostCollector:
         self._on_read = on_read
         self._clock = clock
         self._procs: dict[int, psutil.Process] = {}
+        self._proc_cpu: dict[int, float] = {}  # CPU seconds of each engine process at the last pass
+        self._self = psutil.Process()
+        self._self_cpu = _cpu_s(self._self)
+        self._last_t: float | None = None  # the clock at the last pass; the first pass only primes
         # cpu_percent(None) measures since the previous call; the first call only primes it.
         psutil.cpu_percent(None)
 
-    def _rss(self, pids: list[int]) -> tuple[int, int]:
+    def _engine(self, pids: list[int]) -> tuple[int, int, float]:
+        """RSS and count of the engine's live processes, and the CPU seconds they used since the last pass."""
         total = 0
         alive = 0
+        cpu = 0.0
         for pid in pids:
             proc = self._procs.get(pid)
             try:
                 if proc is None:
                     proc = self._procs[pid] = psutil.Process(pid)
                 total += proc.memory_info().rss
+                used = _cpu_s(proc)
+                # A process seen for the first time counts from now (its start-up is not this pass's).
+                cpu += used - self._proc_cpu.get(pid, used)
+                self._proc_cpu[pid] = used
                 alive += 1
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 self._procs.pop(pid, None)
         for gone in set(self._procs) - set(pids):
             del self._procs[gone]
-        return total, alive
+        for gone in set(self._proc_cpu) - set(self._procs):
+            del self._proc_cpu[gone]
+        return total, alive, cpu
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
         cpu_percent = float(psutil.cpu_percent(None))
@@ -321,10 +339,20 @@ class HostCollector:
             readings = [t.current for group in temps().values() for t in group if t.current]
             if readings:
                 fields["temp_max_c"] = float(max(readings))
-        rss, procs = self._rss(self._engine_pids())
+        rss, procs, engine_cpu = self._engine(self._engine_pids())
         fields["engine_rss_bytes"] = rss
         fields["engine_procs"] = procs
-        fields["soakd_rss_bytes"] = int(psutil.Process().memory_info().rss)
+        fields["soakd_rss_bytes"] = int(self._self.memory_info().rss)
+        # soakd's own process: with engine.kind = "vllm-local" it also hosts vLLM's front end (AsyncLLM's
+        # output processing and detokenization); the engine core and workers are engine_cpu_percent.
+        self_cpu = _cpu_s(self._self)
+        now = self._clock()
+        fields["soakd_cpu_seconds"] = self_cpu
+        if self._last_t is not None and now > self._last_t:
+            elapsed = now - self._last_t
+            fields["soakd_cpu_percent"] = 100.0 * (self_cpu - self._self_cpu) / elapsed
+            fields["engine_cpu_percent"] = 100.0 * engine_cpu / elapsed
+        self._self_cpu, self._last_t = self_cpu, now
         fields["spool_disk_free_bytes"] = int(psutil.disk_usage(str(self._spool_dir)).free)
         fields.update(sysfs_fields(sysfs))
         out = [Sample("host", fields, now_ns)]
@@ -343,7 +371,7 @@ class HostCollector:
                 thermal_margin_c=sysfs.thermal_margin_c,
                 cpu_percent=cpu_percent,
             )
-            self._on_read(self._clock(), reading)
+            self._on_read(now, reading)
         return out
 
     def close(self) -> None:

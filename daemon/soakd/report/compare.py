@@ -46,6 +46,7 @@ _LOWER = {
     "engine_restarts",
     "interruptions",
     "lost_in_flight",
+    "soakd_cpu_pct",
 }
 # Differences in these config keys are expected between any two runs and say nothing about them.
 _CONFIG_NOISE = {"run.name", "run.output_dir", "run.host"}
@@ -105,6 +106,7 @@ _ORDER = [
     "peak_gpu_mem_bytes",
     "peak_engine_rss_bytes",
     "peak_allocator_reserved_bytes",
+    "soakd_cpu_pct",
     "fragmentation_growth",
     "throttle_time_pct",
     "host_throttle_time_pct",

@@ -70,6 +70,7 @@ SCALARS = (
     "fragmentation_growth",
     "peak_gpu_mem_bytes",
     "peak_engine_rss_bytes",
+    "soakd_cpu_pct",
     "peak_allocator_reserved_bytes",
     "engine_restarts",
     "engine_rebuilds",

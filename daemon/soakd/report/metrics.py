@@ -174,6 +174,8 @@ class RunMetrics:
         self.events: dict[str, int] = {}
         self.peak_gpu_mem_bytes: float | None = None
         self.peak_engine_rss_bytes: float | None = None
+        # soakd's process CPU seconds at its first and last host sample, with their times (ns).
+        self._self_cpu: tuple[int, float, int, float] | None = None
         self.peak_allocator_reserved_bytes: float | None = None
         self._spec_drafted = 0
         self._spec_accepted = 0
@@ -314,6 +316,21 @@ class RunMetrics:
         rss = _num(s.fields.get("engine_rss_bytes"))
         if rss is not None:
             self.peak_engine_rss_bytes = max(self.peak_engine_rss_bytes or 0.0, rss)
+        cpu = _num(s.fields.get("soakd_cpu_seconds"))
+        if cpu is not None:
+            first = self._self_cpu
+            if first is None or cpu < first[3]:
+                # The first sample, or a new process (a resumed run): count from here.
+                self._self_cpu = (s.time_ns, cpu, s.time_ns, cpu)
+            else:
+                self._self_cpu = (first[0], first[1], s.time_ns, cpu)
+
+    def soakd_cpu_pct(self) -> float | None:
+        """soakd's process CPU over the run, % of one core (None without two host samples)."""
+        if self._self_cpu is None:
+            return None
+        t0, c0, t1, c1 = self._self_cpu
+        return 100.0 * (c1 - c0) / ((t1 - t0) / 1e9) if t1 > t0 else None
 
     def _add_event(self, s: Sample) -> None:
         kind = s.tags.get("kind", "")
@@ -472,6 +489,7 @@ _RUN_SCALARS: dict[str, Callable[[RunMetrics], float | None]] = {
     "fragmentation_growth": RunMetrics.fragmentation_growth,
     "peak_gpu_mem_bytes": lambda m: m.peak_gpu_mem_bytes,
     "peak_engine_rss_bytes": lambda m: m.peak_engine_rss_bytes,
+    "soakd_cpu_pct": RunMetrics.soakd_cpu_pct,
     "peak_allocator_reserved_bytes": lambda m: m.peak_allocator_reserved_bytes,
     "engine_restarts": lambda m: float(m.events.get("engine_restart", 0)),
     "engine_rebuilds": lambda m: float(m.events.get("engine_rebuild", 0)),
@@ -488,7 +506,7 @@ METRIC_FIELDS: dict[str, tuple[str, ...] | None] = {
     "gpu": ("sm_clock_ratio", "power_w_mean", "temp_c_max", "mem_used_bytes"),
     "throttle": ("throttled_s",),
     "allocator": ("fragmentation", "reserved_bytes_peak", "reserved_bytes"),
-    "host": ("engine_rss_bytes",),
+    "host": ("engine_rss_bytes", "soakd_cpu_seconds"),
     "events": None,
 }
 """The fields the fold reads, per measurement (None: all): what a reader of InfluxDB must ask for."""
