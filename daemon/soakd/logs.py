@@ -27,19 +27,60 @@ def configure(level: str = "info", *, journald_prefix: bool = False) -> None:
                 return f"<{_SYSLOG.get(str(event_dict.get('level', 'info')), 6)}>{text}"
             return text
 
+    render = _PrefixedJSON()
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            _PrefixedJSON(),
+            render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
         # sys.stderr is looked up per logger, not bound once, so a replaced stream is followed.
         logger_factory=lambda *_: structlog.PrintLogger(sys.stderr),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib(render, level)
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler that writes to whatever sys.stderr is now (as the structlog logger above does)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+def _route_stdlib(render: Any, level: str) -> None:
+    """Libraries that log through `logging` (APScheduler's skipped and failed jobs, with their
+    tracebacks) come out as the same JSON lines, not as bare text between them. vLLM keeps its own
+    handlers (it does not propagate to the root logger)."""
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, render],
+    )
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(old)
+    handler = _StderrHandler()
+    handler.setFormatter(formatter)
+    root.addHandler(handler)
+    # Library chatter below a warning (APScheduler's "Added job ...") stays out of the journal.
+    root.setLevel(max(logging.WARNING, _LEVELS.get(level, logging.INFO)))
 
 
 def bind(**keys: Any) -> None:
