@@ -15,6 +15,7 @@ from soakd.config import ControlConfig, EngineChange, load
 from soakd.control import LIMIT_FILE, STATE_FILE, ControlInputs, Controller, input_throttled
 from soakd.engine.base import EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
+from soakd.errors import EngineError
 from soakd.policies.actuator import Actuator
 from soakd.replay.admission import AdmissionGate
 
@@ -313,3 +314,28 @@ def test_batch_policy_keeps_acting_while_a_recapture_rebuild_runs(tmp_path: Path
     asyncio.run(scenario())
     assert [e[0] for e in events] == ["downscale", "recapture"] and len(eng.rebuilds) == 1
     assert not ctrl.rebuilding and ctrl.recaptures == 1
+
+
+def test_a_downscale_while_the_engine_is_between_lives_goes_to_the_next_engine(tmp_path: Path) -> None:
+    """Seen on an H200: the batch policy acted while a re-capture rebuild had no engine up; the
+    supervisor's `info` raised and the control job failed with a traceback. The limit now goes to the
+    file the next engine's scheduler reads as it starts."""
+
+    class Rebuilding(StubEngine):
+        @property  # type: ignore[override]
+        def info(self) -> EngineInfo:
+            raise EngineError("engine not started")
+
+        @info.setter
+        def info(self, _value: EngineInfo) -> None:
+            pass
+
+    eng = Rebuilding(info())
+    ctrl, world, events, _, clock = make(tmp_path, BATCH, engine=eng)
+    ctrl.inputs.engine = lambda: None  # as the app's view says between engines
+    run_for(ctrl, world, clock, 3)
+    run_for(ctrl, world, clock, 6, throttled=True)
+    assert ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 12
+    assert (tmp_path / LIMIT_FILE).read_text() == "12"
+    (kind, _msg, fields) = events[0]
+    assert kind == "downscale" and fields["engine_live"] is False

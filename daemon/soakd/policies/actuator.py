@@ -20,6 +20,7 @@ import structlog
 
 from soakd.config import EngineChange
 from soakd.engine.supervisor import EngineSupervisor
+from soakd.errors import EngineError
 from soakd.files import write_private
 from soakd.metric import FieldValue
 from soakd.notify import notify
@@ -92,10 +93,15 @@ class Actuator:
             await self.gate.set_limit(action.to_limit)
         live = False
         if self.lever == "scheduler" and self.limit_file is not None:
-            if self._engine.info.live_active_seqs:
+            try:
+                capable: bool | None = self._engine.info.live_active_seqs
+            except EngineError:
+                # Between two engines (a rebuild or a restart): the next one reads the file as it starts.
+                capable = None
+            if capable is not False:
                 write_limit(self.limit_file, action.to_limit)
                 self.engine_limit = action.to_limit
-                live = True
+                live = capable is True
             elif not self._said_no_live:
                 self._said_no_live = True
                 log.warning(
