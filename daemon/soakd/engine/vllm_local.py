@@ -253,6 +253,10 @@ class VllmLocalEngine:
             top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed,
             output_kind=RequestOutputKind.DELTA,
+            # soakd counts tokens and never reads text: incremental detokenization in vLLM's front end,
+            # which runs in this process, would be pure cost, and this process's one core is what
+            # bounds a fast GPU's streaming throughput here (benchmarks/RESULTS.md, H200 soak).
+            detokenize=False,
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
         try:
