@@ -126,3 +126,36 @@ def test_a_run_that_influxdb_does_not_hold_is_refused_and_nothing_is_written(
     err = capsys.readouterr().err
     assert "holds no points of run 20261129T203817Z-h200-91ef" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_the_ten_minute_h200_soak_shipped_to_influxdb_reports_the_same_from_there(
+    influxdb: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole daemon on an H200 (tests/data/h200/soak10m): its spool, brought back from the GPU
+    machine, shipped into InfluxDB the way a soak engineer would (`soakd report --ship`), then the
+    report from InfluxDB is the report from the spool."""
+    src = H200 / "soak10m"
+    meta = json.loads((src / "meta.json").read_text())
+    run = tmp_path / meta["run_id"]
+    (run / "spool").mkdir(parents=True)
+    (run / "spool" / "seg-00000001.lp").write_bytes(gzip.decompress((src / "spool.lp.gz").read_bytes()))
+    for name in ("meta.json", "summary.json"):
+        shutil.copy(src / name, run / name)
+    lines = (run / "spool" / "seg-00000001.lp").read_bytes().count(b"\n")
+    cfg = _config(tmp_path / "influx.toml", influxdb, "h200_soak10m")
+    # Judged by that config's criteria (the defaults): the run's own graph-hit-rate check is not in it.
+    assert main(["report", str(run), "--config", str(cfg), "--ship", "--no-report"]) == 0
+    assert f"shipped {lines} lines" in capsys.readouterr().err
+    reports = []
+    for extra in ([], ["--from-influx"]):
+        out = tmp_path / f"r{len(extra)}.json"
+        argv = ["report", str(run), "--config", str(cfg), "--no-html", "--report-json", str(out)]
+        assert main([*argv, *extra]) == 0
+        reports.append(json.loads(out.read_text()))
+        reports[-1].pop("generated")
+    assert reports[0] == reports[1]
+    data = reports[0]["data"]
+    assert reports[0]["verdict"]["requests"]["completed"] == 11968
+    assert len(data["episodes"]) == 1 and data["panels"]["sm_clock"]["series"]
+    kinds = [e["kind"] for e in data["events"]]
+    assert kinds.count("downscale") == 4 and kinds.count("upscale") == 6 and "recapture" in kinds
