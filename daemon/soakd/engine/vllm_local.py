@@ -151,6 +151,9 @@ class VllmLocalEngine:
         self._sampling: Any = None
         self._pids: list[int] = []
         self.record_cost = RecordCost()
+        self.detokenize = False
+        """Whether vLLM detokenizes the output (soakd never reads text; benchmarks/bench_frontend.py
+        measures what it would cost)."""
 
     @property
     def info(self) -> EngineInfo:
@@ -256,7 +259,7 @@ class VllmLocalEngine:
             # soakd counts tokens and never reads text: incremental detokenization in vLLM's front end,
             # which runs in this process, would be pure cost, and this process's one core is what
             # bounds a fast GPU's streaming throughput here (benchmarks/RESULTS.md, H200 soak).
-            detokenize=False,
+            detokenize=self.detokenize,
         )
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
         try:
