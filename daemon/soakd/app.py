@@ -50,6 +50,7 @@ from soakd.engine.supervisor import EngineSupervisor, apply_change
 from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.errors import ConfigError, EngineError
 from soakd.logs import bind
+from soakd.loopwatch import LoopWatch
 from soakd.metric import FieldValue, Sample
 from soakd.notify import notify, watchdog_interval_s
 from soakd.policies.actuator import Actuator
@@ -330,7 +331,9 @@ class Soak:
         self._progress_start: float | None = None
         self.scheduler_errors = 0
         self._tickers: list[Ticker] = []
-        """Fixed-rate samplers that run beside the scheduler (the GPU's fast tier)."""
+        """Fixed-rate samplers that run beside the scheduler (the GPU's fast tier, the loop watch)."""
+        self._replaying = False
+        self._loopwatch: LoopWatch | None = None
         self._engines: list[EngineInfo] = []
         self._supervisor: EngineSupervisor | None = None
         self._rebuild_task: asyncio.Future[bool] | None = None
@@ -479,7 +482,9 @@ class Soak:
             health.append(SinkHealth(forwarder))
         if webhook is not None:
             health.append(WebhookHealth(webhook))
-        runner = CollectorRunner([*collectors, _JobHealth(self), *health], writer)
+        loopwatch = self._loopwatch = LoopWatch(writer.event, active=lambda: self._replaying and engine.ready)
+        self._tickers.append(loopwatch.ticker)
+        runner = CollectorRunner([*collectors, _JobHealth(self), loopwatch, *health], writer)
         controller = self._make_controller(engine, engine_collector, drift, writer)
         scheduler = self._scheduler = self._make_scheduler(runner, spool, forwarder, engine)
         if webhook is not None:
@@ -592,9 +597,11 @@ class Soak:
                 t_run0 = self._clock.monotonic()
                 self._progress_start = t_run0
                 changes = asyncio.create_task(self._apply_changes(engine, t_run0))
+                self._replaying = True
                 try:
                     stats = await self._replayer.run()
                 finally:
+                    self._replaying = False
                     await self._end_changes(changes)
                 t_run1 = self._clock.monotonic()
                 if self._replayer.fatal:
@@ -713,6 +720,7 @@ class Soak:
             "tickers": {
                 t.name: {"runs": t.runs, "missed": t.missed, "errors": t.errors} for t in self._tickers
             },
+            "loop": self._loopwatch.summary() if self._loopwatch is not None else None,
             "engine_steps": engine_collector.steps_total,
             "spec_decode": {
                 "drafts": engine_collector.spec_drafts_total,

@@ -35,6 +35,8 @@ class Ticker:
         """Slots skipped because their deadline had passed."""
         self.errors = 0
         """Calls that raised (logged the first time and every 1000th, then counted)."""
+        self.lag_s = 0.0
+        """How late the loop ran the current call (seconds after its deadline); read by `fn`."""
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -45,6 +47,7 @@ class Ticker:
     def _tick(self) -> None:
         loop = self._loop
         assert loop is not None
+        self.lag_s = max(0.0, loop.time() - (self._t0 + self._slot * self.period_s))
         try:
             self._fn()
         # One failed sample must not end eight hours of sampling; it is counted and said.

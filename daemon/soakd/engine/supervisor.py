@@ -191,6 +191,11 @@ class EngineSupervisor:
     def alive(self) -> bool:
         return not self._failed
 
+    @property
+    def ready(self) -> bool:
+        """An engine is up and serving (not starting, rebuilding or restarting)."""
+        return self._engine is not None and self._ready.is_set() and not self._failed
+
     async def memory_stats(self) -> list[Any]:
         if self._engine is None or not self._ready.is_set():
             raise EngineError("engine is being restarted")

@@ -47,6 +47,7 @@ _LOWER = {
     "interruptions",
     "lost_in_flight",
     "soakd_cpu_pct",
+    "harness_saturated_s",
 }
 # Differences in these config keys are expected between any two runs and say nothing about them.
 _CONFIG_NOISE = {"run.name", "run.output_dir", "run.host"}

@@ -71,6 +71,7 @@ SCALARS = (
     "peak_gpu_mem_bytes",
     "peak_engine_rss_bytes",
     "soakd_cpu_pct",
+    "harness_saturated_s",
     "peak_allocator_reserved_bytes",
     "engine_restarts",
     "engine_rebuilds",

@@ -174,6 +174,9 @@ class RunMetrics:
         self.events: dict[str, int] = {}
         self.peak_gpu_mem_bytes: float | None = None
         self.peak_engine_rss_bytes: float | None = None
+        self.harness_saturated_s = 0.0
+        """Seconds the loop watch judged soakd's own event loop saturated (its `loop` series)."""
+        self._loop_last_ns: int | None = None
         # soakd's process CPU seconds at its first and last host sample, with their times (ns).
         self._self_cpu: tuple[int, float, int, float] | None = None
         self.peak_allocator_reserved_bytes: float | None = None
@@ -324,6 +327,12 @@ class RunMetrics:
                 self._self_cpu = (s.time_ns, cpu, s.time_ns, cpu)
             else:
                 self._self_cpu = (first[0], first[1], s.time_ns, cpu)
+
+    def _add_loop(self, s: Sample) -> None:
+        last, self._loop_last_ns = self._loop_last_ns, s.time_ns
+        if last is not None and _num(s.fields.get("saturated")) == 1:
+            # The interval since the previous point, capped: a gap (a crash) is not time saturated.
+            self.harness_saturated_s += min(max(0.0, (s.time_ns - last) / 1e9), 5.0)
 
     def soakd_cpu_pct(self) -> float | None:
         """soakd's process CPU over the run, % of one core (None without two host samples)."""
@@ -481,6 +490,7 @@ _HANDLERS: dict[str, Callable[[RunMetrics, Sample], None]] = {
     "allocator": RunMetrics._add_allocator,
     "host": RunMetrics._add_host,
     "events": RunMetrics._add_event,
+    "loop": RunMetrics._add_loop,
 }
 # The run scalars that are neither request counts nor a series over the whole run.
 _RUN_SCALARS: dict[str, Callable[[RunMetrics], float | None]] = {
@@ -490,6 +500,7 @@ _RUN_SCALARS: dict[str, Callable[[RunMetrics], float | None]] = {
     "peak_gpu_mem_bytes": lambda m: m.peak_gpu_mem_bytes,
     "peak_engine_rss_bytes": lambda m: m.peak_engine_rss_bytes,
     "soakd_cpu_pct": RunMetrics.soakd_cpu_pct,
+    "harness_saturated_s": lambda m: m.harness_saturated_s,
     "peak_allocator_reserved_bytes": lambda m: m.peak_allocator_reserved_bytes,
     "engine_restarts": lambda m: float(m.events.get("engine_restart", 0)),
     "engine_rebuilds": lambda m: float(m.events.get("engine_rebuild", 0)),
@@ -508,6 +519,7 @@ METRIC_FIELDS: dict[str, tuple[str, ...] | None] = {
     "allocator": ("fragmentation", "reserved_bytes_peak", "reserved_bytes"),
     "host": ("engine_rss_bytes", "soakd_cpu_seconds"),
     "events": None,
+    "loop": ("saturated",),
 }
 """The fields the fold reads, per measurement (None: all): what a reader of InfluxDB must ask for."""
 
