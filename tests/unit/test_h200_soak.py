@@ -92,6 +92,8 @@ def test_the_report_draws_the_power_cap_the_actions_and_both_graph_configs(
     assert html.count("<svg") >= 8 and "<script" not in html
     for text in ("recapture", "downscale", "upscale", "sw_power_cap"):
         assert text in html, text
+    # The rebuild's 45.6 s of downtime is drawn as a bar in the actions timeline (one, for one rebuild).
+    assert html.count("stroke-opacity: 0.45; stroke-width: 5") == 1
 
 
 def test_graph_hit_rate_before_and_after_the_recapture_and_the_smi_counter(tmp_path: Path) -> None:

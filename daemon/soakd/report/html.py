@@ -325,8 +325,15 @@ class _Plotter:
         fig, axes = self._figure(rows, height=max(2.2, 0.2 * len(kinds) + 0.9))
         ax = axes[0]
         for i, kind in enumerate(kinds):
-            xs = [e["t_s"] / self.scale for e in events if e["kind"] == kind]
+            mine = [e for e in events if e["kind"] == kind]
+            xs = [e["t_s"] / self.scale for e in mine]
             ax.scatter(xs, [i] * len(xs), marker="|", s=120, color=f"C{i % 10}", linewidths=2)
+            # A rebuild or restart is written when it is done: draw the time the engine was down.
+            for e in mine:
+                down = (e.get("fields") or {}).get("downtime_s")
+                if isinstance(down, int | float) and down > 0:
+                    start = (e["t_s"] - float(down)) / self.scale
+                    ax.hlines(i, start, e["t_s"] / self.scale, color=f"C{i % 10}", linewidth=5, alpha=0.45)
         ax.set_yticks(range(len(kinds)), kinds, fontsize=7)
         ax.set_ylim(-0.7, max(len(kinds), 1) - 0.3)
         self._shade(ax)
