@@ -205,12 +205,15 @@ def test_control_loop_recaptures_when_idle_and_downscales_on_throttling(
 ) -> None:
     """The real CPU engine and the H200 phases recording as the GPU (a 700 W power cap at 12-32 s and
     47-67 s of the replay): the controller re-captures graph sizes for the traffic seen once the engine
-    has been idle, and lowers the batch by a rebuild once the GPU has been throttled for the dwell.
-    Both rebuilds drain; every request is counted once; each action is an event with its reason."""
+    has been idle, and lowers the batch through vLLM's live admission limit (soakd's scheduler class)
+    once the GPU has been throttled for the dwell, which here falls while the re-capture rebuild has no
+    engine up: the limit goes to the file the next engine reads (as on an H200, where this once failed).
+    The rebuild drains; every request is counted once; each action is an event with its reason. (The
+    rebuild lever is the same `rebuild` call with another change: tests/unit/test_control.py.)"""
     trace = tmp_path / "gap.jsonl"
     rows = [{"format": "soakd-trace", "version": 1, "block_size": 16}]
-    # Busy 0-8 s, an idle gap, busy 30-40 s, then a request every 3 s to the end (a trace that ends
-    # ends the run).
+    # Busy 0-8 s, an idle gap, busy 30-40 s, then a request every 3 s to 82 s (a run lasts its duration
+    # even when its trace ends earlier, so the duration stops just after the trace and the recording).
     times = [k * 0.5 for k in range(17)] + [30 + k * 0.5 for k in range(21)] + [43 + 3 * k for k in range(14)]
     rows += [{"t": t, "input_tokens": 200, "output_tokens": 24} for t in times]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
@@ -223,7 +226,7 @@ gpu_recording = "{PHASES}"
 dwell = "10s"
 settle = "300s"
 cooldown = "10m"
-lever = "rebuild"
+lever = "scheduler"
 [control.recapture]
 idle = "4s"
 min_steps = 20
@@ -237,7 +240,7 @@ enabled = false
     cfg.write_text(
         f"""
 [run]
-duration = "150s"
+duration = "85s"
 output_dir = "{tmp_path / "runs"}"
 [trace]
 path = "{trace}"
@@ -246,7 +249,7 @@ format = "native"
 model = "{tiny_model}"
 max_model_len = 1024
 max_num_seqs = 8
-# Eager: torch.compile is not under test and doubles each of the three engine starts; the recapture
+# Eager: torch.compile is not under test and doubles each of the two engine starts; the recapture
 # policy works from the steps' sizes (without_graphs), so the capture sizes are still rebuilt.
 enforce_eager = true
 extra_args = {{ compilation_config = {{ cudagraph_capture_sizes = [1] }} }}
@@ -271,19 +274,27 @@ max_concurrency = 8
     assert recapture.fields["ok"] == 1.0 and "hit rate" in str(recapture.fields["reason"])
     sizes = [int(x) for x in str(recapture.fields["sizes"]).split(",")]
     assert sizes == sorted(sizes) and len(sizes) <= 4 and recapture.fields["previous"] in ("1", "")
-    assert down.fields["from_limit"] == 8 and down.fields["to_limit"] == 6 and down.fields["rebuilt"] == 1.0
+    assert down.fields["from_limit"] == 8 and down.fields["to_limit"] == 6 and "rebuilt" not in down.fields
     assert "throttled for" in str(down.fields["reason"]) and float(down.fields["ev_throttled_for_s"]) >= 10
     rebuilds = events["engine_rebuild"]
-    assert len(rebuilds) == 2 and all(e.fields["ok"] == 1 for e in rebuilds)
+    assert len(rebuilds) == 1 and rebuilds[0].fields["ok"] == 1
+    # The downscale came while the rebuild had no engine up (or with the new one up): either way the
+    # limit is in the file vLLM's scheduler reads, and the engine limit the series shows is 6.
+    t_down = down.time_ns
+    t_up = rebuilds[0].time_ns
+    t_start = t_up - int(float(rebuilds[0].fields["downtime_s"]) * 1e9)
+    assert down.fields["engine_live"] == (0.0 if t_start <= t_down <= t_up else 1.0)
+    assert (Path(doc["run_dir"]) / "active-seqs").read_text() == "6"
     meta = json.loads((Path(doc["run_dir"]) / "meta.json").read_text())
     engines = meta["engines"]
-    assert len(engines) == 3 and engines[-1]["details"]["max_num_seqs"] == "6"
+    assert len(engines) == 2 and all(e["live_active_seqs"] for e in engines)
     control_doc = doc["control"]
     assert (
         control_doc["recaptures"] == 1 and control_doc["batch_actions"] == 1 and control_doc["ceiling"] == 6
     )
     points = by["control"]
     assert {int(p.fields["policy_limit"]) for p in points} == {8, 6}
+    assert int(points[-1].fields["engine_limit"]) == 6
     assert_exact_accounting(doc, by)
     failed = [r for r in by["requests"] if r.tags["status"] == "error"]
     assert len(failed) == sum(int(e.fields["aborted"]) for e in rebuilds)  # drained ones finished
