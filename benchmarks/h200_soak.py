@@ -203,7 +203,9 @@ def figures(
         out["cpu"] = {
             "soakd_pct_mean": round(statistics.fmean(mine), 1),
             "soakd_pct_p90": round(sorted(mine)[int(0.9 * (len(mine) - 1))], 1),
-            "engine_pct_mean": round(statistics.fmean(eng), 1),
+            # As recorded: before soakd stopped counting its own process there (in-process engines list
+            # it among theirs), this included soakd_pct too.
+            "engine_pct_mean_recorded": round(statistics.fmean(eng), 1),
             "soakd_cpu_us_per_output_token": round(1e6 * cpu_s / max(1.0, sum(gen)), 1),
         }
     out["loop_health"] = {

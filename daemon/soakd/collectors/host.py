@@ -291,7 +291,10 @@ class HostCollector:
         psutil.cpu_percent(None)
 
     def _engine(self, pids: list[int]) -> tuple[int, int, float]:
-        """RSS and count of the engine's live processes, and the CPU seconds they used since the last pass."""
+        """RSS and count of the engine's live processes, and the CPU seconds they used since the last pass.
+
+        An in-process engine counts soakd's own process among its own (its front end lives there): its
+        RSS is counted here, its CPU is not (that is `soakd_cpu_percent`, never counted twice)."""
         total = 0
         alive = 0
         cpu = 0.0
@@ -301,10 +304,11 @@ class HostCollector:
                 if proc is None:
                     proc = self._procs[pid] = psutil.Process(pid)
                 total += proc.memory_info().rss
-                used = _cpu_s(proc)
-                # A process seen for the first time counts from now (its start-up is not this pass's).
-                cpu += used - self._proc_cpu.get(pid, used)
-                self._proc_cpu[pid] = used
+                if pid != self._self.pid:
+                    used = _cpu_s(proc)
+                    # A process seen for the first time counts from now (its start-up is not this pass's).
+                    cpu += used - self._proc_cpu.get(pid, used)
+                    self._proc_cpu[pid] = used
                 alive += 1
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 self._procs.pop(pid, None)
@@ -344,7 +348,7 @@ class HostCollector:
         fields["engine_procs"] = procs
         fields["soakd_rss_bytes"] = int(self._self.memory_info().rss)
         # soakd's own process: with engine.kind = "vllm-local" it also hosts vLLM's front end (AsyncLLM's
-        # output processing and detokenization); the engine core and workers are engine_cpu_percent.
+        # output processing); the engine's other processes (core, workers) are engine_cpu_percent.
         self_cpu = _cpu_s(self._self)
         now = self._clock()
         fields["soakd_cpu_seconds"] = self_cpu
