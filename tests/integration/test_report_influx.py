@@ -7,6 +7,7 @@ import gzip
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -70,6 +71,18 @@ def _config(path: Path, server: Server, database: str) -> Path:
     return path
 
 
+def _from_spool_and_influx(run: Path, cfg: Path, stem: Path, code: int) -> list[dict[str, Any]]:
+    """report.json of `run` from its spool, then from InfluxDB (without the line saying which)."""
+    reports = []
+    for extra in ([], ["--from-influx"]):
+        out = stem.with_name(f"{stem.name}{len(extra)}.json")
+        argv = ["report", str(run), "--config", str(cfg), "--no-html", "--report-json", str(out)]
+        assert main([*argv, *extra]) == code
+        reports.append(json.loads(out.read_text()))
+        reports[-1].pop("generated")
+    return reports
+
+
 def test_the_report_from_influxdb_is_the_report_from_the_spool(
     influxdb: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -103,13 +116,7 @@ def test_the_report_from_influxdb_is_the_report_from_the_spool(
     # A second run in the same database: GPU series, the throttle episode, events of every kind.
     control = _control_run(tmp_path)
     assert main(["report", str(control), "--config", str(cfg), "--ship", "--no-report"]) == 1
-    reports = []
-    for extra in ([], ["--from-influx"]):
-        out = tmp_path / f"control{len(extra)}.json"
-        argv = ["report", str(control), "--config", str(cfg), "--no-html", "--report-json", str(out)]
-        assert main([*argv, *extra]) == 1
-        reports.append(json.loads(out.read_text()))
-        reports[-1].pop("generated")
+    reports = _from_spool_and_influx(control, cfg, tmp_path / "control", code=1)
     assert reports[0] == reports[1]
     assert len(reports[0]["data"]["episodes"]) == 1 and reports[0]["data"]["panels"]["sm_clock"]["series"]
     assert {e["kind"] for e in reports[0]["data"]["events"]} >= {"downscale", "recapture", "engine_rebuild"}
@@ -146,13 +153,7 @@ def test_the_ten_minute_h200_soak_shipped_to_influxdb_reports_the_same_from_ther
     # Judged by that config's criteria (the defaults): the run's own graph-hit-rate check is not in it.
     assert main(["report", str(run), "--config", str(cfg), "--ship", "--no-report"]) == 0
     assert f"shipped {lines} lines" in capsys.readouterr().err
-    reports = []
-    for extra in ([], ["--from-influx"]):
-        out = tmp_path / f"r{len(extra)}.json"
-        argv = ["report", str(run), "--config", str(cfg), "--no-html", "--report-json", str(out)]
-        assert main([*argv, *extra]) == 0
-        reports.append(json.loads(out.read_text()))
-        reports[-1].pop("generated")
+    reports = _from_spool_and_influx(run, cfg, tmp_path / "r", code=0)
     assert reports[0] == reports[1]
     data = reports[0]["data"]
     assert reports[0]["verdict"]["requests"]["completed"] == 11968
