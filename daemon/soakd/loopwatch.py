@@ -6,11 +6,13 @@ seconds and the GPU's fast tier skipped a fifth of its samples, while TTFT and T
 numbers. A 4 Hz timer measures how late the loop runs it; the `loop` series carries the lag each
 interval, and lag over `limit` for `enter_after` seconds is a `harness_saturated` event (cleared by
 `harness_ok` after `leave_after` clean seconds). Judged only while `active()` says so: an in-process
-engine start holds the loop on purpose.
+engine start holds the loop on purpose. `late_s` (each point's judged seconds over the limit, summed by
+the run metric `harness_saturated_s`) counts the late time itself, not the episode's state.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from soakd.metric import FieldValue, Sample
@@ -33,6 +35,7 @@ class LoopWatch:
         limit_s: float = 0.25,
         enter_after_s: float = 5.0,
         leave_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ticker = Ticker("loop", period_s, self._tick)
         self._event = on_event
@@ -46,9 +49,11 @@ class LoopWatch:
         self._missed = 0
         self._bad_s = 0.0  # consecutive seconds over the limit (or clean, while saturated)
         self._good_s = 0.0
-        self._last_ns: int | None = None
+        self._clock = clock
+        self._last_t: float | None = None  # monotonic: a wall-clock step is not a late loop
         self.saturated = False
-        self.saturated_s = 0.0
+        self.late_s = 0.0
+        """Judged seconds with the loop over its limit (or skipping ticks), over the run."""
         self.episodes = 0
         self.worst_lag_s = 0.0
 
@@ -59,8 +64,9 @@ class LoopWatch:
         self._n += 1
 
     def collect(self, now_ns: int) -> list[Sample]:
-        interval = 0.0 if self._last_ns is None else (now_ns - self._last_ns) / 1e9
-        self._last_ns = now_ns
+        now = self._clock()
+        interval = 0.0 if self._last_t is None else max(0.0, now - self._last_t)
+        self._last_t = now
         # Slots the ticker skipped were at least a period late each: the loop could not run it at all.
         missed = self.ticker.missed - self._missed
         self._missed = self.ticker.missed
@@ -72,18 +78,24 @@ class LoopWatch:
             "missed": missed,
         }
         self._max, self._sum, self._n = 0.0, 0.0, 0
-        if self._active() and interval > 0:
-            self._judge(worst, missed, interval)
+        active = self._active()
+        late = 0.0
+        if active and interval > 0:
+            late = self._judge(worst, missed, interval)
         else:
             self._bad_s = self._good_s = 0.0
-        fields["saturated"] = int(self.saturated)
+        fields["late_s"] = late
+        # Not judged (an engine starting, the replay over): not said to be saturated either.
+        fields["saturated"] = int(self.saturated and active)
         return [Sample("loop", fields, now_ns)]
 
-    def _judge(self, worst: float, missed: int, interval: float) -> None:
+    def _judge(self, worst: float, missed: int, interval: float) -> float:
+        """Update the episode state; return the seconds of this interval the loop was late."""
         self.worst_lag_s = max(self.worst_lag_s, worst)
         bad = worst > self._limit_s or missed > 0
+        late = interval if bad else 0.0
+        self.late_s += late
         if self.saturated:
-            self.saturated_s += interval
             self._good_s = 0.0 if bad else self._good_s + interval
             if self._good_s >= self._leave_after:
                 self.saturated = False
@@ -93,7 +105,7 @@ class LoopWatch:
                     f"soakd's event loop kept up for {self._good_s:.0f} s",
                     lag_ms_max=1000.0 * worst,
                 )
-            return
+            return late
         self._bad_s = self._bad_s + interval if bad else 0.0
         if self._bad_s >= self._enter_after:
             self.saturated = True
@@ -106,10 +118,11 @@ class LoopWatch:
                 lag_ms_max=1000.0 * worst,
                 missed_ticks=missed,
             )
+        return late
 
     def summary(self) -> dict[str, object]:
         return {
-            "saturated_s": round(self.saturated_s, 3),
+            "late_s": round(self.late_s, 3),
             "episodes": self.episodes,
             "worst_lag_ms": round(1000.0 * self.worst_lag_s, 1),
             "state": "saturated" if self.saturated else "ok",

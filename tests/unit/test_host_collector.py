@@ -295,3 +295,16 @@ def test_host_collector_reports_its_own_and_the_engines_cpu(tmp_path: Path) -> N
     finally:
         burner.kill()
         burner.wait()
+
+
+def test_soakd_cpu_pct_sums_each_process_and_skips_the_gap_of_a_resume() -> None:
+    from soakd.metric import Sample
+    from soakd.report.metrics import RunMetrics
+
+    m = RunMetrics()
+    # First process: 10 s of CPU over 20 s. A crash, 30 s down; the resumed process starts with 25 s of
+    # CPU already (imports, its engine start): more than the first one had, so only the gap tells.
+    for t, cpu in [(0, 5.0), (10, 10.0), (20, 15.0), (50, 40.0), (60, 42.0), (70, 44.0)]:
+        m.add(Sample("host", {"soakd_cpu_seconds": cpu}, t * 10**9))
+    # (10 + 4) CPU seconds over (20 + 20) wall seconds; the 30 s down and its 25 s jump are not counted.
+    assert m.scalar("soakd_cpu_pct") == pytest.approx(100.0 * 14 / 40)

@@ -20,6 +20,7 @@ def test_a_loop_held_up_is_saturated_then_ok_and_only_while_active() -> None:
     points: list[dict[str, Any]] = []
 
     async def scenario() -> LoopWatch:
+        mono = [100.0]
         watch = LoopWatch(
             lambda kind, msg, **f: events.append((kind, msg, f)),
             lambda: active[0],
@@ -27,13 +28,14 @@ def test_a_loop_held_up_is_saturated_then_ok_and_only_while_active() -> None:
             limit_s=0.1,
             enter_after_s=0.5,
             leave_after_s=0.5,
+            clock=lambda: mono[0],
         )
         watch.ticker.start()
-        now = [0]
 
         def collect() -> None:
-            now[0] += 250_000_000  # the collector's interval, 0.25 s
-            (sample,) = watch.collect(now[0])
+            mono[0] += 0.25  # the collector's interval, on the monotonic clock
+            # The wall clock stepped back an hour (NTP): not a late loop, and the point keeps its time.
+            (sample,) = watch.collect(1_000_000_000 if len(points) == 3 else 2_000_000_000 + len(points))
             assert sample.measurement == "loop"
             points.append(dict(sample.fields))
 
@@ -60,12 +62,43 @@ def test_a_loop_held_up_is_saturated_then_ok_and_only_while_active() -> None:
     watch = asyncio.run(scenario())
     assert points[1]["lag_ms_max"] < 100 and points[1]["saturated"] == 0
     assert all(p["lag_ms_max"] >= 200 for p in points[2:8]), points
-    # Entered after two judged bad intervals (0.5 s), left after two clean ones.
+    # Entered after two judged bad intervals (0.5 s), left after two clean ones; the late time is the
+    # judged bad intervals themselves (not the episode's detection and clearing time).
     assert [p["saturated"] for p in points] == [0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0]
+    assert [p["late_s"] for p in points] == [0, 0, 0, 0, 0, 0.25, 0.25, 0.25, 0, 0, 0]
     kinds = [e[0] for e in events]
     assert kinds == ["harness_saturated", "harness_ok"], kinds
     saturated = events[0]
     assert "latencies and pacing measured meanwhile include soakd's own delay" in saturated[1]
     assert saturated[2]["lag_ms_max"] >= 200
     s = watch.summary()
-    assert s == {"saturated_s": 0.75, "episodes": 1, "worst_lag_ms": s["worst_lag_ms"], "state": "ok"}
+    assert s == {"late_s": 0.75, "episodes": 1, "worst_lag_ms": s["worst_lag_ms"], "state": "ok"}
+
+
+def test_saturated_is_not_said_while_not_judged_and_the_metric_sums_late_time() -> None:
+    from soakd.report.metrics import RunMetrics
+
+    events: list[str] = []
+    active = [True]
+    mono = [0.0]
+    watch = LoopWatch(
+        lambda kind, msg, **f: events.append(kind),
+        lambda: active[0],
+        limit_s=0.1,
+        enter_after_s=1.0,
+        leave_after_s=30.0,
+        clock=lambda: mono[0],
+    )
+    metrics = RunMetrics()
+    flags = []
+    for step in range(6):
+        mono[0] += 1.0
+        watch.ticker.lag_s = 0.5  # as a late loop leaves it
+        watch._tick()
+        active[0] = step < 3  # the replay ends (or a rebuild begins) after three seconds
+        (sample,) = watch.collect(step * 10**9)
+        metrics.add(sample)
+        flags.append(sample.fields["saturated"])
+    assert events == ["harness_saturated"]
+    assert flags == [0, 1, 1, 0, 0, 0]  # still saturated inside, but not judged: not said
+    assert metrics.scalar("harness_saturated_s") == 2.0  # the judged late seconds (the first is priming)

@@ -175,10 +175,12 @@ class RunMetrics:
         self.peak_gpu_mem_bytes: float | None = None
         self.peak_engine_rss_bytes: float | None = None
         self.harness_saturated_s = 0.0
-        """Seconds the loop watch judged soakd's own event loop saturated (its `loop` series)."""
-        self._loop_last_ns: int | None = None
-        # soakd's process CPU seconds at its first and last host sample, with their times (ns).
-        self._self_cpu: tuple[int, float, int, float] | None = None
+        """Seconds the loop watch judged soakd's own event loop late (the sum of its `late_s`)."""
+        # soakd's process CPU: the last host sample's (time ns, CPU s), and the CPU and wall seconds summed
+        # over consecutive samples of one process (a resumed run is another process: not summed across).
+        self._self_last: tuple[int, float] | None = None
+        self._self_cpu_s = 0.0
+        self._self_wall_s = 0.0
         self.peak_allocator_reserved_bytes: float | None = None
         self._spec_drafted = 0
         self._spec_accepted = 0
@@ -321,25 +323,20 @@ class RunMetrics:
             self.peak_engine_rss_bytes = max(self.peak_engine_rss_bytes or 0.0, rss)
         cpu = _num(s.fields.get("soakd_cpu_seconds"))
         if cpu is not None:
-            first = self._self_cpu
-            if first is None or cpu < first[3]:
-                # The first sample, or a new process (a resumed run): count from here.
-                self._self_cpu = (s.time_ns, cpu, s.time_ns, cpu)
-            else:
-                self._self_cpu = (first[0], first[1], s.time_ns, cpu)
+            last, self._self_last = self._self_last, (s.time_ns, cpu)
+            if last is not None:
+                wall = (s.time_ns - last[0]) / 1e9
+                # A counter that went back, or a gap no collector interval explains: another process.
+                if cpu >= last[1] and 0 < wall <= _SAME_PROCESS_GAP_S:
+                    self._self_cpu_s += cpu - last[1]
+                    self._self_wall_s += wall
 
     def _add_loop(self, s: Sample) -> None:
-        last, self._loop_last_ns = self._loop_last_ns, s.time_ns
-        if last is not None and _num(s.fields.get("saturated")) == 1:
-            # The interval since the previous point, capped: a gap (a crash) is not time saturated.
-            self.harness_saturated_s += min(max(0.0, (s.time_ns - last) / 1e9), 5.0)
+        self.harness_saturated_s += _num(s.fields.get("late_s")) or 0.0
 
     def soakd_cpu_pct(self) -> float | None:
         """soakd's process CPU over the run, % of one core (None without two host samples)."""
-        if self._self_cpu is None:
-            return None
-        t0, c0, t1, c1 = self._self_cpu
-        return 100.0 * (c1 - c0) / ((t1 - t0) / 1e9) if t1 > t0 else None
+        return 100.0 * self._self_cpu_s / self._self_wall_s if self._self_wall_s > 0 else None
 
     def _add_event(self, s: Sample) -> None:
         kind = s.tags.get("kind", "")
@@ -481,6 +478,10 @@ def _min(points: list[tuple[float, float]]) -> float | None:
     return min((v for _, v in points), default=None)
 
 
+_SAME_PROCESS_GAP_S = (
+    15.0  # host samples (every telemetry.interval) further apart: a crash and a resume between
+)
+
 _HANDLERS: dict[str, Callable[[RunMetrics, Sample], None]] = {
     "requests": RunMetrics._add_request,
     "engine": RunMetrics._add_engine,
@@ -519,7 +520,7 @@ METRIC_FIELDS: dict[str, tuple[str, ...] | None] = {
     "allocator": ("fragmentation", "reserved_bytes_peak", "reserved_bytes"),
     "host": ("engine_rss_bytes", "soakd_cpu_seconds"),
     "events": None,
-    "loop": ("saturated",),
+    "loop": ("late_s",),
 }
 """The fields the fold reads, per measurement (None: all): what a reader of InfluxDB must ask for."""
 
