@@ -53,20 +53,25 @@ def demo_specs() -> list[RequestSpec]:
     ]
 
 
-def write_mooncake(path: Path, specs: Iterable[RequestSpec]) -> None:
-    """One Mooncake JSON object per line, written atomically (temp file + rename)."""
+def write_data_file(path: Path, data: bytes) -> None:
+    """A packaged data file, written atomically (temp file + rename) and readable by everyone."""
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            for spec in specs:
-                fh.write(json.dumps(record(spec), separators=(", ", ": ")) + "\n")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         # mkstemp creates the file 0600; a packaged data file must be readable by everyone.
         tmp.chmod(0o644)
         tmp.replace(path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_mooncake(path: Path, specs: Iterable[RequestSpec]) -> None:
+    """One Mooncake JSON object per line."""
+    text = "".join(json.dumps(record(spec), separators=(", ", ": ")) + "\n" for spec in specs)
+    write_data_file(path, text.encode("utf-8"))
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
-import os
-import tempfile
 from dataclasses import replace
 from pathlib import Path
+
+from make_demo_trace import write_data_file  # this folder: run as scripts/make_multiturn_trace.py
 
 from soakd.config import ArrivalConfig, SyntheticTraceConfig
 from soakd.traces import RequestSpec, synthesize
@@ -86,10 +86,7 @@ def main() -> None:
     # mtime=0 and no file name: the same bytes on every run.
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0, compresslevel=9) as gz:
         gz.write(text)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{args.out.name}.", suffix=".tmp", dir=args.out.parent)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(buf.getvalue())
-    Path(tmp_name).replace(args.out)
+    write_data_file(args.out, buf.getvalue())
     print(f"{args.out}: {len(text)} bytes of JSONL, {len(buf.getvalue())} gzipped")
 
 

@@ -396,6 +396,7 @@ def test_bundled_multiturn_trace_is_what_the_script_writes(tmp_path: Path) -> No
     )
     bundled = REPO / "daemon" / "soakd" / BUNDLED_TRACES["multiturn"]
     assert out.read_bytes() == bundled.read_bytes(), "rerun scripts/make_multiturn_trace.py"
+    assert out.stat().st_mode & 0o777 == 0o644  # package data: readable by the service's user too
 
 
 def test_an_unknown_bundled_trace_is_refused_by_the_config() -> None:
