@@ -47,8 +47,8 @@ class LoopWatch:
         self._sum = 0.0
         self._n = 0
         self._missed = 0
-        self._bad_s = 0.0  # consecutive seconds over the limit (or clean, while saturated)
-        self._good_s = 0.0
+        self._bad_s = 0.0  # consecutive judged seconds over the limit, while not saturated
+        self._good_s = 0.0  # consecutive judged seconds within it, while saturated
         self._clock = clock
         self._last_t: float | None = None  # monotonic: a wall-clock step is not a late loop
         self.saturated = False

@@ -256,15 +256,19 @@ def test_bundled_demo_trace_opens_with_reuse() -> None:
     assert 0.45 < shared / len(specs) < 0.75
 
 
-def test_bundled_demo_trace_is_what_the_script_writes(tmp_path: Path) -> None:
-    out = tmp_path / "demo.jsonl"
+def _run_script(name: str, out: Path) -> bytes:
+    """What scripts/NAME writes to `out` (the generator of a bundled trace)."""
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_demo_trace.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
+        [sys.executable, str(REPO / "scripts" / name), "--out", str(out)], check=True, capture_output=True
     )
+    assert out.stat().st_mode & 0o777 == 0o644  # package data: readable by the service's user too
+    return out.read_bytes()
+
+
+def test_bundled_demo_trace_is_what_the_script_writes(tmp_path: Path) -> None:
     bundled = REPO / "daemon" / "soakd" / DEMO_RESOURCE
-    assert out.read_bytes() == bundled.read_bytes(), "rerun scripts/make_demo_trace.py"
+    written = _run_script("make_demo_trace.py", tmp_path / "demo.jsonl")
+    assert written == bundled.read_bytes(), "rerun scripts/make_demo_trace.py"
     # One Mooncake object per line, nothing else.
     first = json.loads(bundled.read_text().splitlines()[0])
     assert set(first) == {"timestamp", "input_length", "output_length", "hash_ids"}
@@ -388,15 +392,9 @@ def test_bundled_multiturn_trace_has_sessions_reuse_and_a_quiet_minute() -> None
 
 
 def test_bundled_multiturn_trace_is_what_the_script_writes(tmp_path: Path) -> None:
-    out = tmp_path / "multiturn.jsonl.gz"
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "make_multiturn_trace.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
     bundled = REPO / "daemon" / "soakd" / BUNDLED_TRACES["multiturn"]
-    assert out.read_bytes() == bundled.read_bytes(), "rerun scripts/make_multiturn_trace.py"
-    assert out.stat().st_mode & 0o777 == 0o644  # package data: readable by the service's user too
+    written = _run_script("make_multiturn_trace.py", tmp_path / "multiturn.jsonl.gz")
+    assert written == bundled.read_bytes(), "rerun scripts/make_multiturn_trace.py"
 
 
 def test_an_unknown_bundled_trace_is_refused_by_the_config() -> None:

@@ -151,18 +151,12 @@ def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[s
         # Each configuration's start and CUDA-graph sizes: a re-capture or a rebuild changes them.
         for n, e in enumerate(x for x in engines if isinstance(x, Mapping)):
             start = e.get("start_s")
-            sizes = e.get("capture_sizes") or []
-            eng.append(
-                (
-                    f"engine {n + 1} ({e.get('config_id')})",
-                    (
-                        f"started in {float(start):.1f} s"
-                        if isinstance(start, int | float)
-                        else "start not recorded"
-                    )
-                    + (f"; capture sizes {', '.join(str(x) for x in sizes)}" if e.get("cudagraphs") else ""),
-                )
+            text = (
+                f"started in {float(start):.1f} s" if isinstance(start, int | float) else "start not recorded"
             )
+            if e.get("cudagraphs"):
+                text += f"; capture sizes {', '.join(str(x) for x in e.get('capture_sizes') or [])}"
+            eng.append((f"engine {n + 1} ({e.get('config_id')})", text))
     tr = [
         ("path", trace.get("path") or _get(cfg, "trace.path")),
         ("sha256", trace.get("sha256")),

@@ -478,9 +478,8 @@ def _min(points: list[tuple[float, float]]) -> float | None:
     return min((v for _, v in points), default=None)
 
 
-_SAME_PROCESS_GAP_S = (
-    15.0  # host samples (every telemetry.interval) further apart: a crash and a resume between
-)
+# Host samples (every telemetry.interval) further apart than this had a crash and a resume between them.
+_SAME_PROCESS_GAP_S = 15.0
 
 _HANDLERS: dict[str, Callable[[RunMetrics, Sample], None]] = {
     "requests": RunMetrics._add_request,
