@@ -416,7 +416,7 @@ async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_pat
 
 async def test_decode_throughput_as_a_share_of_the_ceiling(tmp_path: Path) -> None:
     """A model folder with real safetensors headers and a configured bandwidth: every busy engine point
-    has the ceiling fields, and the summary's time-weighted share is the points' own arithmetic."""
+    has the decode-bandwidth fields, and the summary's time-weighted share is the points' own arithmetic."""
     model = tmp_path / "m"
     model.mkdir()
     header = json.dumps(
@@ -439,9 +439,11 @@ async def test_decode_throughput_as_a_share_of_the_ceiling(tmp_path: Path) -> No
         if s.measurement == "engine" and "decode_tps" in s.fields
     ]
     assert busy
-    tokens = sum(float(s.fields["decode_tps"]) * float(s.fields["interval_s"]) for s in busy)
-    allowed = sum(float(s.fields["decode_ceiling_tps"]) * float(s.fields["interval_s"]) for s in busy)
-    assert ceiling["pct_of_ceiling"] == pytest.approx(100 * tokens / allowed)
+    busy_s = sum(float(s.fields["interval_s"]) for s in busy)
+    pct_s = sum(float(s.fields["decode_bw_pct"]) * float(s.fields["interval_s"]) for s in busy)
+    assert ceiling["bw_pct"] == pytest.approx(pct_s / busy_s)
+    steps = sum(int(s.fields["decode_steps"]) for s in busy)
+    assert ceiling["decode_steps"] == steps and 0 < steps <= sum(int(s.fields["steps"]) for s in busy)
     assert ceiling["context_tokens"] > 0  # requests finished, so the ceiling counts their KV reads
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from soakd.collectors.ceiling import CeilingTracker
+from soakd.collectors.ceiling import CeilingTracker, DecodeSteps
 from soakd.collectors.spec import AcceptanceDrift
 from soakd.engine.stats import StepStats
 from soakd.metric import FieldValue, Sample
@@ -29,6 +29,23 @@ def quantile_of_counts(counts: dict[int, int], q: float) -> int:
         if seen >= rank:
             return value
     return max(counts)
+
+
+def decode_steps(steps: Sequence[StepStats]) -> DecodeSteps:
+    """The steps that decoded: one `record()` call is one engine step, and a step that produced output
+    tokens ran a forward pass that read the weights once (one verify pass under speculation, however
+    many tokens it accepted). Steps without output tokens (a prefill chunk that samples nothing, a
+    stats-only call) are left out: see soakd.collectors.ceiling."""
+    n = 0
+    batch = 0.0
+    tokens = 0
+    for s in steps:
+        if s.generation_tokens > 0:
+            n += 1
+            # `running` is counted after the step: the requests it finished were in its batch too.
+            batch += max(s.running + s.finished, 1)
+            tokens += s.generation_tokens
+    return DecodeSteps(n, batch, tokens)
 
 
 class EngineCollector:
@@ -62,7 +79,7 @@ class EngineCollector:
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
         self.ceiling: CeilingTracker | None = None
-        """When set, each point also says decode throughput as % of the bandwidth ceiling."""
+        """When set, each busy point also says the decode steps' memory traffic as % of the bandwidth."""
 
     def activate(self) -> None:
         """From now on steps are traffic; those before (start-up, warm-up) were dropped by `push`."""
@@ -90,14 +107,7 @@ class EngineCollector:
             interval_s = (now_ns - last) / 1e9
             fields["interval_s"] = interval_s
             if self.ceiling is not None:
-                running = fields.get("running_mean")
-                fields.update(
-                    self.ceiling.interval(
-                        int(fields["generation_tokens"]),
-                        float(running) if isinstance(running, int | float) else None,
-                        interval_s,
-                    )
-                )
+                fields.update(self.ceiling.interval(decode_steps(steps), interval_s))
             if spec:
                 spec["interval_s"] = interval_s
                 if self.drift is not None:
