@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from structlog.testing import capture_logs
 
 from soakd.collectors.base import RefreshingCollector
 from soakd.collectors.nvml import (
+    GPM_KEYS,
     GpuStatic,
     LiveNvml,
     NvmlCollector,
@@ -452,6 +454,136 @@ def test_watched_process_memory_and_close() -> None:
     assert p.fields["proc_mem_bytes"] == 5 << 30 and p.fields["samples"] == 0
     col.close()
     assert nv.calls[-1] == "shutdown"
+
+
+# -- GPM (Hopper and newer) --------------------------------------------------------------------------
+
+
+@dataclass
+class GpmFakeNvml(NewFakeNvml):
+    """GPM calls as pynvml names them: two sample buffers, a metrics query filled per pair of samples.
+    Each metric's value is its id plus 10 x the samples taken so far, so a span's values are known."""
+
+    NVML_GPM_METRICS_GET_VERSION = 1
+    gpm_supported: bool = True
+    gpm_error: int | None = None
+    """Raise this NVML error from nvmlGpmSampleGet (after `gpm_ok_samples` good ones)."""
+    gpm_ok_samples: int = 0
+    unsupported_metrics: set[int] = field(default_factory=set)
+    samples: list[str] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
+    taken: int = 0
+
+    def nvmlGpmQueryDeviceSupport(self, h: str) -> Any:
+        self.calls.append("gpm_support")
+        if self.gpm_error is not None and self.gpm_ok_samples < 0:
+            raise NVMLError(self.gpm_error)
+        return SimpleNamespace(version=1, isSupportedDevice=int(self.gpm_supported))
+
+    def nvmlGpmSampleAlloc(self) -> str:
+        self.samples.append(f"s{len(self.samples)}")
+        return self.samples[-1]
+
+    def nvmlGpmSampleFree(self, sample: str) -> None:
+        self.freed.append(sample)
+
+    def nvmlGpmSampleGet(self, h: str, sample: str) -> str:
+        if self.gpm_error is not None and self.taken >= self.gpm_ok_samples:
+            raise NVMLError(self.gpm_error)
+        self.taken += 1
+        self.calls.append(f"gpm_sample {sample}")
+        return sample
+
+    @staticmethod
+    def c_nvmlGpmMetricsGet_t() -> Any:
+        metrics = [SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(8)]
+        return SimpleNamespace(version=0, numMetrics=0, sample1=None, sample2=None, metrics=metrics)
+
+    def nvmlGpmMetricsGet(self, q: Any) -> Any:
+        assert q.version == 1 and q.sample1 != q.sample2
+        self.calls.append(f"gpm_metrics {q.sample1}->{q.sample2}")
+        for m in q.metrics[: q.numMetrics]:
+            if m.metricId in self.unsupported_metrics:
+                m.nvmlReturn, m.value = self.NVML_ERROR_NOT_SUPPORTED, 0.0
+            elif self.taken == 3:
+                m.nvmlReturn, m.value = 0, math.nan  # a span of no time (samples moments apart)
+            else:
+                m.nvmlReturn, m.value = 0, float(m.metricId + 10 * self.taken)
+        return q
+
+
+def test_gpm_metrics_between_consecutive_slow_samples() -> None:
+    nv = GpmFakeNvml(unsupported_metrics={3})
+    with capture_logs() as logs:
+        src = LiveNvml(nv)
+        first = src.slow(0)
+        second = src.slow(0)
+        third = src.slow(0)
+    assert {k: first[k] for k in GPM_KEYS} == dict.fromkeys(GPM_KEYS)  # no span yet
+    # Two buffers, reused in turn: each span runs from the previous read's sample to this one's.
+    assert [c for c in nv.calls if c.startswith("gpm")] == [
+        "gpm_support",
+        "gpm_sample s1",
+        "gpm_sample s0",
+        "gpm_metrics s1->s0",
+        "gpm_sample s1",
+        "gpm_metrics s0->s1",
+    ]
+    assert second["gpm_dram_bw_pct"] == 10.0 + 20 and second["gpm_sm_util_pct"] == 2.0 + 20
+    assert second["gpm_tensor_pct"] == 5.0 + 20 and second["gpm_hmma_pct"] == 7.0 + 20
+    assert second["gpm_sm_occupancy_pct"] is None and third["gpm_dram_bw_pct"] is None  # NaN: left out
+    assert len([e for e in logs if e.get("reading") == "gpm_sm_occupancy_pct"]) == 1
+    assert src.gpm_unavailable == {}
+    col = NvmlCollector(src)
+    col.sample_slow()  # the 4th sample: DRAM 10 + 40
+    col.sample_slow()  # the 5th: 10 + 50
+    (p,) = col.collect(1)
+    assert p.fields["gpm_dram_bw_pct"] == 10.0 + 45 and p.fields["gpm_tensor_pct"] == 5.0 + 45
+    assert "gpm_sm_occupancy_pct" not in p.fields and col.gpm_dram_bw_pct() == 10.0 + 50
+    col.sample_fast(0.1)
+    (carried,) = col.collect(2)  # no slow read in this interval: the last span's shares
+    assert carried.fields["gpm_dram_bw_pct"] == 10.0 + 50 and "counter_resets" not in carried.fields
+    col.close()
+    assert sorted(nv.freed) == ["s0", "s1"] and nv.calls[-1] == "shutdown"
+
+
+def test_gpm_not_supported_is_said_once_and_the_collector_carries_on() -> None:
+    nv = GpmFakeNvml(gpm_supported=False)
+    with capture_logs() as logs:
+        src = LiveNvml(nv)
+        col = NvmlCollector(src)
+        for k in range(3):
+            col.sample_fast(k * 0.1)
+            col.sample_slow()
+        (p,) = col.collect(1)
+    off = [e for e in logs if e["event"] == "nvml_gpm_unavailable"]
+    assert len(off) == 1 and "not supported" in off[0]["reason"] and off[0]["gpu"] == 0
+    assert nv.calls.count("gpm_support") == 1 and nv.samples == []
+    assert not any(k.startswith("gpm_") for k in p.fields) and p.fields["sm_mhz_mean"] == 1500.0
+    assert col.gpm_dram_bw_pct() is None
+
+
+def test_gpm_errors_turn_it_off_and_free_the_samples() -> None:
+    # NOT_SUPPORTED from the sampling itself (a vGPU, MIG without the instance call): off, once, freed.
+    nv = GpmFakeNvml(gpm_error=FakeNvml.NVML_ERROR_NOT_SUPPORTED, gpm_ok_samples=1)
+    with capture_logs() as logs:
+        src = LiveNvml(nv)
+        assert src.slow(0)["gpm_dram_bw_pct"] is None
+        r = src.slow(0)
+        src.slow(0)
+    assert r["gpm_dram_bw_pct"] is None and r["hbm_temp_c"] == 55  # the rest of the read is whole
+    assert sorted(nv.freed) == ["s0", "s1"] and "NVML error 3" in src.gpm_unavailable[0]
+    assert len([e for e in logs if e["event"] == "nvml_gpm_unavailable"]) == 1
+    src.close()
+    assert sorted(nv.freed) == ["s0", "s1"]  # not freed twice
+    # The support query itself failing, and a pynvml without GPM: the same, with the reason.
+    failing = GpmFakeNvml(gpm_error=FakeNvml.NVML_ERROR_NOT_SUPPORTED, gpm_ok_samples=-1)
+    src = LiveNvml(failing)
+    assert src.slow(0)["gpm_dram_bw_pct"] is None and failing.samples == []
+    assert "NVML error 3" in src.gpm_unavailable[0]
+    old = LiveNvml(NewFakeNvml())
+    old.slow(0)
+    assert "nvmlGpmQueryDeviceSupport" in old.gpm_unavailable[0]
 
 
 # -- the recorder ----------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ Two tiers, because NVML calls differ in cost by three orders of magnitude:
   slow read only (`telemetry.gpu_energy_interval`, 10 s by default); being a cumulative counter,
   its deltas stay exact, just coarser.
 
+On Hopper and newer the slow tier also takes a GPM sample (NVML's GPU performance monitoring) and
+turns each pair of consecutive samples into DRAM bandwidth, SM and tensor activity over that span: the
+measured counterpart of soakd.collectors.ceiling's computed decode bandwidth. Where GPM is missing (an
+older GPU, driver or pynvml) that is logged once per GPU with the reason, and the fields are absent.
+
 PCIe throughput (which blocks ~21 ms) is not read at all.
 
 A reading the GPU does not support is None in the source's dicts, logged once per (gpu, reading),
@@ -29,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import math
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -50,8 +56,20 @@ FAST_KEYS = ("sm_mhz", "reasons", "power_mw")
 GAUGE_KEYS = ("mem_mhz", "temp_c", "mem_used", "mem_total", "util_gpu", "util_mem", "pstate")
 """Cheap readings that move on a scale of seconds: read with the slow tier."""
 
+GPM_METRICS: tuple[tuple[str, int], ...] = (
+    ("gpm_dram_bw_pct", 10),  # NVML_GPM_METRIC_DRAM_BW_UTIL: % of the DRAM bandwidth's theoretical peak
+    ("gpm_sm_util_pct", 2),  # NVML_GPM_METRIC_SM_UTIL: % of SMs busy
+    ("gpm_sm_occupancy_pct", 3),  # NVML_GPM_METRIC_SM_OCCUPANCY: % of the maximum warps resident
+    ("gpm_tensor_pct", 5),  # NVML_GPM_METRIC_ANY_TENSOR_UTIL: % of time SMs ran any tensor op
+    ("gpm_hmma_pct", 7),  # NVML_GPM_METRIC_HMMA_TENSOR_UTIL: % of time SMs ran FP16/BF16 tensor ops
+)
+"""GPM metrics the slow tier computes between consecutive samples: reading key (= point field), metric id."""
+
+GPM_KEYS = tuple(key for key, _ in GPM_METRICS)
+
 SLOW_KEYS = (
     *GAUGE_KEYS,
+    *GPM_KEYS,
     "energy_mj",
     "hbm_temp_c",
     "margin_c",
@@ -65,7 +83,8 @@ SLOW_KEYS = (
     "proc_mem",
 )
 """Keys of a slow-tier reading. `fields` maps a field id (as a string) to its decoded value;
-`proc_mem` maps a watched PID (as a string) to its GPU memory in bytes."""
+`proc_mem` maps a watched PID (as a string) to its GPU memory in bytes; the `gpm_*` keys are None on
+the first read and wherever GPM is unavailable."""
 
 HBM_TEMP_FIELD = 82  # NVML_FI_DEV_MEMORY_TEMP
 ENERGY_FIELD = 83  # NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, mJ since the driver loaded
@@ -184,6 +203,9 @@ class LiveNvml:
         self._mem_v2 = getattr(nvml, "nvmlMemory_v2", None)
         self._energy_field_ok: dict[int, bool] = {}
         """Per GPU: whether field 83 gave the energy (else nvmlDeviceGetTotalEnergyConsumption)."""
+        self._gpm: dict[int, _GpmState] = {}
+        self.gpm_unavailable: dict[int, str] = {}
+        """Per GPU without GPM: why (said once in the log; its slow readings carry no GPM values)."""
         nvml.nvmlInit()
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(int(nvml.nvmlDeviceGetCount()))]
 
@@ -331,7 +353,95 @@ class LiveNvml:
         ):
             out[key] = None if rows is None else int(rows[n])
         out["proc_mem"] = self._proc_mem(i) if self._pids is not None else None
+        out.update(self._gpm_read(i))
         return out
+
+    # -- GPM (Hopper and newer) ----------------------------------------------------------------------
+
+    def _gpm_read(self, i: int) -> Reading:
+        """The GPM metrics between this slow read and the previous one; None on the first read and
+        once GPM is known unavailable. Never raises: an NVML error turns GPM off for that GPU."""
+        out: Reading = dict.fromkeys(GPM_KEYS)
+        if i in self.gpm_unavailable:
+            return out
+        st = self._gpm.get(i) or self._gpm_open(i)
+        if st is None:
+            return out
+        nv = self._nvml
+        try:
+            nv.nvmlGpmSampleGet(self._handles[i], st.cur)
+            if st.primed:
+                q = st.query
+                q.sample1, q.sample2 = st.prev, st.cur
+                nv.nvmlGpmMetricsGet(q)
+                for n, (key, _) in enumerate(GPM_METRICS):
+                    m = q.metrics[n]
+                    value = float(m.value)
+                    # Two samples taken moments apart give 0/0: NaN with NVML_SUCCESS (seen on an H200).
+                    if int(m.nvmlReturn) == _NVML_SUCCESS and math.isfinite(value):
+                        out[key] = value
+                    elif int(m.nvmlReturn) != _NVML_SUCCESS:
+                        self._unsupported(i, key, f"nvmlReturn {m.nvmlReturn}")
+        except self._error as err:
+            self._gpm_off(i, f"GPM sampling failed: {err}")
+            return dict.fromkeys(GPM_KEYS)
+        # The sample just taken is the next span's start; the older buffer is overwritten next time.
+        st.prev, st.cur = st.cur, st.prev
+        st.primed = True
+        return out
+
+    def _gpm_open(self, i: int) -> _GpmState | None:
+        nv, h = self._nvml, self._handles[i]
+        needed = (
+            "nvmlGpmQueryDeviceSupport",
+            "nvmlGpmSampleAlloc",
+            "nvmlGpmSampleGet",
+            "nvmlGpmMetricsGet",
+            "nvmlGpmSampleFree",
+            "c_nvmlGpmMetricsGet_t",
+        )
+        missing = [name for name in needed if not hasattr(nv, name)]
+        if missing:
+            self._gpm_off(i, f"this pynvml has no {missing[0]} (nvidia-ml-py 11.525 or newer has GPM)")
+            return None
+        samples: list[Any] = []
+        try:
+            support = nv.nvmlGpmQueryDeviceSupport(h)
+            if not int(support.isSupportedDevice):
+                self._gpm_off(
+                    i, "nvmlGpmQueryDeviceSupport: not supported on this GPU (GPM needs Hopper or newer)"
+                )
+                return None
+            samples.append(nv.nvmlGpmSampleAlloc())
+            samples.append(nv.nvmlGpmSampleAlloc())
+        except self._error as err:
+            for sample in samples:
+                self._gpm_free(sample)
+            self._gpm_off(i, f"GPM unavailable: {err}")
+            return None
+        query = nv.c_nvmlGpmMetricsGet_t()
+        query.version = getattr(nv, "NVML_GPM_METRICS_GET_VERSION", 1)
+        query.numMetrics = len(GPM_METRICS)
+        for n, (_, metric_id) in enumerate(GPM_METRICS):
+            query.metrics[n].metricId = metric_id
+        st = _GpmState(samples[0], samples[1], query)
+        self._gpm[i] = st
+        return st
+
+    def _gpm_off(self, i: int, reason: str) -> None:
+        """GPM is unavailable on GPU `i`: said once, its samples freed, never asked again."""
+        self.gpm_unavailable[i] = reason
+        log.info("nvml_gpm_unavailable", gpu=i, reason=reason)
+        st = self._gpm.pop(i, None)
+        if st is not None:
+            self._gpm_free(st.prev)
+            self._gpm_free(st.cur)
+
+    def _gpm_free(self, sample: Any) -> None:
+        try:
+            self._nvml.nvmlGpmSampleFree(sample)
+        except self._error as err:
+            log.warning("nvml_gpm_free_failed", error=str(err))
 
     def _proc_mem(self, i: int) -> dict[str, int] | None:
         assert self._pids is not None
@@ -346,10 +456,27 @@ class LiveNvml:
         }
 
     def close(self) -> None:
+        for st in self._gpm.values():
+            self._gpm_free(st.prev)
+            self._gpm_free(st.cur)
+        self._gpm.clear()
         try:
             self._nvml.nvmlShutdown()
         except self._error as err:
             log.warning("nvml_shutdown_failed", error=str(err))
+
+
+class _GpmState:
+    """One GPU's two GPM sample buffers (the previous read and the one being taken) and its query."""
+
+    __slots__ = ("cur", "prev", "primed", "query")
+
+    def __init__(self, prev: Any, cur: Any, query: Any) -> None:
+        self.prev = prev
+        self.cur = cur
+        self.query = query
+        self.primed = False
+        """True once `prev` holds a sample: the next read has a span to compute metrics over."""
 
 
 class RecordedNvml:
@@ -434,6 +561,8 @@ class _Interval:
         "counter_ns",
         "counter_resets",
         "energy_mj",
+        "gpm_n",
+        "gpm_sum",
         "hbm_max",
         "hw_blips",
         "hw_sustained",
@@ -485,6 +614,8 @@ class _Interval:
         self.counter_ns: dict[int, int] = {}
         self.counter_resets = 0
         self.energy_mj: int | None = None
+        self.gpm_sum: dict[str, float] = {}
+        self.gpm_n: dict[str, int] = {}
 
 
 class _GpuState:
@@ -525,6 +656,8 @@ class NvmlCollector:
     - throttle_<name>_s: growth of each throttle-time counter (THROTTLE_COUNTERS), s
     - counter_resets: counters (or energy) that went down (a driver reload) since the previous point
     - ecc_corrected / ecc_uncorrected (volatile), remapped_* rows; proc_mem_bytes: watched processes
+    - gpm_dram_bw_pct, gpm_sm_util_pct, gpm_sm_occupancy_pct, gpm_tensor_pct, gpm_hmma_pct (GPM_METRICS,
+      Hopper+): mean over the interval's slow reads of each span's GPM share, %; carried like the gauges
     - interval_s: time since the previous point (absent on the first)
     """
 
@@ -647,6 +780,11 @@ class NvmlCollector:
         v = r.get("pstate")
         if v is not None:
             a.pstate = v
+        for key in GPM_KEYS:
+            v = r.get(key)
+            if v is not None:
+                a.gpm_sum[key] = a.gpm_sum.get(key, 0.0) + float(v)
+                a.gpm_n[key] = a.gpm_n.get(key, 0) + 1
         fields = r.get("fields") or {}
         for fid in COUNTER_FIELD_IDS:
             cur = fields.get(str(fid))
@@ -753,6 +891,10 @@ class NvmlCollector:
             v = r.get(key)
             if v is not None:
                 f[field] = float(v) if field in ("mem_mhz", "util_gpu_mean", "thermal_margin_c") else int(v)
+        for key in GPM_KEYS:
+            v = r.get(key)
+            if v is not None:
+                f[key] = float(v)  # a share over the last slow span, like the utilization gauge
         return f
 
     def _slow_fields(self, st: _GpuState, a: _Interval) -> dict[str, FieldValue]:
@@ -768,6 +910,8 @@ class NvmlCollector:
             if ns is not None:
                 f[f"throttle_{name}_s"] = ns / 1e9
         f["counter_resets"] = a.counter_resets
+        for key, n in a.gpm_n.items():
+            f[key] = a.gpm_sum[key] / n
         for key in (
             "ecc_corrected",
             "ecc_uncorrected",
@@ -783,6 +927,11 @@ class NvmlCollector:
         if procs is not None:
             f["proc_mem_bytes"] = int(sum(procs.values()))
         return f
+
+    def gpm_dram_bw_pct(self) -> float | None:
+        """GPM's DRAM bandwidth share of the latest slow read, mean over the GPUs that gave one."""
+        values = [float(v) for st in self._state if (v := st.last_slow.get("gpm_dram_bw_pct")) is not None]
+        return sum(values) / len(values) if values else None
 
     def close(self) -> None:
         self.source.close()
