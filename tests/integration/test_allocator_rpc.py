@@ -27,6 +27,7 @@ from soakd.engine.stats import RecordCost, StepStats
 from soakd.engine.vllm_local import SCHEDULER_CLS, make_logger_factory
 from soakd.errors import CollectorError
 from soakd.metric import Sample
+from soakd.engine.live_limit import read_status, status_path
 from soakd.policies.actuator import write_limit
 
 pytestmark = pytest.mark.integration
@@ -144,6 +145,10 @@ async def check_live_limit(llm: Any, steps: list[StepStats], limit_file: Path) -
     steps.clear()
     await asyncio.gather(*(one(f"b{i}") for i in range(4)))
     assert max(s.running for s in steps) == 3  # raised live, no rebuild (max_num_seqs is 4)
+    # The scheduler says what it enforces, on the attribute this vLLM reads (0.32: max_num_active_reqs).
+    status = read_status(status_path(limit_file))
+    assert status is not None and status.live and status.attr == "max_num_active_reqs"
+    assert status.start == 4 and status.applied == 3 and status.pid != os.getpid()
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,17 @@
 """vLLM scheduler class whose admission limit soakd lowers and raises live (`--scheduler-cls`).
 
-vLLM reads `max_num_active_reqs` (from `max_num_active_seqs`) on every step to admit waiting requests
-into RUNNING; `max_num_seqs` sizes the model runner and its CUDA graphs and must not change live. So
-this class keeps the runner as built and moves only the admission limit, never above its start value:
-the engine side of soakd's batch downscaling, without a rebuild.
+vLLM checks an admission limit on every step before it moves a waiting request into RUNNING: 0.32 reads
+`max_num_active_reqs` (from `max_num_active_seqs`), 0.26 reads `max_num_running_reqs` (from
+`max_num_seqs`). `max_num_seqs` also sizes the model runner and its CUDA graphs and must not change, so
+this class moves only the attribute, never above its start value. 0.26 asserts at the end of each step
+that no more requests run than the attribute allows, so a lower limit takes effect as running requests
+finish: the attribute never goes below the running count (no request is preempted or killed).
 
-soakd writes the limit (a decimal integer, or nothing for "as started") to the file named by
-SOAKD_ACTIVE_SEQS_FILE (atomically: soakd.policies.actuator.write_limit); the scheduler looks at its
-mtime at most every 0.2 s, so a step costs one `os.stat` at worst. Loaded inside vLLM's engine-core
-process; one class path serves both schedulers: `SoakdScheduler.__new__` returns the async variant
-when the engine runs with async scheduling.
+soakd writes the limit to the file named by SOAKD_ACTIVE_SEQS_FILE (soakd.engine.live_limit); the
+scheduler looks at its mtime at most every 0.2 s, so a step costs one `os.stat` at worst, and reports
+what it enforces in the status file beside it. Loaded inside vLLM's engine-core process; one class path
+serves both schedulers: `SoakdScheduler.__new__` returns the async variant when the engine runs with
+async scheduling.
 """
 
 from __future__ import annotations
@@ -17,26 +19,28 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from soakd.engine.base import ACTIVE_SEQS_ENV
+from soakd.engine.live_limit import LIMIT_ATTRS, EngineLimitStatus, read_limit, status_path, write_status
 
 _CHECK_EVERY_S = 0.2
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["SoakdAsyncScheduler", "SoakdScheduler", "live_attr", "read_limit"]
 
-def read_limit(path: str) -> int | None:
-    """The limit in the file: None when it is empty, missing or not a positive integer."""
-    try:
-        with open(path, encoding="ascii") as f:  # noqa: PTH123 - hot path, no Path object per read
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() and int(text) > 0 else None
+
+def live_attr(scheduler: object) -> str | None:
+    """The admission attribute this vLLM's scheduler reads, or None when it has none we know."""
+    for name in LIMIT_ATTRS:
+        if isinstance(getattr(scheduler, name, None), int):
+            return name
+    return None
 
 
 class _LiveLimit:
@@ -78,18 +82,54 @@ class SoakdScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._soakd_start: int | None = getattr(self, "max_num_active_reqs", None)
-        self._soakd_live = _LiveLimit(os.environ.get(ACTIVE_SEQS_ENV))
-        if self._soakd_start is None:
-            logger.warning("soakd: this vLLM has no max_num_active_reqs; the live limit is off")
+        path = os.environ.get(ACTIVE_SEQS_ENV)
+        self._soakd_live = _LiveLimit(path)
+        self._soakd_status = status_path(path) if path else None
+        self._soakd_attr = live_attr(self)
+        self._soakd_start: int | None = None
+        self._soakd_applied: int | None = None
+        if self._soakd_attr is None:
+            logger.warning(
+                "soakd: this vLLM's scheduler has none of %s; the live limit is off", ", ".join(LIMIT_ATTRS)
+            )
+        else:
+            self._soakd_start = int(getattr(self, self._soakd_attr))
+            self._soakd_applied = self._soakd_start
+        self._soakd_report()
+
+    def _soakd_report(self) -> None:
+        if self._soakd_status is None:
+            return
+        status = EngineLimitStatus(
+            attr=self._soakd_attr,
+            start=self._soakd_start,
+            applied=self._soakd_applied,
+            running=len(getattr(self, "running", ())),
+            pid=os.getpid(),
+            t=time.time(),
+        )
+        try:
+            write_status(Path(self._soakd_status), status)
+        except OSError as err:  # the run folder went away: the engine must keep serving
+            logger.warning("soakd: cannot write %s: %s", self._soakd_status, err)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         # Arguments passed through: vLLM versions differ in them (throttle_prefills, ...).
-        start = self._soakd_start
-        if start is not None:
-            limit = self._soakd_live.poll()
-            self.max_num_active_reqs = start if limit is None else max(1, min(start, limit))
+        self._soakd_apply()
         return super().schedule(*args, **kwargs)
+
+    def _soakd_apply(self) -> None:
+        attr, start = self._soakd_attr, self._soakd_start
+        if attr is not None and start is not None:
+            limit = self._soakd_live.poll()
+            wanted = start if limit is None else max(1, min(start, limit))
+            # Never below what runs now (0.26 asserts running <= the attribute): admission stops until
+            # enough requests finish, none is preempted.
+            busy = len(self.running) + int(getattr(self, "num_waiting_for_streaming_input", 0) or 0)
+            setattr(self, attr, max(wanted, min(start, busy)))
+            if wanted != self._soakd_applied and busy <= wanted:
+                self._soakd_applied = wanted
+                self._soakd_report()
 
 
 class SoakdAsyncScheduler(SoakdScheduler, AsyncScheduler):

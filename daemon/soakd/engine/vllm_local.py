@@ -19,9 +19,11 @@ import psutil
 import structlog
 
 from soakd.config import EngineConfig
-from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.base import ACTIVE_SEQS_ENV, EngineInfo, GenerationRequest
+from soakd.engine.live_limit import engine_status
 from soakd.engine.stats import RecordCost, StepStats, copy_spec_steps, step_from_vllm
 from soakd.errors import EngineError
+from soakd.shapes import engine_overrides
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +44,10 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
         # soakd's own logger is the one consumer; vLLM's periodic log lines would only be noise.
         "disable_log_stats": True,
     }
+    # A shape folder has no weights: vLLM fills the config's shapes with random ones.
+    kwargs.update(engine_overrides(model_path))
+    if cfg.load_format != "auto":
+        kwargs["load_format"] = cfg.load_format
     if cfg.cudagraph_metrics:
         kwargs["cudagraph_metrics"] = True
     if cfg.worker_extension:
@@ -76,6 +82,13 @@ OPTIONAL_ARGS = (
 WORKER_EXTENSION = "soakd.engine.worker_ext.SoakdWorkerExtension"
 SCHEDULER_CLS = "soakd.engine.sched.SoakdScheduler"
 """soakd's scheduler class (engine/sched.py): the batch lever that moves vLLM's admission limit live."""
+
+
+def _live(vcfg: Any, since: float) -> bool:
+    if str(getattr(vcfg.scheduler_config, "scheduler_cls", "") or "") != SCHEDULER_CLS:
+        return False
+    status = engine_status(os.environ.get(ACTIVE_SEQS_ENV), since=since)
+    return status is not None and status.live
 
 
 def config_id(kwargs: dict[str, Any]) -> str:
@@ -180,6 +193,7 @@ class VllmLocalEngine:
         fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
         kwargs = {k: v for k, v in self._kwargs.items() if k not in OPTIONAL_ARGS or k in fields}
         t0 = time.monotonic()
+        t0_wall = time.time()
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             args = AsyncEngineArgs(**kwargs)
@@ -230,13 +244,15 @@ class VllmLocalEngine:
             speculative_tokens=int(spec.num_speculative_tokens) if spec is not None else 0,
             cudagraphs=cudagraphs,
             capture_sizes=tuple(sorted(int(x) for x in getattr(comp, "cudagraph_capture_sizes", None) or ())),
-            live_active_seqs=str(getattr(vcfg.scheduler_config, "scheduler_cls", "") or "") == SCHEDULER_CLS,
+            # What the engine's scheduler reported as it started, not what was configured.
+            live_active_seqs=_live(vcfg, t0_wall),
             start_s=start_s,
             signals=tuple(signals),
             details={
                 "platform": "cpu" if is_cpu else str(current_platform.device_name),
                 "cudagraph_mode": cg_mode,
                 "max_num_seqs": str(vcfg.scheduler_config.max_num_seqs),
+                "load_format": str(kwargs.get("load_format", "auto")),
             },
         )
         log.info("engine_started", start_s=round(start_s, 2), config_id=self._info.config_id)

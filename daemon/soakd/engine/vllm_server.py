@@ -26,8 +26,9 @@ import psutil
 import structlog
 
 from soakd.config import EngineConfig
-from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.base import ACTIVE_SEQS_ENV, EngineInfo, GenerationRequest
 from soakd.engine.channel import SOCKET_ENV, StepChannel
+from soakd.engine.live_limit import engine_status
 from soakd.engine.openai_http import OpenAIEngine
 from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import OPTIONAL_ARGS, SCHEDULER_CLS, config_id, engine_kwargs
@@ -121,6 +122,7 @@ class VllmServerEngine:
         self._channel: StepChannel | None = None
         self._info: EngineInfo | None = None
         self.argv: list[str] = []
+        self._t0_wall = 0.0
         self._dev_mode = cfg.worker_extension and cfg.server.host in _LOOPBACK
         if cfg.worker_extension and not self._dev_mode:
             log.warning(
@@ -141,6 +143,7 @@ class VllmServerEngine:
     async def start(self) -> None:
         cfg = self._cfg
         t0 = time.monotonic()
+        self._t0_wall = time.time()
         port = cfg.server.port or _free_port(cfg.server.host)
         known = await asyncio.to_thread(_known_args)
         self.argv = server_argv(cfg, self._model, port, known)
@@ -225,6 +228,7 @@ class VllmServerEngine:
         facts = self._channel.facts()
         details = dict(http.details)
         details["server_log"] = str(self._log_path)
+        details["load_format"] = _flag_value(self.argv, "--load-format") or "auto"
         signals = ["metrics"]
         cudagraphs = False
         spec_tokens = 0
@@ -260,7 +264,10 @@ class VllmServerEngine:
             speculative_tokens=spec_tokens,
             cudagraphs=cudagraphs,
             capture_sizes=_sizes(facts.get("cudagraph_capture_sizes")),
-            live_active_seqs=_flag_value(self.argv, "--scheduler-cls") == SCHEDULER_CLS,
+            # What the server's scheduler reported as it started, not what the flags asked for.
+            live_active_seqs=_flag_value(self.argv, "--scheduler-cls") == SCHEDULER_CLS
+            and (status := engine_status(os.environ.get(ACTIVE_SEQS_ENV), since=self._t0_wall)) is not None
+            and status.live,
             start_s=start_s,
             details=details,
             signals=tuple(signals),

@@ -1,0 +1,106 @@
+"""The two files between soakd and its scheduler class inside vLLM's engine core: the limit soakd asks
+for, and the status the scheduler reports back (what the engine actually applies).
+
+soakd writes the limit file (a decimal integer, or nothing for "as started"). The scheduler writes the
+status file, `<limit file>.engine`, as JSON when it starts and whenever the limit it enforces changes:
+which vLLM attribute it moves (`max_num_running_reqs` on 0.26, `max_num_active_reqs` on 0.32; None when
+this vLLM has neither, so the live limit is off), the start value, the limit in force and the running
+count then. Events and run metadata quote this file, never the request. No vLLM import here: soakd's
+own process reads these files too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STATUS_SUFFIX = ".engine"
+
+# vLLM's live admission attribute, newest first: 0.32 splits `max_num_active_reqs` (admission) from
+# `max_num_running_reqs` (runner size); 0.26 has only `max_num_running_reqs`, which gates admission too.
+LIMIT_ATTRS: tuple[str, ...] = ("max_num_active_reqs", "max_num_running_reqs")
+
+
+def status_path(limit_file: str | Path) -> Path:
+    return Path(f"{limit_file}{STATUS_SUFFIX}")
+
+
+def read_limit(path: str) -> int | None:
+    """The limit in the file: None when it is empty, missing or not a positive integer."""
+    try:
+        with open(path, encoding="ascii") as f:  # noqa: PTH123 - hot path, no Path object per read
+            text = f.read(32).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return int(text) if text.isdigit() and 0 < int(text) < 1 << 31 else None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimitStatus:
+    """What the engine's scheduler reported last."""
+
+    attr: str | None
+    """The vLLM attribute moved live; None: this vLLM has none, the live limit is off."""
+    start: int | None
+    """The attribute's value as the engine started (max_num_seqs)."""
+    applied: int | None
+    """The limit in force now (== start when none was asked)."""
+    running: int
+    """Requests running when the status was written."""
+    pid: int
+    t: float
+    """Wall time of the write (s)."""
+
+    @property
+    def live(self) -> bool:
+        return self.attr is not None
+
+
+def write_status(path: Path, status: EngineLimitStatus) -> None:
+    """Atomic replace (the engine core writes; soakd reads at any moment)."""
+    doc = {
+        "attr": status.attr,
+        "start": status.start,
+        "applied": status.applied,
+        "running": status.running,
+        "pid": status.pid,
+        "t": status.t,
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _int_or_none(v: Any) -> int | None:
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def read_status(path: Path, *, since: float | None = None) -> EngineLimitStatus | None:
+    """The status file, or None when missing, unreadable, or written before `since` (a previous
+    engine's)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8")[:4096])
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    t = doc.get("t")
+    if not isinstance(t, int | float) or (since is not None and t < since):
+        return None
+    attr = doc.get("attr")
+    return EngineLimitStatus(
+        attr=attr if isinstance(attr, str) and attr in LIMIT_ATTRS else None,
+        start=_int_or_none(doc.get("start")),
+        applied=_int_or_none(doc.get("applied")),
+        running=_int_or_none(doc.get("running")) or 0,
+        pid=_int_or_none(doc.get("pid")) or 0,
+        t=float(t),
+    )
+
+
+def engine_status(limit_file: str | None, *, since: float | None = None) -> EngineLimitStatus | None:
+    """The status next to the limit file named in the environment of an engine that was started."""
+    return None if not limit_file else read_status(status_path(limit_file), since=since)
