@@ -1172,6 +1172,9 @@ class Soak:
         )
         energy_every = max(1, round(tcfg.gpu_energy_interval / tcfg.gpu_slow_interval))
         self._nvml = NvmlCollector(source, on_fast=watch.observe, energy_every=energy_every)
+        if self._ceiling is not None:
+            # GPM's measured DRAM share beside the computed decode share, over the same busy intervals.
+            self._ceiling.measured_dram_pct = self._nvml.gpm_dram_bw_pct
         self._gpu_watch = watch
         return [self._nvml, watch, *extra]
 
