@@ -192,6 +192,9 @@ class EngineConfig(_Section):
     vocab_size: int = Field(default=0, ge=0)
     model: str = "models/tiny"
     dtype: str = "bfloat16"
+    load_format: Literal["auto", "dummy"] = "auto"
+    """vLLM's weight loading: "dummy" fills the config's shapes with random weights (a shape folder,
+    `soakd model shape`, always loads so)."""
     max_model_len: int = Field(default=2048, ge=16)
     max_num_seqs: int = Field(default=16, ge=1)
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)

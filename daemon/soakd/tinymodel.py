@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from soakd.shapes import MARKER
+
 _CORPUS_LINE = "the quick brown fox jumps over the lazy dog "
 
 
@@ -60,5 +62,8 @@ def build_tiny_model(out_dir: Path, *, vocab_size: int = 512, seed: int = 0) -> 
 
 
 def is_model_dir(path: Path) -> bool:
-    """True when path holds a config and weights vLLM can load."""
-    return (path / "config.json").is_file() and any(p.suffix == ".safetensors" for p in path.iterdir())
+    """True when path holds a config and weights vLLM can load, or a shape folder (`soakd model shape`:
+    a config and no weights, loaded with random ones)."""
+    if not (path / "config.json").is_file():
+        return False
+    return (path / MARKER).is_file() or any(p.suffix == ".safetensors" for p in path.iterdir())
