@@ -76,6 +76,7 @@ from soakd.resume import (
     load_state,
     shifted,
 )
+from soakd.shapes import effective_load_format
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.health import SinkHealth, SpoolHealth
 from soakd.sinks.influx import LineWriter, make_writer
@@ -1080,8 +1081,11 @@ class Soak:
         if self.cfg.engine.kind == "openai" or not is_model_dir(path):
             self._ceiling_reason = "no local model folder to read the weight bytes from"
             return None
+        ecfg = self.cfg.engine
         try:
-            model = model_bytes(path)
+            # Dummy weights are the config's shapes, whatever safetensors lie beside it.
+            load_format = effective_load_format(ecfg.load_format, ecfg.extra_args, self.model)
+            model = model_bytes(path, load_format=load_format)
         except (OSError, ValueError, KeyError, TypeError) as err:
             self._ceiling_reason = f"model bytes unreadable: {err}"[:300]
             return None

@@ -11,7 +11,8 @@ raises on a machine without NVML, a driver or a GPU: the document says why inste
 the model's bytes per token.
 
 The model's weight bytes are summed from the safetensors headers (an 8-byte little-endian length, then
-a JSON table of tensors with their byte offsets), so nothing is loaded.
+a JSON table of tensors with their byte offsets), so nothing is loaded; for dummy weights (a shape folder
+without weights) they are the parameters counted from config.json (soakd.shapes.param_count).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import structlog
+
+from soakd.shapes import dtype_bytes as shape_dtype_bytes
+from soakd.shapes import is_shape_dir, param_count, text_config
+
+log = structlog.get_logger(__name__)
 
 COPY_BYTES = 1 << 30
 """Size of the tensor copied device-to-device by the bandwidth measurement (1 GiB)."""
@@ -362,7 +370,7 @@ class ModelBytes:
 
     model_dir: str
     weight_bytes: int
-    """Sum of the tensor sizes over the folder's *.safetensors files."""
+    """The weights' bytes, from the source `source` names."""
     kv_bytes_per_token: int | None
     """layers * 2 (K and V) * KV heads * head_dim * KV dtype bytes; None when config.json lacks them."""
     num_hidden_layers: int | None = None
@@ -370,9 +378,24 @@ class ModelBytes:
     head_dim: int | None = None
     kv_dtype_bytes: int | None = None
     files: list[str] = field(default_factory=list)
+    source: str = "safetensors"
+    """"safetensors" (the sum of the tensor sizes over the folder's *.safetensors headers) or "config"
+    (parameters counted from config.json times its dtype's bytes: a shape folder, or dummy weights)."""
+    load_format: str = "auto"
+    params: int | None = None
+    """Parameters counted from config.json; None when it is not a dense decoder's."""
+    safetensors_bytes: int | None = None
+    config_bytes: int | None = None
+    """params * the config's dtype bytes."""
+    weights_disagree: bool = False
+    """True when both are known and differ by more than WEIGHTS_TOLERANCE of the larger."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+WEIGHTS_TOLERANCE = 0.10
+"""Relative difference between the safetensors bytes and the config's count above which soakd warns."""
 
 
 def _config_int(cfg: dict[str, Any], key: str) -> int | None:
@@ -380,24 +403,54 @@ def _config_int(cfg: dict[str, Any], key: str) -> int | None:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
-def model_bytes(model_dir: Path, kv_dtype_bytes: int | None = None) -> ModelBytes:
-    """Weight bytes (from the safetensors headers) and KV-cache bytes per token of context (from
-    config.json; multimodal configs nest it under `text_config`). `kv_dtype_bytes` overrides the KV
-    element size (an fp8 KV cache is 1); by default it is the model's dtype, 2 when unknown.
+def model_bytes(
+    model_dir: Path, kv_dtype_bytes: int | None = None, *, load_format: str = "auto"
+) -> ModelBytes:
+    """Weight bytes and KV-cache bytes per token of context (from config.json; multimodal configs nest it
+    under `text_config`). `kv_dtype_bytes` overrides the KV element size (an fp8 KV cache is 1); by
+    default it is the model's dtype, 2 when unknown.
 
-    Raises FileNotFoundError when the folder has no *.safetensors file, ValueError for a bad header.
+    The weights come from the safetensors headers, unless the engine loads dummy weights (`load_format`
+    "dummy", or a shape folder: `soakd model shape`): then it allocates the config's shapes, so the
+    parameters counted from config.json times the dtype's bytes are what it reads. With both at hand a
+    difference of more than 10 % is logged and flagged (`weights_disagree`).
+
+    Raises FileNotFoundError when the folder has no *.safetensors file and is not loaded with dummy
+    weights, ValueError for a bad header or (dummy weights) a config that cannot be counted.
     """
     files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    dummy = load_format == "dummy" or is_shape_dir(model_dir)
+    if not files and not dummy:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
-    weights = sum(safetensors_bytes(p) for p in files)
     cfg: dict[str, Any] = {}
     cfg_path = model_dir / "config.json"
     if cfg_path.is_file():
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        text_cfg = cfg.get("text_config")
-        if isinstance(text_cfg, dict) and "num_hidden_layers" not in cfg:
-            cfg = {**cfg, **text_cfg}
+        cfg = text_config(json.loads(cfg_path.read_text(encoding="utf-8")))
+    try:
+        params: int | None = param_count(cfg)
+    except ValueError:
+        if dummy:
+            raise
+        params = None
+    config_bytes = None if params is None else params * shape_dtype_bytes(cfg)
+    st_bytes = sum(safetensors_bytes(p) for p in files) if files else None
+    disagree = False
+    if config_bytes is not None and st_bytes is not None:
+        disagree = abs(config_bytes - st_bytes) > WEIGHTS_TOLERANCE * max(config_bytes, st_bytes)
+        if disagree:
+            log.warning(
+                "weights_disagree",
+                model_dir=str(model_dir),
+                safetensors_bytes=st_bytes,
+                config_bytes=config_bytes,
+                used="config" if dummy else "safetensors",
+            )
+    if dummy:
+        assert config_bytes is not None  # param_count raised otherwise
+        weights, source = config_bytes, "config"
+    else:
+        assert st_bytes is not None
+        weights, source = st_bytes, "safetensors"
     layers = _config_int(cfg, "num_hidden_layers")
     heads = _config_int(cfg, "num_attention_heads")
     kv_heads = _config_int(cfg, "num_key_value_heads") or heads
@@ -420,6 +473,12 @@ def model_bytes(model_dir: Path, kv_dtype_bytes: int | None = None) -> ModelByte
         head_dim=head_dim,
         kv_dtype_bytes=kv_dtype_bytes,
         files=[p.name for p in files],
+        source=source,
+        load_format="dummy" if dummy else load_format,
+        params=params,
+        safetensors_bytes=st_bytes,
+        config_bytes=config_bytes,
+        weights_disagree=disagree,
     )
 
 
@@ -498,6 +557,7 @@ def probe(
     measure_copy: bool = True,
     batches: Iterable[int] = (1,),
     context_tokens: Iterable[int] = (0, 2048),
+    load_format: str = "auto",
 ) -> dict[str, Any]:
     """Everything `soakd probe` reports, JSON-able. Never raises.
 
@@ -511,7 +571,7 @@ def probe(
     if model_dir is None:
         return doc
     try:
-        mb = model_bytes(model_dir)
+        mb = model_bytes(model_dir, load_format=load_format)
     except (OSError, ValueError, KeyError, TypeError) as err:
         doc["model"] = {"model_dir": str(model_dir), "error": str(err)}
         return doc
@@ -534,6 +594,14 @@ def _fmt(v: Any, unit: str = "", scale: float = 1.0, digits: int = 0) -> str:
     if v is None:
         return "n/a"
     return f"{v / scale:,.{digits}f}{unit}"
+
+
+def _weights_source(model: dict[str, Any]) -> str:
+    if model.get("source") == "config":
+        params = model.get("params")
+        why = "dummy weights" if model.get("files") else "no weights in the folder: dummy weights"
+        return f"config.json: {_fmt(params, 'B params', 1e9, 2)} x dtype bytes ({why})"
+    return f"the safetensors headers ({len(model.get('files') or [])} files)"
 
 
 def probe_lines(doc: dict[str, Any]) -> list[str]:
@@ -577,6 +645,13 @@ def probe_lines(doc: dict[str, Any]) -> list[str]:
                 f"model {model['model_dir']}: weights {_fmt(model['weight_bytes'], ' MB', 1e6, 1)} "
                 f"read per decode step, KV cache {_fmt(kv, ' KiB', 1024, 1)} per token of context"
             )
+            lines.append(f"  weights from {_weights_source(model)}")
+            if model.get("weights_disagree"):
+                lines.append(
+                    f"  warning: safetensors hold {_fmt(model.get('safetensors_bytes'), ' MB', 1e6, 1)}, "
+                    f"the config counts {_fmt(model.get('config_bytes'), ' MB', 1e6, 1)} "
+                    f"(more than {WEIGHTS_TOLERANCE:.0%} apart)"
+                )
             l2 = max((g.get("l2_cache_bytes") or 0 for g in doc.get("gpus", [])), default=0)
             if model["weight_bytes"] <= l2:
                 lines.append("  the weights fit in L2: the bandwidth ceiling below does not bind")

@@ -328,3 +328,91 @@ def test_decode_ceiling_over_the_real_tiny_model(tmp_path: Path) -> None:
     assert c.bytes_per_step == total and c.tokens_per_s == pytest.approx(256e9 / total)
     c8 = decode_ceiling(d, 256.0, batch=8, context_tokens=1024)
     assert c8.bytes_per_step == total + 8 * 1024 * mb.kv_bytes_per_token
+
+
+# -- shape folders and dummy weights ----------------------------------------------------------------------
+
+
+def _big_config() -> dict[str, Any]:
+    from soakd.shapes import SHAPES
+
+    return dict(SHAPES["qwen3-8b"].config)
+
+
+def test_model_bytes_of_a_shape_folder_come_from_the_config(tmp_path: Path) -> None:
+    from soakd.shapes import MARKER, param_count
+
+    d = tmp_path / "shape"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_big_config()))
+    (d / MARKER).write_text(json.dumps({"shape": "Qwen3-8B"}))
+    mb = model_bytes(d)
+    assert mb.source == "config"
+    assert mb.load_format == "dummy"
+    assert mb.params == param_count(_big_config())
+    assert mb.weight_bytes == mb.params * 2
+    assert mb.kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
+    assert mb.safetensors_bytes is None and not mb.weights_disagree
+    doc = probe(nvml_module=FakeNvml(), torch_module=None, model_dir=d, measure_copy=False)
+    assert doc["model"]["source"] == "config"
+    assert doc["ceilings"][0]["bytes_per_step"] == mb.weight_bytes
+    text = "\n".join(probe_lines(doc))
+    assert "weights from config.json: 8.19B params" in text
+
+
+def test_disagreeing_safetensors_warn_and_dummy_takes_the_config(tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    d = _fake_model(tmp_path)  # tiny safetensors ...
+    (d / "config.json").write_text(json.dumps(_big_config()))  # ... beside an 8B config
+    with capture_logs() as logs:
+        mb = model_bytes(d)
+    assert mb.source == "safetensors" and mb.weight_bytes == FAKE_WEIGHT_BYTES
+    assert mb.weights_disagree
+    assert mb.config_bytes is not None and mb.config_bytes > 1e10
+    warned = [e for e in logs if e["event"] == "weights_disagree"]
+    assert warned and warned[0]["log_level"] == "warning" and warned[0]["used"] == "safetensors"
+    # The engine allocates the config's shapes with dummy weights, whatever the files hold.
+    with capture_logs() as logs:
+        dummy = model_bytes(d, load_format="dummy")
+    assert dummy.source == "config" and dummy.weight_bytes == dummy.config_bytes
+    assert dummy.safetensors_bytes == FAKE_WEIGHT_BYTES and dummy.weights_disagree
+    assert [e["used"] for e in logs if e["event"] == "weights_disagree"] == ["config"]
+    doc = probe(nvml_module=FakeNvml(), model_dir=d, measure_copy=False, load_format="dummy")
+    text = "\n".join(probe_lines(doc))
+    assert "weights from config.json" in text and "warning: safetensors hold" in text
+
+
+def test_agreeing_safetensors_do_not_warn(tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    d = _fake_model(tmp_path)
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 4,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    for p in d.glob("*.safetensors"):
+        p.unlink()
+    # 4*8 embed + q/k/v/o 4*64 + mlp 3*128 + norms 2*8 + final 8 = 696 params, bf16
+    _write_safetensors(d / "model.safetensors", {"all": ("BF16", [696])})
+    with capture_logs() as logs:
+        mb = model_bytes(d)
+    assert mb.params == 696 and mb.config_bytes == mb.safetensors_bytes == mb.weight_bytes
+    assert not mb.weights_disagree and not logs
+    assert "weights from the safetensors headers (1 files)" in "\n".join(
+        probe_lines({"gpus": [], "model": mb.to_dict()})
+    )
+
+
+def test_dummy_without_a_countable_config_is_an_error(tmp_path: Path) -> None:
+    d = _fake_model(tmp_path)  # its config has no intermediate_size or vocab_size
+    with pytest.raises(ValueError, match="intermediate_size"):
+        model_bytes(d, load_format="dummy")
+    assert model_bytes(d).params is None  # the safetensors alone still do
