@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         "probe", help="hardware profile (bandwidth, L2, PCIe, power) and the model's decode ceiling"
     )
     prb.add_argument("--model", type=Path, help="model folder (config.json + safetensors) for the ceiling")
+    prb.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: weights counted from config.json, as vLLM allocates them (a shape folder always is)",
+    )
     prb.add_argument("--no-copy", action="store_true", help="skip the measured device-copy bandwidth")
     prb.add_argument("--json", action="store_true")
 
@@ -162,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     msub = model.add_subparsers(dest="model_command", required=True, parser_class=_Parser)
     tiny = msub.add_parser("tiny", help="build the tiny random-weight test model (no download)")
     tiny.add_argument("dir", type=Path)
+    shape = msub.add_parser(
+        "shape", help="write a real model's config and tokenizer, no weights (vLLM runs it with random ones)"
+    )
+    shape.add_argument("name", help="a shape `soakd model shapes` lists, e.g. qwen3-8b")
+    shape.add_argument("dir", type=Path)
+    shape.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+    shapes = msub.add_parser("shapes", help="list the known shapes: parameters, weight and KV-cache bytes")
+    shapes.add_argument("--json", action="store_true")
     return p
 
 
@@ -793,7 +807,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
     if args.model is not None and not args.model.is_dir():
         raise UsageError(f"--model {args.model}: not a folder")
-    doc = probe(model_dir=args.model, measure_copy=not args.no_copy)
+    doc = probe(model_dir=args.model, measure_copy=not args.no_copy, load_format=args.load_format)
     if args.json:
         print(json.dumps(doc, indent=2, default=str))
     else:
@@ -802,10 +816,49 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_model(args: argparse.Namespace) -> int:
+    if args.model_command == "shape":
+        return _model_shape(args)
+    if args.model_command == "shapes":
+        return _model_shapes(args)
     from soakd.tinymodel import build_tiny_model
 
     out = build_tiny_model(args.dir)
     print(f"tiny model written to {out}")
+    return EXIT_OK
+
+
+def _model_shape(args: argparse.Namespace) -> int:
+    from soakd import shapes
+
+    try:
+        out = shapes.write_shape(args.name, args.dir, force=args.force)
+    except KeyError as err:
+        raise UsageError(f"NAME: {err.args[0]}") from None
+    except (FileExistsError, NotADirectoryError, FileNotFoundError) as err:
+        raise UsageError(f"DIR: {err}") from None
+    marker = shapes.read_marker(out) or {}
+    params = marker.get("params", 0) / 1e9
+    print(
+        f"{marker.get('shape')} written to {out}: {params:.2f}B parameters, no weights "
+        "(vLLM loads it with load_format=dummy: real speed, power and memory; outputs are noise)"
+    )
+    return EXIT_OK
+
+
+def _model_shapes(args: argparse.Namespace) -> int:
+    from soakd.shapes import shape_rows
+
+    rows = shape_rows()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    print(f"{'name':<15} {'params':>8} {'weights':>9} {'KV/token':>10}  repo")
+    for r in rows:
+        mtp = "  (+MTP layer)" if r["mtp"] else ""
+        print(
+            f"{r['name']:<15} {r['params'] / 1e9:>7.2f}B {r['weight_bytes'] / 1e9:>7.1f}GB "
+            f"{r['kv_bytes_per_token'] / 1024:>6.0f} KiB  {r['repo']}{mtp}"
+        )
     return EXIT_OK
 
 

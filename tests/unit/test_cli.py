@@ -210,3 +210,37 @@ def test_report_reads_a_damaged_spool_up_to_what_is_whole_and_says_where(
     assert [(Path(w["file"]).name, w["line"]) for w in damaged] == [("seg-00000001.lp", 2)]
     assert [(Path(w["file"]).name, w["bytes"]) for w in torn] == [("seg-00000002.lp", 30)]
     assert "Traceback" not in err
+
+
+def test_model_shapes_lists_names_params_and_kv(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["model", "shapes"], capsys)
+    assert code == 0
+    assert "Qwen3-8B" in out and "8.19B" in out and "144 KiB" in out and "MiMo-7B-RL" in out
+    code, out, _ = run(["model", "shapes", "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["Llama-3.1-70B"]["params"] == 70_553_706_496
+
+
+def test_model_shape_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["model", "shape", "qwen9-1b", str(tmp_path / "m")], capsys)
+    assert code == 2 and one_line_error(err).startswith("soakd: error: NAME: unknown shape 'qwen9-1b'")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    code, _, err = run(["model", "shape", "qwen3-0.6b", str(full)], capsys)
+    assert code == 2 and "DIR: " in one_line_error(err) and "--force" in err
+    code, _, err = run(["model", "shape", "qwen3-0.6b", str(tmp_path / "no" / "dir")], capsys)
+    assert code == 2 and "is not a folder" in one_line_error(err)
+    code, _, err = run(["model", "shape", "qwen3-0.6b", str(full / "x")], capsys)
+    assert code == 2 and "is not a folder" in one_line_error(err)
+    assert not (tmp_path / "m").exists() and [p.name for p in full.iterdir()] == ["x"]
+
+
+def test_model_shape_writes_and_probe_says_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "q"
+    code, text, _ = run(["model", "shape", "QWEN3-0.6B", str(out)], capsys)
+    assert code == 0 and "Qwen3-0.6B written" in text and (out / "soakd-shape.json").is_file()
+    code, text, _ = run(["probe", "--model", str(out), "--no-copy"], capsys)
+    assert code == 0 and "weights from config.json: 0.60B params" in text
+    code, _, err = run(["probe", "--model", str(out), "--load-format", "fast"], capsys)
+    assert code == 2 and "--load-format" in one_line_error(err)
