@@ -123,9 +123,9 @@ def test_the_page_has_every_section_and_says_why_a_plot_has_no_data(control_repo
     # The criteria table is verdict.json's: one row per criterion, the failed one marked.
     verdict = json.loads((run / "verdict.json").read_text())
     assert page.count('<tr class="failed">') == sum(not c["passed"] for c in verdict["criteria"]) == 1
-    # Ten time plots and the actions timeline: inline SVG, or a "no data (why)" box; never missing.
+    # Eleven time plots and the actions timeline: inline SVG, or a "no data (why)" box; never missing.
     figures = re.findall(r'<figure id="plot-(\w+)" class="plot">(.*?)</figure>', page, re.S)
-    assert len(figures) == 11
+    assert len(figures) == 12
     drawn = {name for name, body in figures if "<svg" in body}
     assert drawn == {
         "sm_clock",

@@ -103,6 +103,21 @@ def test_the_power_cap_episode_is_where_the_clock_dropped_and_the_power_sat_at_i
     assert {v for v in ceiling["mid"] if v is not None} >= {32.0, 24.0, 30.0}
     # The control run's engine had no CUDA-graph metrics and no speculation: said, not left out.
     assert data["panels"]["cudagraph"]["series"] == [] and "CUDA-graph" in data["panels"]["cudagraph"]["why"]
+    # Its decode_ceiling_pct counted tokens against a tokens ceiling: not drawn as a bandwidth share.
+    bandwidth = data["panels"]["bandwidth"]
+    assert bandwidth["series"] == [] and "recorded before soakd counted decode steps" in bandwidth["why"]
+
+
+def test_the_bandwidth_panel_puts_measured_dram_beside_the_computed_decode_reads() -> None:
+    s = 1_000_000_000
+    samples = [
+        *(Sample("engine", {"decode_bw_pct": 30.0 + k, "generation_tokens": 10}, k * s) for k in range(4)),
+        *(Sample("gpu", {"gpm_dram_bw_pct": 40.0 + k}, k * s, {"gpu": "0"}) for k in range(4)),
+    ]
+    computed, measured = _build(samples)["panels"]["bandwidth"]["series"]
+    assert computed["name"] == "decode reads (computed)" and computed["mid"] == [30.0, 31.0, 32.0, 33.0]
+    assert measured["name"] == "GPU DRAM (GPM)" and measured["hi"] == [40.0, 41.0, 42.0, 43.0]
+    assert "no decode bandwidth" in _build([])["panels"]["bandwidth"]["why"]
 
 
 def test_eight_hours_of_one_second_points_are_cut_to_minute_buckets_keeping_a_one_second_dip() -> None:
@@ -190,7 +205,7 @@ def test_an_expression_criterion_shows_its_expression_and_a_run_without_points_r
     doc = build_doc(Path("/nonexistent"), {"run_id": "r"}, verdict, SeriesBuilder().build({}), source="spool")
     page = render_html(doc)
     assert "<th>expression</th>" in page and "p99(ttft) / p50(ttft)" in page
-    assert page.count('<div class="nodata">no data (') == 11
+    assert page.count('<div class="nodata">no data (') == 12
     assert doc["digest"]["files"] == []
 
 

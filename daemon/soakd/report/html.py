@@ -351,6 +351,7 @@ PANEL_ORDER = (
     "spec_acceptance",
     "spec_drift",
     "cudagraph",
+    "bandwidth",
     "fragmentation",
 )
 

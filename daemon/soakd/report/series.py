@@ -36,8 +36,17 @@ FIELDS: dict[str, tuple[str, ...] | None] = {
         "temp_c_max",
         "hbm_temp_c_max",
         "mem_total_bytes",
+        "gpm_dram_bw_pct",
     ),
-    "engine": ("generation_tokens", "interval_s", "cg_graph_steps", "cg_steps"),
+    # decode_ceiling_pct only says a run was recorded before decode steps were counted (see _why).
+    "engine": (
+        "generation_tokens",
+        "interval_s",
+        "cg_graph_steps",
+        "cg_steps",
+        "decode_bw_pct",
+        "decode_ceiling_pct",
+    ),
     # Per-position fields are numbered (accepted_pos0, ...): all of them.
     "spec_decode": None,
     "allocator": ("fragmentation",),
@@ -61,6 +70,8 @@ ACTION_KINDS = frozenset(
     {
         "downscale",
         "upscale",
+        "revert",
+        "action_result",
         "recapture",
         "engine_rebuild",
         "engine_restart",
@@ -418,6 +429,16 @@ def _why(cfg: Mapping[str, Any], panel: str, b: SeriesBuilder) -> str:
         if not has("engine"):
             return "the engine collector was not enabled (telemetry.collectors)"
         return "the engine reported no CUDA-graph steps (a CPU engine has none; engine.cudagraph_metrics)"
+    if panel == "bandwidth":
+        if "decode_ceiling_pct" in b.fields_of("engine"):
+            return (
+                "recorded before soakd counted decode steps: its decode_ceiling_pct divided tokens by a "
+                "tokens ceiling, which speculation passes, so it is not drawn as a bandwidth share"
+            )
+        return (
+            "no decode bandwidth (it needs a local model folder and a bandwidth: telemetry."
+            "ceiling_bandwidth_gbs or a live GPU) and no GPM readings (Hopper or newer)"
+        )
     if panel == "fragmentation":
         if not has("allocator"):
             return "the allocator collector was not enabled (telemetry.collectors)"
@@ -435,6 +456,10 @@ _PANEL_META: dict[str, dict[str, Any]] = {
     "spec_acceptance": {"title": "Spec-decode acceptance per draft position", "unit": "accepted share"},
     "spec_drift": {"title": "Spec-decode acceptance drift from the run's first window", "unit": "relative"},
     "cudagraph": {"title": "CUDA-graph hit rate (steps replayed from a graph)", "unit": "share of steps"},
+    "bandwidth": {
+        "title": "Memory bandwidth: decode steps' weight + KV reads (computed) and DRAM (GPM, measured)",
+        "unit": "% of bandwidth",
+    },
     "fragmentation": {"title": "Allocator fragmentation", "unit": "share of reserved"},
     "actions": {"title": "Actions timeline", "unit": "concurrency ceiling"},
 }
@@ -529,6 +554,27 @@ def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
             else [],
         ),
         "cudagraph": _panel("cudagraph", [f.ratio("engine", "", "cg_hit", "hit rate")], cfg, b),
+        "bandwidth": _panel(
+            "bandwidth",
+            [
+                f.level(
+                    "engine", "", "decode_bw_pct", "decode_bw_pct", "decode_bw_pct", "decode reads (computed)"
+                )
+            ]
+            + [
+                f.level(
+                    "gpu",
+                    g,
+                    "gpm_dram_bw_pct",
+                    "gpm_dram_bw_pct",
+                    "gpm_dram_bw_pct",
+                    f"{label(g)} DRAM (GPM)",
+                )
+                for g in gpus
+            ],
+            cfg,
+            b,
+        ),
         "fragmentation": _panel(
             "fragmentation",
             [
