@@ -44,7 +44,7 @@ from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import Config, EngineConfig
-from soakd.control import LIMIT_FILE, ControlInputs, Controller, input_throttled
+from soakd.control import LIMIT_FILE, ControlInputs, Controller, Slo, input_harm, input_throttled
 from soakd.engine.base import ACTIVE_SEQS_ENV, SIGNALS, Engine, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor, apply_change
 from soakd.engine.vllm_local import SCHEDULER_CLS
@@ -54,7 +54,7 @@ from soakd.loopwatch import LoopWatch
 from soakd.metric import FieldValue, Sample
 from soakd.notify import notify, watchdog_interval_s
 from soakd.policies.actuator import Actuator
-from soakd.policies.throttle import ThrottleState
+from soakd.policies.throttle import HarmSettings, ThrottleState
 from soakd.probe import hardware_profiles, model_bytes
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock, SystemClock
@@ -568,7 +568,14 @@ class Soak:
                     if self._ceiling is not None:
                         self._ceiling.observe_request(record.input_tokens, record.output_tokens)
                     if controller is not None:
-                        controller.observe_request(record.input_tokens, record.output_tokens)
+                        controller.observe_request(
+                            record.input_tokens,
+                            record.output_tokens,
+                            ok=record.ok,
+                            ttft_s=record.ttft_s,
+                            tpot_s=record.tpot_s,
+                            queue_s=record.queue_s,
+                        )
                     writer([sample])
 
                 self._replayer = Replayer(
@@ -1055,9 +1062,23 @@ class Soak:
             gpu_watch.throttled if gpu_watch is not None else None,
             (lambda: host_watch.state is ThrottleState.THROTTLED) if host_watch is not None else None,
         )
+        harm = input_harm(
+            ccfg.scope,
+            gpu_watch.harm if gpu_watch is not None else None,
+            # A host's CPU throttle episode is thermal: sysfs counts only thermal throttling.
+            (lambda: "thermal" if host_watch.state is ThrottleState.THROTTLED else "")
+            if host_watch is not None
+            else None,
+        )
 
         def engine_info() -> EngineInfo | None:
             return engine.info if engine.alive() else None
+
+        def waiting() -> int:
+            replayer, gate = self._replayer, actuator.gate
+            if replayer is None or gate is None:
+                return 0
+            return max(0, replayer.pending - gate.in_flight)
 
         inputs = ControlInputs(
             throttled=throttled,
@@ -1066,12 +1087,20 @@ class Soak:
             tokens_per_step=lambda: engine_collector.tokens_per_step,
             engine=engine_info,
             drifting=lambda: drift.drifting,
+            harm=harm,
+            waiting=waiting,
+            energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
         )
         limit_file = self.run_dir / LIMIT_FILE if ccfg.batch.lever == "scheduler" else None
         actuator = Actuator(
             engine, writer.event, lever=ccfg.batch.lever, limit_file=limit_file, dry_run=ccfg.dry_run
         )
-        return Controller(ccfg, self.cfg.replay.max_concurrency, inputs, actuator, self.run_dir)
+        crit = self.cfg.criteria
+        slo = Slo(
+            ttft_s=None if crit.ttft_p99_ms is False else crit.ttft_p99_ms / 1000.0,
+            tpot_s=None if crit.tpot_p99_ms is False else crit.tpot_p99_ms / 1000.0,
+        )
+        return Controller(ccfg, self.cfg.replay.max_concurrency, inputs, actuator, self.run_dir, slo=slo)
 
     def _make_ceiling(self) -> CeilingTracker | None:
         """The decode-ceiling tracker: the local model's bytes and a bandwidth (configured, else NVML's
@@ -1171,8 +1200,17 @@ class Soak:
             "cuda_driver": cuda,
             "devices": [source.static(i).to_dict() for i in range(source.gpu_count())],
         }
+        h = self.cfg.control.harm
         watch = GpuThrottleWatch(
-            {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())}, on_event=writer.event
+            {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())},
+            on_event=writer.event,
+            harm=HarmSettings(
+                window_s=h.window,
+                power_loss=h.power_loss,
+                thermal_loss=h.thermal_loss,
+                enter_s=h.enter,
+                leave_s=h.leave,
+            ),
         )
         energy_every = max(1, round(tcfg.gpu_energy_interval / tcfg.gpu_slow_interval))
         self._nvml = NvmlCollector(source, on_fast=watch.observe, energy_every=energy_every)

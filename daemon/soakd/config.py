@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    model_validator,
 )
 
 from soakd.errors import ConfigError
@@ -362,17 +363,38 @@ class SinksConfig(_Section):
 
 
 class BatchControlConfig(_Section):
-    """[control.batch]: the concurrency ceiling follows throttling (soakd.policies.downscale)."""
+    """[control.batch]: the concurrency ceiling follows harm, each downscale verified on the objective
+    (soakd.policies.downscale)."""
 
     enabled: bool = True
-    floor: int = Field(default=1, ge=1)
+    objective: Literal["goodput", "tokens", "tokens_per_joule"] = "goodput"
+    floor: int = Field(default=1, ge=1, le=1_000_000)
     step: float = Field(default=0.25, gt=0, lt=1)
-    dwell: Duration = Field(default=30.0, ge=0)
-    settle: Duration = Field(default=60.0, ge=0)
-    cooldown: Duration = Field(default=300.0, ge=0)
-    sustain: Duration = Field(default=600.0, ge=0)
-    retry: Duration = Field(default=3600.0, ge=0)
+    dwell: Duration = Field(default=10.0, ge=0, le=86400)
+    settle: Duration = Field(default=10.0, ge=0, le=86400)
+    eval: Duration = Field(default=20.0, gt=0, le=86400)
+    min_gain: float = Field(default=0.03, ge=0, lt=10)
+    min_binding: float = Field(default=0.5, ge=0, le=1)
+    cooldown: Duration = Field(default=30.0, ge=0, le=86400)
+    sustain: Duration = Field(default=600.0, ge=0, le=7 * 86400)
+    retry: Duration = Field(default=3600.0, ge=0, le=7 * 86400)
     lever: Literal["admission", "scheduler", "rebuild"] = "scheduler"
+
+
+class HarmControlConfig(_Section):
+    """[control.harm]: when throttling costs enough to act on (soakd.policies.throttle.HarmJudge)."""
+
+    power_loss: float = Field(default=0.10, gt=0, lt=1)
+    thermal_loss: float = Field(default=0.03, gt=0, lt=1)
+    window: Duration = Field(default=1.0, gt=0, le=600)
+    enter: Duration = Field(default=1.0, ge=0, le=3600)
+    leave: Duration = Field(default=10.0, ge=0, le=3600)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> HarmControlConfig:
+        if self.thermal_loss > self.power_loss:
+            raise ValueError("thermal_loss must be <= power_loss (thermal throttling weighs more)")
+        return self
 
 
 class RecaptureControlConfig(_Section):
@@ -411,6 +433,7 @@ class ControlConfig(_Section):
     interval: Duration = Field(default=1.0, gt=0)
     scope: Literal["any", "gpu", "host"] = "any"
     batch: BatchControlConfig = BatchControlConfig()
+    harm: HarmControlConfig = HarmControlConfig()
     recapture: RecaptureControlConfig = RecaptureControlConfig()
     mtp: MtpControlConfig = MtpControlConfig()
 

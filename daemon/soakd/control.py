@@ -1,10 +1,11 @@
 """The control loop: each `control.interval`, read the telemetry the policies need, run them, hand their
 actions to the actuator, keep the controller's state in the run directory, and write a `control` point.
 
-Inputs come in as callables (throttle state, output tokens, requests in flight, the run's
-tokens-per-step histogram, the acceptance-drift state), so the loop is tested with plain functions and
-the app wires the real collectors. Times are wall-clock seconds, so the saved state means the same to
-a daemon restarted on the same run.
+Inputs come in as callables (harm and throttle state, output tokens, requests in flight and waiting,
+GPU energy, the run's tokens-per-step histogram, the acceptance-drift state), so the loop is tested with
+plain functions and the app wires the real collectors. Finished requests come in through
+`observe_request`, which counts the goodput (tokens of requests within the [criteria] TTFT/TPOT limits).
+Times are wall-clock seconds, so the saved state means the same to a daemon restarted on the same run.
 """
 
 from __future__ import annotations
@@ -23,10 +24,18 @@ import structlog
 
 from soakd.config import ControlConfig
 from soakd.engine.base import EngineInfo
+from soakd.engine.live_limit import read_status, status_path
 from soakd.files import write_private
 from soakd.metric import FieldValue, Sample
 from soakd.policies.actuator import Actuator, write_limit
-from soakd.policies.downscale import BatchPolicy, BatchSettings
+from soakd.policies.downscale import (
+    OBJECTIVE_UNIT,
+    ActionResult,
+    BatchAction,
+    BatchPolicy,
+    BatchSettings,
+    Tick,
+)
 from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
 
 log = structlog.get_logger(__name__)
@@ -40,7 +49,7 @@ class ControlInputs:
     """What the policies read; each a callable so the app can hand in live views."""
 
     throttled: Callable[[], bool]
-    """Whether the device(s) in `control.scope` are in the throttled state now."""
+    """Whether the device(s) in `control.scope` are in a throttle episode now (recorded, not acted on)."""
     output_tokens: Callable[[], int]
     """Output tokens received so far in the run (a running total)."""
     in_flight: Callable[[], int]
@@ -51,6 +60,26 @@ class ControlInputs:
     """The running engine's facts (capture sizes, graphs, the live admission lever)."""
     drifting: Callable[[], bool] = lambda: False
     """Whether speculative acceptance is below its baseline by the drift threshold now."""
+    harm: Callable[[], str] = lambda: ""
+    """The harm the batch policy acts on: "thermal", "power" or "" (policies.throttle.HarmJudge)."""
+    waiting: Callable[[], int] = lambda: 0
+    """Requests waiting for admission now (the ceiling binds when > 0)."""
+    energy_j: Callable[[], float | None] = lambda: None
+    """GPU energy so far (J, a running total), None when unknown."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """The per-request limits goodput counts against ([criteria] ttft_p99_ms / tpot_p99_ms; None: none).
+    TTFT here is what the user saw: the admission wait plus the engine's time to first token."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, ttft_s: float | None, tpot_s: float | None, queue_s: float) -> bool:
+        if self.ttft_s is not None and (ttft_s is None or queue_s + ttft_s > self.ttft_s):
+            return False
+        return self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
 
 
 class Controller:
@@ -66,11 +95,13 @@ class Controller:
         actuator: Actuator,
         run_dir: Path,
         wall: Callable[[], float] = time.time,
+        slo: Slo | None = None,
     ) -> None:
         self.cfg = cfg
         self.inputs = inputs
         self.actuator = actuator
         self._wall = wall
+        self.slo = slo or Slo()
         self.state_path = run_dir / STATE_FILE
         b = cfg.batch
         self.batch = BatchPolicy(
@@ -78,13 +109,20 @@ class Controller:
                 start=start_limit,
                 floor=min(b.floor, start_limit),
                 step=b.step,
+                objective=b.objective,
                 dwell_s=b.dwell,
                 settle_s=b.settle,
-                cooldown_s=b.cooldown,
+                eval_s=b.eval,
+                min_gain=b.min_gain,
+                min_binding=b.min_binding,
+                recover_s=b.cooldown,
                 sustain_s=b.sustain,
                 retry_s=b.retry,
+                dry_run=cfg.dry_run,
             )
         )
+        self._good_tokens = 0.0
+        self._last_energy: float | None = None
         r = cfg.recapture
         self.recapture_settings = RecaptureSettings(
             idle_s=r.idle,
@@ -153,11 +191,23 @@ class Controller:
         if self.actuator.limit_file is not None and self.batch.limit < self.batch.settings.start:
             write_limit(self.actuator.limit_file, self.batch.limit)
 
-    def observe_request(self, input_tokens: int, output_tokens: int) -> None:
-        """A finished request (the workload signature for turning speculation back on)."""
+    def observe_request(
+        self,
+        input_tokens: int,
+        output_tokens: int,
+        *,
+        ok: bool = True,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        queue_s: float = 0.0,
+    ) -> None:
+        """A finished request: its tokens count as goodput when it met the SLO; its lengths are the
+        workload signature for turning speculation back on."""
         self._workload[0] += input_tokens
         self._workload[1] += output_tokens
         self._workload[2] += 1
+        if ok and output_tokens > 0 and self.slo.met(ttft_s, tpot_s, queue_s):
+            self._good_tokens += output_tokens
 
     async def tick(self) -> None:
         cfg = self.cfg
@@ -168,9 +218,30 @@ class Controller:
         delta = 0 if self._last_tokens is None else max(0, tokens - self._last_tokens)
         self._last_tokens, self._last_t = tokens, now
         changed = False
+        good, self._good_tokens = self._good_tokens, 0.0
+        energy = self.inputs.energy_j()
+        joules = None
+        if energy is not None and self._last_energy is not None and energy >= self._last_energy:
+            joules = energy - self._last_energy
+        self._last_energy = energy
         if cfg.batch.enabled:
-            for action in self.batch.update(now, self.inputs.throttled(), float(delta), interval):
-                await self.actuator.set_ceiling(action)
+            harm = self.inputs.harm()
+            tick = Tick(
+                t_s=now,
+                interval_s=interval,
+                harm=bool(harm),
+                harm_kind=harm,
+                throttled=self.inputs.throttled(),
+                binding=self.inputs.waiting() > 0,
+                tokens=float(delta),
+                good_tokens=good,
+                joules=joules,
+            )
+            for out in self.batch.update(tick):
+                if isinstance(out, BatchAction):
+                    await self.actuator.set_ceiling(out)
+                else:
+                    self._result(out)
                 changed = True
         # One rebuild at a time; the batch policy above is never held up by one.
         if cfg.recapture.enabled and not self.rebuilding:
@@ -179,6 +250,32 @@ class Controller:
             changed |= await self._mtp(now)
         if changed or self.ticks % 60 == 1:
             self.save_state()
+
+    def _result(self, r: ActionResult) -> None:
+        unit = OBJECTIVE_UNIT.get(r.objective, "")
+
+        def fmt(x: float | None) -> str:
+            return "n/a" if x is None else f"{x:.4g} {unit}"
+
+        verdict = "kept" if r.kept else "reverted"
+        message = (
+            f"{r.kind} {r.from_limit} -> {r.to_limit} at +{r.t_s - r.action_t_s:.0f} s: {r.objective} "
+            f"{fmt(r.before)} before, {fmt(r.after)} after: {verdict} ({r.reason})"
+        )
+        fields: dict[str, FieldValue] = {
+            "action": r.kind,
+            "from_limit": r.from_limit,
+            "to_limit": r.to_limit,
+            "objective": r.objective,
+            "kept": r.kept,
+            "reason": r.reason,
+            "action_age_s": round(r.t_s - r.action_t_s, 3),
+        }
+        if r.before is not None:
+            fields["objective_before"] = r.before
+        if r.after is not None:
+            fields["objective_after"] = r.after
+        self.actuator.advise("action_result", message, **fields)
 
     async def _recapture(self, now: float, produced: bool) -> bool:
         info = self.inputs.engine()
@@ -313,6 +410,9 @@ class Controller:
         fields: dict[str, FieldValue] = {
             "policy_limit": self.batch.limit,
             "throttled": int(self.inputs.throttled()),
+            "harm": int(bool(self.inputs.harm())),
+            "trial": int(self.batch.trial),
+            "waiting": self.inputs.waiting(),
             "actions": self.batch.actions + self.recaptures,
             "dry_run": self.actuator.dry_run,
         }
@@ -320,6 +420,11 @@ class Controller:
             fields["ceiling"] = gate.limit
         if self.actuator.engine_limit is not None:
             fields["engine_limit"] = self.actuator.engine_limit
+        if self.actuator.limit_file is not None:
+            # What the engine's scheduler says it enforces (not what was asked).
+            status = read_status(status_path(self.actuator.limit_file))
+            if status is not None and status.live and status.applied is not None:
+                fields["engine_applied"] = status.applied
         if self.batch.sustained is not None:
             fields["sustained_limit"] = int(self.batch.sustained["limit"])
             tps = self.batch.sustained.get("tokens_per_s")
@@ -337,10 +442,16 @@ class Controller:
         out: dict[str, object] = {
             "dry_run": self.actuator.dry_run,
             "lever": self.actuator.lever,
-            "ceiling": self.batch.limit,
+            "ceiling": self.batch.in_force,
             "start": self.batch.settings.start,
+            "objective": self.batch.settings.objective,
             "sustained": self.batch.sustained,
-            "batch_actions": self.batch.actions,
+            "batch_actions": 0 if self.actuator.dry_run else self.batch.actions,
+            "advice": self.batch.advice,
+            "kept": self.batch.kept,
+            "reverted": self.batch.reverted,
+            "results": self.batch.results[-50:],
+            # Only levels that were in force: advice never applied has no throughput of its own.
             "levels": self.batch.levels(),
             "recaptures": self.recaptures,
             "restored": self.restored,
@@ -375,6 +486,23 @@ def input_throttled(
     if scope in ("any", "host") and host is not None:
         sources.append(host)
     return lambda: any(f() for f in sources)
+
+
+def input_harm(
+    scope: str, gpu: Callable[[], str] | None, host: Callable[[], str] | None
+) -> Callable[[], str]:
+    """The `harm` input for a scope: "thermal" when any source says so, else "power", else ""."""
+    sources: list[Callable[[], str]] = []
+    if scope in ("any", "gpu") and gpu is not None:
+        sources.append(gpu)
+    if scope in ("any", "host") and host is not None:
+        sources.append(host)
+
+    def harm() -> str:
+        kinds = {f() for f in sources} - {""}
+        return "thermal" if "thermal" in kinds else next(iter(kinds), "")
+
+    return harm
 
 
 def state_of(path: Path) -> dict[str, Any] | None:

@@ -12,7 +12,7 @@ from typing import Any, cast
 import pytest
 
 from soakd.config import ControlConfig, EngineChange, load
-from soakd.control import LIMIT_FILE, STATE_FILE, ControlInputs, Controller, input_throttled
+from soakd.control import LIMIT_FILE, STATE_FILE, ControlInputs, Controller, Slo, input_harm, input_throttled
 from soakd.engine.base import EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import EngineError
@@ -62,6 +62,11 @@ class World:
     drifting: bool = False
     rate: int = 100
     """Output tokens per second while requests run."""
+    harm: str = ""
+    waiting: int = 3
+    """Requests waiting for admission (> 0: the ceiling binds)."""
+    pays: bool = False
+    """Under harm, a ceiling below the start serves 1.5x the rate (an edge GPU's clock comes back)."""
 
 
 def control_cfg(tmp_path: Path, text: str) -> ControlConfig:
@@ -93,6 +98,8 @@ def make(
         tokens_per_step=lambda: world.hist,
         engine=lambda: eng.info,
         drifting=lambda: world.drifting,
+        harm=lambda: world.harm,
+        waiting=lambda: world.waiting,
     )
     return (
         Controller(cfg, start, inputs, actuator, tmp_path, wall=lambda: clock[0]),
@@ -108,14 +115,19 @@ def run_for(ctrl: Controller, world: World, clock: list[float], seconds: int, **
         setattr(world, k, v)
     for _ in range(seconds):
         clock[0] += 1
-        world.tokens += world.rate if world.in_flight else 0
+        gate = ctrl.actuator.gate
+        lowered = gate is not None and gate.limit < ctrl.batch.settings.start
+        rate = world.rate * (1.5 if world.pays and world.harm and lowered else 1.0)
+        world.tokens += int(rate) if world.in_flight else 0
         asyncio.run(ctrl.tick())
 
 
 BATCH = """
 [control.batch]
+objective = "tokens"
 dwell = "5s"
-settle = "10s"
+settle = "5s"
+eval = "5s"
 cooldown = "20s"
 lever = "scheduler"
 [control.recapture]
@@ -123,50 +135,74 @@ enabled = false
 """
 
 
-def test_throttling_lowers_gate_and_engine_limit_with_an_event_then_raises_them(tmp_path: Path) -> None:
+def test_harm_lowers_gate_and_engine_limit_and_a_trial_that_does_not_pay_is_reverted(tmp_path: Path) -> None:
     ctrl, world, events, _, clock = make(tmp_path, BATCH)
     run_for(ctrl, world, clock, 3)
-    run_for(ctrl, world, clock, 6, throttled=True)
+    # A throttle episode without clock loss (the power cap touched) is recorded, never acted on.
+    run_for(ctrl, world, clock, 30, throttled=True)
+    assert events == []
+    run_for(ctrl, world, clock, 6, harm="power")
     gate = ctrl.actuator.gate
     assert gate is not None and gate.limit == 12
     assert (tmp_path / LIMIT_FILE).read_text() == "12"  # vLLM's scheduler reads this file
     (kind, msg, fields) = events[0]
-    assert kind == "downscale" and "throttled for 5 s" in msg
+    assert kind == "downscale" and "harm (power) for 5 s" in msg and "kept only if tokens gains" in msg
     assert fields["from_limit"] == 16 and fields["to_limit"] == 12 and fields["engine_live"] is True
-    assert fields["ev_tokens_per_s_before"] == pytest.approx(100.0) and fields["dry_run"] is False
+    assert fields["ev_objective_before"] == pytest.approx(100.0) and fields["dry_run"] is False
     (point,) = ctrl.collect(1)
-    assert (
-        point.fields["ceiling"] == 12
-        and point.fields["engine_limit"] == 12
-        and point.fields["throttled"] == 1
-    )
+    assert point.fields["ceiling"] == 12 and point.fields["engine_limit"] == 12
+    assert point.fields["harm"] == 1 and point.fields["trial"] == 1 and point.fields["throttled"] == 1
     assert point.tags == {"config": "cfg1"}
-    run_for(ctrl, world, clock, 25, throttled=False)
-    assert gate.limit == 15 and [e[0] for e in events] == ["downscale", "upscale"]
-    state = (tmp_path / STATE_FILE).read_text()
-    assert '"limit": 15' in state
+    # Settle 5 s and evaluate 5 s: the same 100 tok/s at 12 is no gain; back to 16, 12 blocked.
+    run_for(ctrl, world, clock, 10)
+    assert [e[0] for e in events] == ["downscale", "action_result", "revert"]
+    result = events[1][2]
+    assert result["kept"] is False and result["objective_before"] == pytest.approx(100.0)
+    assert result["objective_after"] == pytest.approx(100.0) and "reverted" in events[1][1]
+    assert gate.limit == 16 and (tmp_path / LIMIT_FILE).read_text() == "16"
+    run_for(ctrl, world, clock, 60)  # still harmful, 12 is blocked: no second trial
+    assert len(events) == 3 and ctrl.batch.reverted == 1
+    summary = ctrl.summary()
+    assert summary["reverted"] == 1 and summary["kept"] == 0 and set(summary["levels"]) == {"16", "12"}
+    assert '"blocked": {"12"' in (tmp_path / STATE_FILE).read_text()
+
+
+def test_a_trial_that_pays_is_kept_and_the_ceiling_returns_once_the_harm_is_gone(tmp_path: Path) -> None:
+    ctrl, world, events, _, clock = make(tmp_path, BATCH)
+    world.pays = True
+    run_for(ctrl, world, clock, 16, harm="thermal")
+    assert [e[0] for e in events] == ["downscale", "action_result"]
+    assert events[1][2]["kept"] is True and events[1][2]["objective_after"] == pytest.approx(150.0)
+    run_for(ctrl, world, clock, 25, harm="")
+    gate = ctrl.actuator.gate
+    assert gate is not None and gate.limit == 16 and events[-1][0] == "upscale"
+    assert "no harm for 20 s" in events[-1][1]
 
 
 def test_dry_run_advises_and_changes_nothing(tmp_path: Path) -> None:
     ctrl, world, events, _, clock = make(tmp_path, "[control]\ndry_run = true\n" + BATCH)
-    run_for(ctrl, world, clock, 7, throttled=True)
+    run_for(ctrl, world, clock, 60, harm="power")
     assert ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 16
     assert not (tmp_path / LIMIT_FILE).exists()
-    assert events and events[0][0] == "downscale" and events[0][1].startswith("advice only")
-    assert events[0][2]["dry_run"] is True
+    # One advice for the harm episode, nothing verified, the summary's figures only for 16.
+    assert [e[0] for e in events] == ["downscale"] and events[0][1].startswith("advice only")
+    assert events[0][2]["dry_run"] is True and "would try 16 -> 12" in events[0][1]
+    summary = ctrl.summary()
+    assert summary["batch_actions"] == 0 and summary["advice"] == 1 and summary["ceiling"] == 16
+    assert list(summary["levels"]) == ["16"]
 
 
 def test_rebuild_lever_rebuilds_with_the_smaller_batch(tmp_path: Path) -> None:
     ctrl, world, events, eng, clock = make(tmp_path, BATCH.replace('"scheduler"', '"rebuild"'))
-    run_for(ctrl, world, clock, 7, throttled=True)
+    run_for(ctrl, world, clock, 6, harm="power")
     assert [c.max_num_seqs for c in eng.rebuilds] == [12]
-    assert eng.rebuilds[0].mode == "drain" and "throttled for" in eng.rebuilds[0].reason
+    assert eng.rebuilds[0].mode == "drain" and "harm (power)" in eng.rebuilds[0].reason
     assert events[0][2]["rebuilt"] is True
 
 
 def test_state_survives_a_restart_and_the_ceiling_is_restored(tmp_path: Path) -> None:
     ctrl, world, _, _, clock = make(tmp_path, BATCH)
-    run_for(ctrl, world, clock, 7, throttled=True)
+    run_for(ctrl, world, clock, 6, harm="power")
     assert ctrl.batch.limit == 12
     again, _, _, _, _ = make(tmp_path, BATCH)  # a new daemon on the same run directory
     assert again.restored and again.batch.limit == 12 and again.batch.actions == 1
@@ -266,6 +302,24 @@ def test_input_throttled_by_scope() -> None:
     assert input_throttled("gpu", None, host)() is False
 
 
+def test_input_harm_by_scope_thermal_first() -> None:
+    gpu, host = (lambda: "power"), (lambda: "thermal")
+    assert input_harm("any", gpu, host)() == "thermal"
+    assert input_harm("gpu", gpu, host)() == "power"
+    assert input_harm("host", None, lambda: "")() == ""
+
+
+def test_goodput_counts_only_requests_within_the_slo(tmp_path: Path) -> None:
+    ctrl, world, _, _, clock = make(tmp_path, BATCH.replace('"tokens"', '"goodput"'))
+    ctrl.slo = Slo(ttft_s=1.0, tpot_s=0.05)
+    ctrl.observe_request(10, 100, ttft_s=0.2, tpot_s=0.01, queue_s=0.5)  # met
+    ctrl.observe_request(10, 50, ttft_s=0.2, tpot_s=0.01, queue_s=0.9)  # waited too long in the queue
+    ctrl.observe_request(10, 30, ttft_s=0.2, tpot_s=0.2)  # too slow per token
+    ctrl.observe_request(10, 40, ok=False, ttft_s=0.1, tpot_s=0.01)  # failed
+    run_for(ctrl, world, clock, 1)
+    assert ctrl.batch._history[-1].good_tokens == 100.0
+
+
 def test_light_traffic_between_ticks_is_not_idle(tmp_path: Path) -> None:
     # Requests that finish between two ticks leave the queue empty at every tick; tokens still flow.
     ctrl, world, _, eng, clock = make(tmp_path, RECAPTURE)
@@ -305,7 +359,7 @@ def test_batch_policy_keeps_acting_while_a_recapture_rebuild_runs(tmp_path: Path
         world.in_flight = 0
         await ticks(6)  # idle: the re-capture starts and waits inside the engine
         assert ctrl.rebuilding and not eng.rebuilds
-        world.throttled = True
+        world.harm = "power"
         await ticks(6)  # the batch policy does not wait for it
         assert ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 12
         release.set()
@@ -334,7 +388,7 @@ def test_a_downscale_while_the_engine_is_between_lives_goes_to_the_next_engine(t
     ctrl, world, events, _, clock = make(tmp_path, BATCH, engine=eng)
     ctrl.inputs.engine = lambda: None  # as the app's view says between engines
     run_for(ctrl, world, clock, 3)
-    run_for(ctrl, world, clock, 6, throttled=True)
+    run_for(ctrl, world, clock, 6, harm="power")
     assert ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 12
     assert (tmp_path / LIMIT_FILE).read_text() == "12"
     (kind, _msg, fields) = events[0]

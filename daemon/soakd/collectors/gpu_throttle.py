@@ -1,5 +1,6 @@
-"""Throttle state per GPU during a soak: the detector fed with every fast NVML sample, its transitions
-written as `throttle_*` events, and a `throttle` point per GPU per interval."""
+"""Throttle state per GPU during a soak: the episode detector and the harm judge fed with every fast
+NVML sample, their changes written as `throttle_*` / `harm_*` events, and a `throttle` point per GPU per
+interval. It also integrates board power into energy (J) for the control loop's tokens-per-joule."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any
 
 from soakd.metric import FieldValue, Sample
 from soakd.policies.throttle import (
+    HarmChange,
+    HarmJudge,
+    HarmSettings,
     ThrottleDetector,
     ThrottleInput,
     ThrottleSettings,
@@ -52,10 +56,14 @@ class GpuThrottleWatch:
         max_sm_mhz: Mapping[int, float | None],
         on_event: EventFn,
         settings: ThrottleSettings | None = None,
+        harm: HarmSettings | None = None,
     ) -> None:
         self._detectors = {
             gpu: ThrottleDetector(settings, max_mhz=mhz or None) for gpu, mhz in max_sm_mhz.items()
         }
+        self._judges = {gpu: HarmJudge(harm, max_mhz=mhz or None) for gpu, mhz in max_sm_mhz.items()}
+        self._power: dict[int, tuple[float, float]] = {}  # gpu -> (t, W) of the last sample
+        self._energy_j = 0.0
         self._on_event = on_event
         self._last_slow: dict[int, Mapping[str, Any]] = {}
         self.transitions = 0
@@ -84,17 +92,61 @@ class GpuThrottleWatch:
         for tr in det.update(inp):
             self.transitions += 1
             emit_transition(self._on_event, tr, f"GPU {gpu}", {"gpu": gpu})
+        change = self._judges[gpu].update(
+            t_s, inp.sm_mhz, reasons, active=inp.active, thermal_margin_c=inp.thermal_margin_c
+        )
+        if change is not None:
+            self._harm_event(gpu, change)
+        self._integrate(gpu, t_s, fast.get("power_mw"))
+
+    def _integrate(self, gpu: int, t_s: float, power_mw: object) -> None:
+        if not isinstance(power_mw, int | float) or not 0 <= power_mw < 1e8:
+            return
+        watts = float(power_mw) / 1000.0
+        last = self._power.get(gpu)
+        # Trapezoids between fast samples; a gap over 5 s (a stalled tier) is not guessed across.
+        if last is not None and 0 < t_s - last[0] <= 5.0:
+            self._energy_j += (t_s - last[0]) * (watts + last[1]) / 2
+        self._power[gpu] = (t_s, watts)
+
+    def _harm_event(self, gpu: int, ch: HarmChange) -> None:
+        ref = f" of {ch.reference_mhz:.0f} MHz" if ch.reference_mhz else ""
+        if ch.harmful:
+            kind, what = (
+                "harm_enter",
+                f"GPU {gpu}: clock loss {ch.loss:.1%}{ref} ({ch.kind}): throttling costs work",
+            )
+        else:
+            kind, what = "harm_leave", f"GPU {gpu}: clock loss {ch.loss:.1%}{ref}: the harm is over"
+        fields: dict[str, FieldValue] = {"gpu": gpu, "harm_kind": ch.kind, "clock_loss": round(ch.loss, 4)}
+        if ch.reference_mhz:
+            fields["reference_mhz"] = round(ch.reference_mhz, 1)
+        self._on_event(kind, what, **fields)
 
     def throttled(self) -> bool:
-        """Whether any GPU's detector is in the throttled state now (the control loop's input)."""
+        """Whether any GPU's detector is in the throttled state now (the episode record)."""
         return any(det.state is ThrottleState.THROTTLED for det in self._detectors.values())
+
+    def harm(self) -> str:
+        """The harm the control loop acts on: "thermal" or "power" when any GPU loses clock beyond its
+        threshold (thermal wins), "" when none."""
+        kinds = {j.kind for j in self._judges.values() if j.harmful}
+        return "thermal" if "thermal" in kinds else "power" if kinds else ""
+
+    def energy_j(self) -> float:
+        """GPU energy since the start (J, all GPUs), integrated from the fast tier's board power."""
+        return self._energy_j
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
         out = []
         for gpu, det in self._detectors.items():
+            judge = self._judges[gpu]
             fields: dict[str, FieldValue] = {
                 "state": STATE_CODE[det.state],
                 "throttled_s": det.throttled_s,
+                "harm": int(judge.harmful),
+                "harm_s": judge.harm_s,
+                "clock_loss": judge.loss,
             }
             for name, secs in det.per_reason_s.items():
                 fields[f"throttle_{name}_total_s"] = secs
@@ -102,7 +154,10 @@ class GpuThrottleWatch:
         return out
 
     def summary(self) -> dict[str, object]:
-        return {str(gpu): det.summary() for gpu, det in self._detectors.items()}
+        return {
+            str(gpu): {**det.summary(), "harm": self._judges[gpu].summary()}
+            for gpu, det in self._detectors.items()
+        }
 
     def close(self) -> None:
         return None

@@ -12,11 +12,19 @@ turns the returned `Transition`s into event samples. Four signals are combined, 
 
 Any signal present makes the device "throttled"; different enter/leave levels (hysteresis), a minimum
 dwell in each state and a quiet period in "recovering" keep the state from flapping:
-ok -> throttled -> recovering -> ok, and recovering -> throttled when the signals come back.
+ok -> throttled -> recovering -> ok, and recovering -> throttled when the signals come back. These
+episodes are the record (exact counters, every limit touch).
+
+What the control loop acts on is narrower: `HarmJudge` says when throttling *costs* something, a
+sustained SM-clock loss against the clock the device runs at unthrottled, with thermal and HW-slowdown
+reasons held to a stricter loss than the SW power cap. An H200 serving alone touches its power cap in
+1-2 % of 100 ms samples at 340-430 W without losing clock; running at the cap is normal operation on a
+datacenter GPU, and a brief touch is not a reason to give up batch.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Mapping
@@ -31,6 +39,8 @@ __all__ = [
     "BENIGN_REASONS",
     "NVML_FIELD_COUNTERS",
     "REASON_BITS",
+    "HarmJudge",
+    "HarmSettings",
     "ThrottleDetector",
     "ThrottleInput",
     "ThrottleSettings",
@@ -427,3 +437,155 @@ def host_input(
         throttle_counts=dict(throttle_counts),
         ref_mhz=max_mhz if max_mhz else None,
     )
+
+
+THERMAL_REASONS: Final = 0x8 | 0x20 | 0x40 | 0x80
+"""HwSlowdown, SW/HW thermal slowdown, HW power brake: the device protects itself (edge-GPU throttling)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HarmSettings:
+    """When throttling costs enough to act on. Losses are shares of the unthrottled SM clock."""
+
+    window_s: float = 1.0
+    """The loss is the median over this window of fast samples (a 100 ms tier: ~10 samples)."""
+    power_loss: float = 0.10
+    """Clock loss under the SW power cap alone that counts as harm."""
+    thermal_loss: float = 0.03
+    """Clock loss that counts as harm when a thermal, HW-slowdown or power-brake reason is set."""
+    enter_s: float = 1.0
+    """The loss must hold this long before harm is declared."""
+    leave_s: float = 10.0
+    """The loss must stay below half its threshold this long before the harm is over."""
+    reference_samples: int = 300
+    """The unthrottled clock: median of up to this many recent active samples with no throttle reason."""
+    min_reference: int = 20
+    """Fewer unthrottled samples than this: the device's max SM clock is the reference."""
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "enter_s", "leave_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and 0 <= v <= 3600):
+                raise ValueError(f"{name} must be finite, 0-3600 s")
+        if self.window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        if not (0 < self.thermal_loss <= self.power_loss < 1):
+            raise ValueError("need 0 < thermal_loss <= power_loss < 1")
+        if not (1 <= self.min_reference <= self.reference_samples <= 100_000):
+            raise ValueError("need 1 <= min_reference <= reference_samples <= 100000")
+
+
+@dataclass(frozen=True, slots=True)
+class HarmChange:
+    """Harm began or ended."""
+
+    t_s: float
+    harmful: bool
+    kind: str
+    """"thermal" or "power"."""
+    loss: float
+    """Median clock loss over the window at the change (0-1)."""
+    reference_mhz: float | None
+
+
+class HarmJudge:
+    """Feed every fast sample (time, SM clock, reason bits, thermal margin); `harmful` says whether the
+    device has lost more clock than its reason class allows, for longer than `enter_s`."""
+
+    def __init__(self, settings: HarmSettings | None = None, max_mhz: float | None = None) -> None:
+        self.settings = settings or HarmSettings()
+        self._max_mhz = max_mhz if max_mhz and max_mhz > 0 else None
+        self._ref: deque[float] = deque(maxlen=self.settings.reference_samples)
+        self._window: deque[tuple[float, float, int]] = deque()  # (t, loss, class: 0 none 1 power 2 thermal)
+        self._over_since: float | None = None
+        self._under_since: float | None = None
+        self._last_t: float | None = None
+        self.harmful = False
+        self.kind = ""
+        self.loss = 0.0
+        """Median clock loss over the window now (0 when not judged)."""
+        self.harm_s = 0.0
+        self.episodes = 0
+        self.max_loss = 0.0
+
+    @property
+    def reference_mhz(self) -> float | None:
+        if len(self._ref) >= self.settings.min_reference:
+            return float(statistics.median(self._ref))
+        return self._max_mhz
+
+    def update(
+        self,
+        t_s: float,
+        sm_mhz: float | None,
+        reasons: int | None,
+        *,
+        active: bool | None = None,
+        thermal_margin_c: float | None = None,
+        margin_limit_c: float = 5.0,
+    ) -> HarmChange | None:
+        s = self.settings
+        if self._last_t is not None:
+            if t_s < self._last_t:
+                raise ValueError(f"readings out of order: {t_s} after {self._last_t}")
+            if self.harmful:
+                self.harm_s += t_s - self._last_t
+        self._last_t = t_s
+        idle = reasons is not None and bool(reasons & GPU_IDLE)
+        bad = 0 if reasons is None else reasons & ~BENIGN_REASONS
+        cls = 2 if bad & THERMAL_REASONS else 1 if bad else 0
+        if thermal_margin_c is not None and thermal_margin_c < margin_limit_c:
+            cls = 2
+        if reasons is None and cls == 0:
+            cls = 1  # no bitmask to read: a clock loss is taken as a power-cap loss
+        loss = 0.0
+        # A throttle reason means the device draws power: busy, whatever a stale utilization said.
+        if sm_mhz is not None and sm_mhz > 0 and (active is not False or bad) and not idle:
+            if bad == 0 and reasons is not None:
+                self._ref.append(float(sm_mhz))
+            ref = self.reference_mhz
+            if ref and cls:
+                loss = max(0.0, 1.0 - float(sm_mhz) / ref)
+        else:
+            cls = 0  # an idle device loses no work to its clock
+        self._window.append((t_s, loss, cls))
+        while self._window and self._window[0][0] <= t_s - s.window_s:
+            self._window.popleft()
+        losses = [x[1] for x in self._window]
+        self.loss = float(statistics.median(losses)) if losses else 0.0
+        self.max_loss = max(self.max_loss, self.loss)
+        worst = max((x[2] for x in self._window), default=0)
+        threshold = s.thermal_loss if worst == 2 else s.power_loss
+        kind = "thermal" if worst == 2 else "power"
+        if self.loss >= threshold:
+            self._under_since = None
+            if self._over_since is None:
+                self._over_since = t_s
+            if not self.harmful and t_s - self._over_since >= s.enter_s:
+                self.harmful, self.kind = True, kind
+                self.episodes += 1
+                return HarmChange(t_s, True, kind, self.loss, self.reference_mhz)
+            if self.harmful and kind == "thermal":
+                self.kind = kind
+        else:
+            self._over_since = None
+            if self.loss < threshold / 2:
+                if self._under_since is None:
+                    self._under_since = t_s
+                if self.harmful and t_s - self._under_since >= s.leave_s:
+                    self.harmful = False
+                    change = HarmChange(t_s, False, self.kind, self.loss, self.reference_mhz)
+                    self.kind = ""
+                    return change
+            else:
+                self._under_since = None
+        return None
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "harmful": self.harmful,
+            "harm_s": round(self.harm_s, 3),
+            "episodes": self.episodes,
+            "max_clock_loss": round(self.max_loss, 4),
+            "reference_mhz": self.reference_mhz,
+        }
