@@ -1,5 +1,6 @@
 """A bf16 matrix-product load on GPU 0 for a window of a soak's replay: it waits for the replay to start
-(the run folder's replay.journal appears), sleeps `--after`, multiplies 8192^3 matrices back to back for
+(the first request lands in the run folder's replay.journal, which is created empty at the run's start,
+before the engine), sleeps `--after`, multiplies 8192^3 matrices back to back for
 `--seconds`, and writes the wall times (replay start, load start and end) as JSON. At full duty this holds
 an H200 at its power cap (SwPowerCap, SM clock ~1,300-1,500 of 1,980 MHz). Needs torch with CUDA."""
 
@@ -30,14 +31,14 @@ def main() -> None:
     journal = None
     while time.time() - t0 < args.timeout:
         run = newest_run(args.runs, t0 - 5)
-        if run is not None and (run / "replay.journal").exists():
-            journal = run / "replay.journal"
+        path = None if run is None else run / "replay.journal"
+        if path is not None and path.exists() and path.stat().st_size > 0:
+            journal = path
             break
         time.sleep(0.05)
     if journal is None:
         raise SystemExit("no replay started")
-    replay_start = journal.stat().st_mtime if journal.stat().st_size == 0 else time.time()
-    replay_start = min(replay_start, time.time())
+    replay_start = time.time()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()

@@ -360,6 +360,7 @@ def test_batch_policy_keeps_acting_while_a_recapture_rebuild_runs(tmp_path: Path
         await ticks(6)  # idle: the re-capture starts and waits inside the engine
         assert ctrl.rebuilding and not eng.rebuilds
         world.harm = "power"
+        world.in_flight = 5  # the engine serves (tokens flow) while the rebuild waits to start
         await ticks(6)  # the batch policy does not wait for it
         assert ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 12
         release.set()

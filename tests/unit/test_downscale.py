@@ -135,7 +135,8 @@ def test_the_ceiling_comes_back_up_the_way_it_came_once_the_harm_is_gone() -> No
     assert downs[:2] == [(16, 12), (12, 9)]
     assert [(a.from_limit, a.to_limit) for a in ups][-1][1] == 16
     # Up by the path it came down (9 -> 12 -> 16 ...), the first 30 s after the harm ended.
-    assert ups[0].t_s >= 200 + 30 and ups[0].from_limit == limits[198]
+    # The harm ended during the last trial (5 -> 4): that level is kept, the way up starts 10 s later.
+    assert ups[0].t_s == 200 + SETTINGS.settle_s and ups[0].from_limit == limits[198]
     # Each upscale returns to the level the matching downscale came from, in reverse order.
     kept = [(a.from_limit, a.to_limit) for a in actions(out) if a.kind in ("downscale", "revert")]
     path = [frm for frm, to in kept if to < frm]
@@ -145,13 +146,39 @@ def test_the_ceiling_comes_back_up_the_way_it_came_once_the_harm_is_gone() -> No
     assert all(r.kept for r in results(out) if r.kind == "upscale")
 
 
-def test_harm_that_ends_during_the_evaluation_is_inconclusive_and_kept() -> None:
+def test_harm_that_ends_during_the_trial_is_inconclusive_and_the_ceiling_returns_after_the_settle() -> None:
+    # Seen on an H200: the outside load ended 14 s into a trial; the cool-down then cost 30 s at 12.
     world = World(tps=lambda limit, harm: 100.0 * limit)
     policy = BatchPolicy(SETTINGS)
-    out, _ = drive(policy, world, lambda t: 10 <= t < 45, 200)
-    res = results(out)
-    assert res[0].kept and res[0].after is None and "ended" in res[0].reason
-    assert actions(out, "revert") == [] and actions(out, "upscale")
+    out, limits = drive(policy, world, lambda t: 10 <= t < 45, 200)
+    (down,) = actions(out, "downscale")
+    (res, up) = (
+        r for r in out if r not in (down,) and not (isinstance(r, ActionResult) and r.kind == "upscale")
+    )
+    assert isinstance(res, ActionResult) and res.kept and res.after is None and "ended" in res.reason
+    assert res.t_s == 45 and actions(out, "revert") == []
+    assert isinstance(up, BatchAction) and up.kind == "upscale" and up.t_s == 45 + SETTINGS.settle_s
+    assert sum(1 for x in limits if x < 16) == up.t_s - down.t_s
+    assert policy._blocked == {}  # never judged: not blocked
+
+
+def test_a_queue_that_empties_during_the_trial_is_no_evidence() -> None:
+    # Seen on the CPU engine: a burst drained just as the ceiling went down; the "after" was an idle
+    # engine. Not a verdict on the level: back up, nothing blocked.
+    policy = BatchPolicy(SETTINGS)
+    out: Out = []
+    for i in range(1, 120):
+        t = float(i)
+        binding = t < 28
+        level = policy.in_force
+        out += policy.update(
+            Tick(t, 1.0, True, "power", binding=binding, tokens=100.0 * level if binding else 5.0)
+        )
+    (down,) = actions(out, "downscale")
+    (res,) = results(out)
+    (back,) = actions(out, "revert")
+    assert not res.kept and "stopped binding" in res.reason and back.to_limit == 16
+    assert policy._blocked == {} and policy.in_force == 16 and down.t_s < 28
 
 
 def test_goodput_objective_counts_only_tokens_within_the_slo() -> None:

@@ -11,8 +11,10 @@ lower ceiling that does not bind changes nothing), and it verifies every downsca
 2. wait `settle_s` (running requests finish down to the new limit), then measure the objective for
    `eval_s` at the new level under the same harm: the *after*;
 3. keep the level when after >= before x (1 + `min_gain`); otherwise revert to the level before and block
-   the lower level for `retry_s`. Harm that ends during the evaluation makes it inconclusive (kept; the
-   upscale below takes it back).
+   the lower level for `retry_s`. Harm that ends during the settle or the evaluation makes the trial
+   inconclusive: the level is kept and the upscale below needs only `settle_s` of quiet. A queue that
+   empties during the evaluation leaves no evidence (the objective follows the offered load): back to
+   the level before, not blocked.
 
 When the harm has been gone for `recover_s`, the ceiling goes back up the way it came, a level per
 `settle_s + eval_s`. A level that brought harm back within `recover_s + dwell_s` of an upscale is blocked
@@ -194,6 +196,7 @@ class BatchPolicy:
         self._path: list[int] = []  # levels the downscales came from, to go back up the same way
         self._trial: _Trial | None = None
         self._advised = False  # dry run: one advice per harm episode
+        self._quick_return = False  # the last trial ended with the harm: upscale after settle_s
         self._level_since: float | None = None
         self._levels: dict[int, _Level] = {}
         self.sustained: dict[str, float | int] | None = None
@@ -247,7 +250,10 @@ class BatchPolicy:
                     out.append(act)
         elif not tick.harm and self._quiet_since is not None and self.limit < s.start:
             quiet = t - self._quiet_since
-            if quiet >= s.recover_s and since_action >= s.settle_s + s.eval_s:
+            need = s.settle_s if self._quick_return else s.recover_s
+            if quiet >= need and since_action >= (
+                s.settle_s if self._quick_return else s.settle_s + s.eval_s
+            ):
                 act = self._try_upscale(t, quiet)
                 if act is not None:
                     out.append(act)
@@ -284,6 +290,8 @@ class BatchPolicy:
         binding = sum(tk.interval_s for tk in window if tk.binding) / covered
         if binding < s.min_binding:
             return None  # the ceiling does not limit: lowering it cannot change anything
+        if not all(tk.tokens > 0 for tk in window):
+            return None  # the engine did not serve throughout (a rebuild, a restart): nothing to compare
         target = max(s.floor, self.limit - self._step(self.limit))
         if self._blocked.get(target, -math.inf) > t:
             return None
@@ -332,7 +340,9 @@ class BatchPolicy:
         evidence: dict[str, Any] = {"quiet_for_s": round(quiet, 3), "objective": s.objective}
         if before is not None:
             evidence["objective_before"] = round(before, 6)
-        reason = f"no harm for {quiet:.0f} s (>= {s.recover_s:g} s): ceiling {self.limit} -> {target}"
+        need = s.settle_s if self._quick_return else s.recover_s
+        self._quick_return = False
+        reason = f"no harm for {quiet:.0f} s (>= {need:g} s): ceiling {self.limit} -> {target}"
         action = self._act(t, "upscale", target, reason, evidence)
         self._last_upscale = (t, target)
         self._trial = _Trial(action, before, verify=False)
@@ -343,17 +353,33 @@ class BatchPolicy:
         trial = self._trial
         assert trial is not None
         t0 = trial.action.t_s + s.settle_s
+        if trial.verify and not tick.harm:
+            # The harm ended under the new level: no like-for-like comparison is possible. It may have
+            # ended because of the move (a device that throttles at the larger batch) or not (an outside
+            # load that stopped): keep the level, and let the upscale come after `settle_s` of quiet
+            # instead of `recover_s`; a level whose harm returns right after it is blocked then.
+            self._quick_return = True
+            return [self._close(tick.t_s, trial, None, True, "harm ended during the trial")]
         if tick.t_s <= t0:
             return []
         window = self._window(tick.t_s, t0)
-        if trial.verify and not all(tk.harm for tk in window):
-            # The harm ended under the new level: no like-for-like comparison is possible.
-            return [self._close(tick.t_s, trial, None, True, "harm ended during the evaluation")]
         if sum(tk.interval_s for tk in window) < s.eval_s:
             return []
         after = self._objective(window)
         if not trial.verify:
             return [self._close(tick.t_s, trial, after, True, "measured")]
+        binding = sum(tk.interval_s for tk in window if tk.binding) / sum(tk.interval_s for tk in window)
+        if binding < s.min_binding:
+            # The queue emptied: the objective now follows the offered load, not the level, so there is
+            # no evidence either way. Back to the level before (free while nothing waits), not blocked.
+            result = self._close(tick.t_s, trial, after, False, "the ceiling stopped binding: no evidence")
+            if self._path and self._path[-1] == trial.action.from_limit:
+                self._path.pop()
+            reason = (
+                f"requests stopped waiting for admission during the trial of {trial.action.to_limit}: "
+                f"back to {trial.action.from_limit}"
+            )
+            return [result, self._act(tick.t_s, "revert", trial.action.from_limit, reason, {})]
         before = trial.before
         paid = before is not None and after is not None and after >= before * (1 + s.min_gain)
         if before is not None and after is not None and before <= 0 < after:
