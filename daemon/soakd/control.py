@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -39,6 +39,7 @@ from soakd.policies.downscale import (
 from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 STATE_FILE = "control-state.json"
 LIMIT_FILE = "active-seqs"
@@ -476,15 +477,16 @@ class Controller:
         return None
 
 
+def _in_scope(scope: str, gpu: T | None, host: T | None) -> list[T]:
+    """The sources a scope reads: the GPUs', the host's, or both ("any")."""
+    return [f for name, f in (("gpu", gpu), ("host", host)) if f is not None and scope in ("any", name)]
+
+
 def input_throttled(
     scope: str, gpu: Callable[[], bool] | None, host: Callable[[], bool] | None
 ) -> Callable[[], bool]:
     """The `throttled` input for a scope: any GPU detector, the host's, or either."""
-    sources: list[Callable[[], bool]] = []
-    if scope in ("any", "gpu") and gpu is not None:
-        sources.append(gpu)
-    if scope in ("any", "host") and host is not None:
-        sources.append(host)
+    sources = _in_scope(scope, gpu, host)
     return lambda: any(f() for f in sources)
 
 
@@ -492,11 +494,7 @@ def input_harm(
     scope: str, gpu: Callable[[], str] | None, host: Callable[[], str] | None
 ) -> Callable[[], str]:
     """The `harm` input for a scope: "thermal" when any source says so, else "power", else ""."""
-    sources: list[Callable[[], str]] = []
-    if scope in ("any", "gpu") and gpu is not None:
-        sources.append(gpu)
-    if scope in ("any", "host") and host is not None:
-        sources.append(host)
+    sources = _in_scope(scope, gpu, host)
 
     def harm() -> str:
         kinds = {f() for f in sources} - {""}
