@@ -1090,6 +1090,7 @@ class Soak:
             harm=harm,
             waiting=waiting,
             energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
+            limited=gpu_watch.limited if gpu_watch is not None and ccfg.scope != "host" else lambda: False,
         )
         limit_file = self.run_dir / LIMIT_FILE if ccfg.batch.lever == "scheduler" else None
         actuator = Actuator(

@@ -37,6 +37,7 @@ from soakd.policies.downscale import (
     Tick,
 )
 from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
+from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -67,6 +68,8 @@ class ControlInputs:
     """Requests waiting for admission now (the ceiling binds when > 0)."""
     energy_j: Callable[[], float | None] = lambda: None
     """GPU energy so far (J, a running total), None when unknown."""
+    limited: Callable[[], bool] = lambda: False
+    """Whether a device in scope shows a throttle reason in most recent samples (at a limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +127,8 @@ class Controller:
         )
         self._good_tokens = 0.0
         self._last_energy: float | None = None
+        h = cfg.harm
+        self.throughput = ThroughputJudge(ThroughputSettings(loss=h.throughput_loss, leave_s=h.leave))
         r = cfg.recapture
         self.recapture_settings = RecaptureSettings(
             idle_s=r.idle,
@@ -225,15 +230,19 @@ class Controller:
         if energy is not None and self._last_energy is not None and energy >= self._last_energy:
             joules = energy - self._last_energy
         self._last_energy = energy
+        binding = self.inputs.waiting() > 0
+        self._judge_throughput(now, delta, interval, binding)
         if cfg.batch.enabled:
             harm = self.inputs.harm()
+            if not harm and self.throughput.harmful and cfg.harm.act_on_throughput:
+                harm = "throughput"
             tick = Tick(
                 t_s=now,
                 interval_s=interval,
                 harm=bool(harm),
                 harm_kind=harm,
                 throttled=self.inputs.throttled(),
-                binding=self.inputs.waiting() > 0,
+                binding=binding,
                 tokens=float(delta),
                 good_tokens=good,
                 joules=joules,
@@ -251,6 +260,31 @@ class Controller:
             changed |= await self._mtp(now)
         if changed or self.ticks % 60 == 1:
             self.save_state()
+
+    def _judge_throughput(self, now: float, delta: int, interval: float, binding: bool) -> None:
+        if interval <= 0:
+            return
+        tp = self.throughput
+        change = tp.update(now, delta / interval, binding=binding, limited=self.inputs.limited())
+        if change is None:
+            return
+        ref = tp.reference or 0.0
+        acts = self.cfg.harm.act_on_throughput
+        if change:
+            message = (
+                f"throughput {tp.loss:.0%} below {ref:,.0f} tok/s while the GPU is at a limit "
+                f"and requests wait{'' if acts else ' (recorded; control.harm.act_on_throughput is off)'}"
+            )
+        else:
+            message = "throughput back while at a limit, or the limit gone: the harm is over"
+        self.actuator.advise(
+            "harm_enter" if change else "harm_leave",
+            message,
+            harm_kind="throughput",
+            throughput_loss=round(tp.loss, 4),
+            reference_tps=round(ref, 3),
+            acted_on=acts,
+        )
 
     def _result(self, r: ActionResult) -> None:
         unit = OBJECTIVE_UNIT.get(r.objective, "")
@@ -412,6 +446,8 @@ class Controller:
             "policy_limit": self.batch.limit,
             "throttled": int(self.inputs.throttled()),
             "harm": int(bool(self.inputs.harm())),
+            "throughput_harm": int(self.throughput.harmful),
+            "throughput_loss": self.throughput.loss,
             "trial": int(self.batch.trial),
             "waiting": self.inputs.waiting(),
             "actions": self.batch.actions + self.recaptures,
@@ -451,6 +487,7 @@ class Controller:
             "advice": self.batch.advice,
             "kept": self.batch.kept,
             "reverted": self.batch.reverted,
+            "throughput_harm_episodes": self.throughput.episodes,
             "results": self.batch.results[-50:],
             # Only levels that were in force: advice never applied has no throughput of its own.
             "levels": self.batch.levels(),

@@ -140,7 +140,12 @@ url = "{influxdb.url}"
 database = "{SERVER_SOAK_DB}"
 interval = "0.5s"
 [control.batch]
+# Two 7 s power-cap episodes at 2 requests/s: short windows, and no queue needed (the CPU engine never
+# makes one at this rate), so the policy makes and judges a trial inside each episode.
 dwell = "3s"
+settle = "1s"
+eval = "2s"
+min_binding = 0.0
 """
     cfg = write_config(tmp / "server.toml", tiny_model, 'kind = "vllm-server"', extra=extra)
     collectors = 'collectors = ["host", "engine", "allocator", "metrics"]'

@@ -394,3 +394,21 @@ def test_a_downscale_while_the_engine_is_between_lives_goes_to_the_next_engine(t
     assert (tmp_path / LIMIT_FILE).read_text() == "12"
     (kind, _msg, fields) = events[0]
     assert kind == "downscale" and fields["engine_live"] is False
+
+
+def test_throughput_harm_is_recorded_and_acted_on_only_when_asked(tmp_path: Path) -> None:
+    for acts in (False, True):
+        d = tmp_path / str(acts)
+        d.mkdir()
+        text = BATCH + f"[control.harm]\nact_on_throughput = {str(acts).lower()}\n"
+        ctrl, world, events, _, clock = make(d, text)
+        limited = [False]
+        ctrl.inputs.limited = lambda limited=limited: limited[0]
+        run_for(ctrl, world, clock, 15)  # the reference: 100 tok/s with a queue
+        limited[0] = True
+        world.rate = 50  # a limit shared with another process: half the tokens
+        run_for(ctrl, world, clock, 12)
+        kinds = [e[0] for e in events]
+        assert kinds[0] == "harm_enter" and events[0][2]["harm_kind"] == "throughput"
+        assert events[0][2]["acted_on"] is acts
+        assert ("downscale" in kinds) is acts

@@ -249,3 +249,35 @@ def test_reason_names_and_settings_validation() -> None:
     det.update(_gpu(5.0, 0))
     with pytest.raises(ValueError, match="out of order"):
         det.update(_gpu(4.0, 0))
+
+
+def test_throughput_judge_needs_a_queue_a_held_limit_and_a_real_loss() -> None:
+    from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
+
+    judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, leave_s=5))
+    t = 0.0
+    for i in range(20):  # the reference: 1,000 tok/s with a queue, no limit, +-10 % noise
+        t += 1
+        assert judge.update(t, 1000.0 + (100 if i % 2 else -100), binding=True, limited=False) is None
+    assert judge.reference == 1000.0
+    # A limit for one second in three, or without a queue, or with a 15 % loss: no harm.
+    for i in range(9):
+        t += 1
+        assert judge.update(t, 500.0, binding=True, limited=i % 3 == 0) is None
+    for _ in range(5):
+        t += 1
+        assert judge.update(t, 500.0, binding=False, limited=True) is None
+    for _ in range(5):
+        t += 1
+        assert judge.update(t, 850.0, binding=True, limited=True) is None
+    # Held at a limit with 40 % fewer tokens: harm once the recent median has fallen (the second).
+    changes = []
+    for _ in range(3):
+        t += 1
+        changes.append(judge.update(t, 600.0, binding=True, limited=True))
+    assert changes == [None, True, None] and judge.harmful and judge.loss > 0.3
+    for _ in range(5):  # the limit gone: over after leave_s
+        t += 1
+        assert judge.update(t, 1000.0, binding=True, limited=False) is None
+    t += 1
+    assert judge.update(t, 1000.0, binding=True, limited=False) is False and judge.episodes == 1

@@ -133,6 +133,10 @@ class GpuThrottleWatch:
         kinds = {j.kind for j in self._judges.values() if j.harmful}
         return "thermal" if "thermal" in kinds else "power" if kinds else ""
 
+    def limited(self) -> bool:
+        """Whether any GPU showed a throttle reason in most of its last window of samples."""
+        return any(j.limited >= 0.5 for j in self._judges.values())
+
     def energy_j(self) -> float:
         """GPU energy since the start (J, all GPUs), integrated from the fast tier's board power."""
         return self._energy_j

@@ -290,8 +290,8 @@ class BatchPolicy:
         binding = sum(tk.interval_s for tk in window if tk.binding) / covered
         if binding < s.min_binding:
             return None  # the ceiling does not limit: lowering it cannot change anything
-        if not all(tk.tokens > 0 for tk in window):
-            return None  # the engine did not serve throughout (a rebuild, a restart): nothing to compare
+        if 2 * sum(1 for tk in window if tk.tokens > 0) < len(window):
+            return None  # the engine served little of the window (a rebuild, a restart): nothing to compare
         target = max(s.floor, self.limit - self._step(self.limit))
         if self._blocked.get(target, -math.inf) > t:
             return None

@@ -496,7 +496,8 @@ class HarmJudge:
         self.settings = settings or HarmSettings()
         self._max_mhz = max_mhz if max_mhz and max_mhz > 0 else None
         self._ref: deque[float] = deque(maxlen=self.settings.reference_samples)
-        self._window: deque[tuple[float, float, int]] = deque()  # (t, loss, class: 0 none 1 power 2 thermal)
+        # (t, loss, class: 0 none 1 power 2 thermal, a reason bit was set)
+        self._window: deque[tuple[float, float, int, bool]] = deque()
         self._over_since: float | None = None
         self._under_since: float | None = None
         self._last_t: float | None = None
@@ -507,6 +508,8 @@ class HarmJudge:
         self.harm_s = 0.0
         self.episodes = 0
         self.max_loss = 0.0
+        self.limited = 0.0
+        """Share of the window's samples with a throttle reason set (the device at a limit)."""
 
     @property
     def reference_mhz(self) -> float | None:
@@ -548,11 +551,12 @@ class HarmJudge:
                 loss = max(0.0, 1.0 - float(sm_mhz) / ref)
         else:
             cls = 0  # an idle device loses no work to its clock
-        self._window.append((t_s, loss, cls))
+        self._window.append((t_s, loss, cls, bad != 0))
         while self._window and self._window[0][0] <= t_s - s.window_s:
             self._window.popleft()
         losses = [x[1] for x in self._window]
         self.loss = float(statistics.median(losses)) if losses else 0.0
+        self.limited = sum(1 for x in self._window if x[3]) / len(self._window)
         self.max_loss = max(self.max_loss, self.loss)
         worst = max((x[2] for x in self._window), default=0)
         threshold = s.thermal_loss if worst == 2 else s.power_loss
@@ -589,3 +593,83 @@ class HarmJudge:
             "max_clock_loss": round(self.max_loss, 4),
             "reference_mhz": self.reference_mhz,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputSettings:
+    """When a limit costs throughput: the engine's tokens/s while requests wait, against the same at no
+    limit. Clock loss misses the case where the limit is shared (another process at the power cap takes
+    SM time, not clock: on an H200, 6 % clock and 35 % of tokens)."""
+
+    loss: float = 0.2
+    """Share of the unlimited tokens/s lost while the device is at a limit."""
+    recent: int = 3
+    """The loss is judged on the median of this many recent control intervals."""
+    reference: int = 60
+    """The unlimited tokens/s: median of up to this many recent intervals with a queue and no limit."""
+    min_reference: int = 10
+    leave_s: float = 10.0
+    """No limit (or less than half the loss) this long before the harm is over."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.loss < 1:
+            raise ValueError("loss must be in (0, 1)")
+        if not (1 <= self.recent <= 100 and 1 <= self.min_reference <= self.reference <= 100_000):
+            raise ValueError("need 1 <= recent <= 100 and 1 <= min_reference <= reference <= 100000")
+        if not (math.isfinite(self.leave_s) and 0 <= self.leave_s <= 3600):
+            raise ValueError("leave_s must be finite, 0-3600 s")
+
+
+class ThroughputJudge:
+    """Feed each control interval: tokens/s, whether requests waited for admission (only then is tokens/s
+    the engine's capacity, not the offered load) and whether the device was at a limit (a throttle reason
+    in most samples). Harm: at a limit, with a queue, tokens/s below (1 - loss) x the unlimited figure."""
+
+    def __init__(self, settings: ThroughputSettings | None = None) -> None:
+        self.settings = settings or ThroughputSettings()
+        self._ref: deque[float] = deque(maxlen=self.settings.reference)
+        self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
+        self._quiet_since: float | None = None
+        self.harmful = False
+        self.loss = 0.0
+        self.episodes = 0
+
+    @property
+    def reference(self) -> float | None:
+        if len(self._ref) < self.settings.min_reference:
+            return None
+        return float(statistics.median(self._ref))
+
+    def update(self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool) -> bool | None:
+        """The new harm state when it changed (True: began, False: ended), else None."""
+        s = self.settings
+        if binding and not limited:
+            self._ref.append(tokens_per_s)
+        if binding:
+            self._recent.append((tokens_per_s, limited))
+        else:
+            self._recent.clear()
+        ref = self.reference
+        full = len(self._recent) == s.recent
+        median = statistics.median(x for x, _ in self._recent) if full else 0.0
+        self.loss = max(0.0, 1 - float(median) / ref) if ref and full else 0.0
+        # At a limit in every recent interval: vLLM alone touches an H200's power cap for a second now
+        # and then while its tokens/s wander with the workload.
+        held = full and all(lim for _, lim in self._recent)
+        if held and self.loss >= s.loss:
+            self._quiet_since = None
+            if not self.harmful:
+                self.harmful = True
+                self.episodes += 1
+                return True
+            return None
+        if self.harmful and (not limited or self.loss < s.loss / 2):
+            if self._quiet_since is None:
+                self._quiet_since = t_s
+            if t_s - self._quiet_since >= s.leave_s:
+                self.harmful = False
+                self._quiet_since = None
+                return False
+        elif self.harmful:
+            self._quiet_since = None
+        return None
