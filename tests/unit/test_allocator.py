@@ -17,7 +17,7 @@ from aiohttp import web
 
 from soakd.collectors.allocator import AllocatorCollector, server_rpc, validate_result
 from soakd.collectors.base import RefreshingCollector
-from soakd.engine.worker_ext import SoakdWorkerExtension, cuda_fields, memory_stats
+from soakd.engine.worker_ext import SoakdWorkerExtension, cuda_fields, memory_stats, request_amx
 from soakd.errors import CollectorError
 
 GiB = 1 << 30
@@ -369,3 +369,23 @@ async def test_server_rpc_timeout_is_a_collector_error(fake_server: tuple[str, d
     async with aiohttp.ClientSession() as session:
         with pytest.raises(CollectorError, match="TimeoutError"):
             await server_rpc(session, url, timeout_s=0.2)()
+
+
+def test_request_amx_asks_only_where_torch_is_loaded_and_the_cpu_has_amx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from importlib.metadata import entry_points
+
+    calls: list[int] = []
+    cpu = types.SimpleNamespace(
+        _is_amx_tile_supported=lambda: True, _init_amx=lambda: calls.append(1) or True
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cpu=cpu))
+    assert request_amx() is True and calls == [1]
+    cpu._is_amx_tile_supported = lambda: False
+    assert request_amx() is False and calls == [1]
+    monkeypatch.delitem(sys.modules, "torch")
+    assert request_amx() is False
+    # vLLM finds it as a general plugin, so every vLLM process asks (its CPU workers among them).
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("soakd_amx") == "soakd.engine.worker_ext:request_amx"

@@ -17,10 +17,35 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 StatValue = int | float | str
+
+
+def request_amx() -> bool:
+    """Ask Linux for AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, through torch) where the CPU has it.
+
+    vLLM's CPU attention kernel uses AMX tiles on such CPUs, and the kernel lets a process use them only
+    after it asked; vLLM 0.32 never asks, oneDNN does when it first runs an AMX matmul. A worker whose
+    first step is small (a short prompt) reaches attention before any such matmul and dies of SIGILL
+    (seen on a Xeon with amx_bf16). vLLM calls it as a general plugin in each process it starts (also
+    servers soakd did not launch, where soakd is installed), and it runs when vLLM imports this module
+    into a worker (a source tree on PYTHONPATH has no entry points); a no-op where torch is not loaded
+    (soakd's own process outside an engine) or the CPU has no AMX."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    cpu = getattr(torch, "cpu", None)
+    supported = getattr(cpu, "_is_amx_tile_supported", None)
+    init = getattr(cpu, "_init_amx", None)
+    if supported is None or init is None or not supported():
+        return False
+    return bool(init())
+
+
+request_amx()
 
 # torch.cuda.memory_stats() key -> soakd field. All are byte counts or event counters (ints).
 CUDA_STAT_KEYS: dict[str, str] = {
