@@ -277,7 +277,8 @@ def test_the_soak_had_a_throttle_episode_the_control_loop_acted_on(server_soak: 
     gpu = server_soak.by["gpu"]
     capped_s = sum(float(s.fields.get("throttle_power_s", 0)) for s in gpu)
     assert capped_s > 30
-    assert max(float(s.fields["reason_sw_power_cap_share"]) for s in gpu) > 0.5
+    # A point whose interval had a slow read but no fast sample (a missed tick) carries no reason shares.
+    assert max(float(s.fields.get("reason_sw_power_cap_share", 0.0)) for s in gpu) > 0.5
     (down, *_) = [e for e in server_soak.by["events"] if e.tags["kind"] == "downscale"]
     print(
         f"\nsoak: power-capped {capped_s:.1f} s (recorded), {kinds.count('throttle_enter')} throttle "
