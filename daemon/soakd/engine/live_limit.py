@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from soakd.engine.base import ACTIVE_SEQS_ENV
+from soakd.files import write_private
+
 STATUS_SUFFIX = ".engine"
 
 # vLLM's live admission attribute, newest first: 0.32 splits `max_num_active_reqs` (admission) from
@@ -69,9 +72,7 @@ def write_status(path: Path, status: EngineLimitStatus) -> None:
         "pid": status.pid,
         "t": status.t,
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc), encoding="utf-8")
-    tmp.replace(path)
+    write_private(path, json.dumps(doc).encode())
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -101,6 +102,9 @@ def read_status(path: Path, *, since: float | None = None) -> EngineLimitStatus 
     )
 
 
-def engine_status(limit_file: str | None, *, since: float | None = None) -> EngineLimitStatus | None:
-    """The status next to the limit file named in the environment of an engine that was started."""
-    return None if not limit_file else read_status(status_path(limit_file), since=since)
+def reported_live(since: float) -> bool:
+    """Whether the scheduler of an engine started at `since` (wall s) reported a live limit, in the
+    status file beside the limit file this process's environment names (the engine inherits it)."""
+    limit_file = os.environ.get(ACTIVE_SEQS_ENV)
+    status = read_status(status_path(limit_file), since=since) if limit_file else None
+    return status is not None and status.live

@@ -19,8 +19,8 @@ import psutil
 import structlog
 
 from soakd.config import EngineConfig
-from soakd.engine.base import ACTIVE_SEQS_ENV, EngineInfo, GenerationRequest
-from soakd.engine.live_limit import engine_status
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.live_limit import reported_live
 from soakd.engine.stats import RecordCost, StepStats, copy_spec_steps, step_from_vllm
 from soakd.errors import EngineError
 from soakd.shapes import engine_overrides
@@ -82,13 +82,6 @@ OPTIONAL_ARGS = (
 WORKER_EXTENSION = "soakd.engine.worker_ext.SoakdWorkerExtension"
 SCHEDULER_CLS = "soakd.engine.sched.SoakdScheduler"
 """soakd's scheduler class (engine/sched.py): the batch lever that moves vLLM's admission limit live."""
-
-
-def _live(vcfg: Any, since: float) -> bool:
-    if str(getattr(vcfg.scheduler_config, "scheduler_cls", "") or "") != SCHEDULER_CLS:
-        return False
-    status = engine_status(os.environ.get(ACTIVE_SEQS_ENV), since=since)
-    return status is not None and status.live
 
 
 def config_id(kwargs: dict[str, Any]) -> str:
@@ -245,7 +238,8 @@ class VllmLocalEngine:
             cudagraphs=cudagraphs,
             capture_sizes=tuple(sorted(int(x) for x in getattr(comp, "cudagraph_capture_sizes", None) or ())),
             # What the engine's scheduler reported as it started, not what was configured.
-            live_active_seqs=_live(vcfg, t0_wall),
+            live_active_seqs=str(getattr(vcfg.scheduler_config, "scheduler_cls", "") or "") == SCHEDULER_CLS
+            and reported_live(t0_wall),
             start_s=start_s,
             signals=tuple(signals),
             details={

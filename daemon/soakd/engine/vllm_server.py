@@ -26,9 +26,9 @@ import psutil
 import structlog
 
 from soakd.config import EngineConfig
-from soakd.engine.base import ACTIVE_SEQS_ENV, EngineInfo, GenerationRequest
+from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.channel import SOCKET_ENV, StepChannel
-from soakd.engine.live_limit import engine_status
+from soakd.engine.live_limit import reported_live
 from soakd.engine.openai_http import OpenAIEngine
 from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import OPTIONAL_ARGS, SCHEDULER_CLS, config_id, engine_kwargs
@@ -266,8 +266,7 @@ class VllmServerEngine:
             capture_sizes=_sizes(facts.get("cudagraph_capture_sizes")),
             # What the server's scheduler reported as it started, not what the flags asked for.
             live_active_seqs=_flag_value(self.argv, "--scheduler-cls") == SCHEDULER_CLS
-            and (status := engine_status(os.environ.get(ACTIVE_SEQS_ENV), since=self._t0_wall)) is not None
-            and status.live,
+            and reported_live(self._t0_wall),
             start_s=start_s,
             details=details,
             signals=tuple(signals),
