@@ -1074,12 +1074,6 @@ class Soak:
         def engine_info() -> EngineInfo | None:
             return engine.info if engine.alive() else None
 
-        def waiting() -> int:
-            replayer, gate = self._replayer, actuator.gate
-            if replayer is None or gate is None:
-                return 0
-            return max(0, replayer.pending - gate.in_flight)
-
         inputs = ControlInputs(
             throttled=throttled,
             output_tokens=lambda: self._replayer.stats.output_tokens if self._replayer is not None else 0,
@@ -1088,7 +1082,7 @@ class Soak:
             engine=engine_info,
             drifting=lambda: drift.drifting,
             harm=harm,
-            waiting=waiting,
+            waiting=lambda: self._replayer.waiting_admission if self._replayer is not None else 0,
             energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
             limited=gpu_watch.limited if gpu_watch is not None and ccfg.scope != "host" else lambda: False,
         )

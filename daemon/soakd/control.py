@@ -37,7 +37,7 @@ from soakd.policies.downscale import (
     Tick,
 )
 from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
-from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
+from soakd.policies.throttle import ThroughputJudge, ThroughputSettings, worst_harm
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -533,11 +533,7 @@ def input_harm(
     """The `harm` input for a scope: "thermal" when any source says so, else "power", else ""."""
     sources = _in_scope(scope, gpu, host)
 
-    def harm() -> str:
-        kinds = {f() for f in sources} - {""}
-        return "thermal" if "thermal" in kinds else next(iter(kinds), "")
-
-    return harm
+    return lambda: worst_harm(f() for f in sources)
 
 
 def state_of(path: Path) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from soakd.policies.throttle import (
     ThrottleState,
     Transition,
     counters_from_fields,
+    worst_harm,
 )
 
 EventFn = Callable[..., None]
@@ -130,8 +131,7 @@ class GpuThrottleWatch:
     def harm(self) -> str:
         """The harm the control loop acts on: "thermal" or "power" when any GPU loses clock beyond its
         threshold (thermal wins), "" when none."""
-        kinds = {j.kind for j in self._judges.values() if j.harmful}
-        return "thermal" if "thermal" in kinds else "power" if kinds else ""
+        return worst_harm(j.kind for j in self._judges.values() if j.harmful)
 
     def limited(self) -> bool:
         """Whether any GPU showed a throttle reason in most of its last window of samples."""

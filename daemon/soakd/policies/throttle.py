@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
@@ -45,10 +45,13 @@ __all__ = [
     "ThrottleInput",
     "ThrottleSettings",
     "ThrottleState",
+    "ThroughputJudge",
+    "ThroughputSettings",
     "Transition",
     "counters_from_fields",
     "host_input",
     "reason_names",
+    "worst_harm",
 ]
 
 GPU_IDLE: Final = 0x1
@@ -486,6 +489,13 @@ class HarmChange:
     loss: float
     """Median clock loss over the window at the change (0-1)."""
     reference_mhz: float | None
+
+
+def worst_harm(kinds: Iterable[str]) -> str:
+    """One harm for several sources: "thermal" over any other kind (the device protecting itself weighs
+    most), else any kind named, else ""."""
+    named = {k for k in kinds if k}
+    return "thermal" if "thermal" in named else min(named, default="")
 
 
 class HarmJudge:

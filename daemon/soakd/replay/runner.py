@@ -234,6 +234,11 @@ class Replayer:
         """Requests sent or waiting for admission and not finished."""
         return len(self._tasks)
 
+    @property
+    def waiting_admission(self) -> int:
+        """Requests due and waiting for the concurrency ceiling (not for an earlier turn)."""
+        return self._waiting_admission
+
     def snapshot(self) -> dict[str, float | int]:
         """Replay state now, and lateness since the last snapshot: the `replay` series.
 
