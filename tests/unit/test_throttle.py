@@ -270,14 +270,59 @@ def test_throughput_judge_needs_a_queue_a_held_limit_and_a_real_loss() -> None:
     for _ in range(5):
         t += 1
         assert judge.update(t, 850.0, binding=True, limited=True) is None
-    # Held at a limit with 40 % fewer tokens: harm once the recent median has fallen (the second).
+    # Held at a limit with 40 % fewer tokens, a step down from the seconds before: harm once every recent
+    # interval was at the limit (the third).
+    for _ in range(10):
+        t += 1
+        assert judge.update(t, 1000.0, binding=True, limited=False) is None
     changes = []
     for _ in range(3):
         t += 1
         changes.append(judge.update(t, 600.0, binding=True, limited=True))
-    assert changes == [None, True, None] and judge.harmful and judge.loss > 0.3
+    assert changes == [None, None, True] and judge.harmful and judge.loss > 0.3
     for _ in range(5):  # the limit gone: over after leave_s
         t += 1
         assert judge.update(t, 1000.0, binding=True, limited=False) is None
     t += 1
     assert judge.update(t, 1000.0, binding=True, limited=False) is False and judge.episodes == 1
+
+
+def test_throughput_judge_ignores_drift_at_the_cap_and_ends_when_the_drop_reverses() -> None:
+    """An engine alone at the power cap whose tokens/s drift down with its workload is no harm (no step);
+    a step down is, and it is over when tokens/s climb back by the loss's share over the episode's level,
+    even with the limit still there; the reference then restarts from the recovered figures."""
+    from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
+
+    judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, step=10, leave_s=5))
+    t = 0.0
+    for _ in range(20):
+        t += 1
+        judge.update(t, 1000.0, binding=True, limited=False)
+    for i in range(60):  # at the cap, 1,000 -> 640 tok/s over a minute: 36 % below the reference
+        t += 1
+        assert judge.update(t, 1000.0 - 6.0 * i, binding=True, limited=True) is None
+    assert judge.loss > 0.3 and not judge.harmful
+    changes = []
+    for _ in range(20):  # a step to 300: harm
+        t += 1
+        changes.append(judge.update(t, 300.0, binding=True, limited=True))
+    assert changes.count(True) == 1 and judge.harmful
+    changes = []
+    for _ in range(8):  # back to 640 at the cap: 36 % below the old reference, 2.1 x the episode's level
+        t += 1
+        changes.append((t, judge.update(t, 640.0, binding=True, limited=True)))
+    ended = [at for at, c in changes if c is False]
+    assert ended and not judge.harmful and judge.episodes == 1
+    # The reference is now the recovered figure: the same tokens/s at the cap are no loss.
+    t += 1
+    judge.update(t, 640.0, binding=True, limited=True)
+    assert judge.reference == 640.0 and judge.loss == 0.0
+
+
+def test_throughput_settings_bound_the_step_window() -> None:
+    from soakd.policies.throttle import ThroughputSettings
+
+    with pytest.raises(ValueError, match="step"):
+        ThroughputSettings(step=0)
+    with pytest.raises(ValueError, match="step"):
+        ThroughputSettings(step=10**6)

@@ -618,6 +618,10 @@ class ThroughputSettings:
     reference: int = 60
     """The unlimited tokens/s: median of up to this many recent intervals with a queue and no limit."""
     min_reference: int = 10
+    step: int = 10
+    """The loss must also show against this many intervals just before the recent ones: a limit shared
+    with another process arrives as a step, while an engine alone at the cap drifts with its workload
+    (on an H200 at 64 requests: 6-11k tok/s from second to second, 20 % down over a minute)."""
     leave_s: float = 10.0
     """No limit (or less than half the loss) this long before the harm is over."""
 
@@ -626,6 +630,8 @@ class ThroughputSettings:
             raise ValueError("loss must be in (0, 1)")
         if not (1 <= self.recent <= 100 and 1 <= self.min_reference <= self.reference <= 100_000):
             raise ValueError("need 1 <= recent <= 100 and 1 <= min_reference <= reference <= 100000")
+        if not 1 <= self.step <= 1000:
+            raise ValueError("step must be 1-1000 intervals")
         if not (math.isfinite(self.leave_s) and 0 <= self.leave_s <= 3600):
             raise ValueError("leave_s must be finite, 0-3600 s")
 
@@ -633,26 +639,39 @@ class ThroughputSettings:
 class ThroughputJudge:
     """Feed each control interval: tokens/s, whether requests waited for admission (only then is tokens/s
     the engine's capacity, not the offered load) and whether the device was at a limit (a throttle reason
-    in most samples). Harm: at a limit, with a queue, tokens/s below (1 - loss) x the unlimited figure."""
+    in most samples). Harm: at a limit, with a queue, tokens/s below (1 - loss) x the unlimited figure.
+
+    Over when the limit goes, when the loss shrinks below half, or when tokens/s recover by the loss's
+    share over the episode's own level (the drop that began it reversed): an engine alone at 64 requests
+    can sit at an H200's power cap most of the time with tokens/s that wander with the workload, which
+    the first two rules alone read as harm long after the outside load has gone. On that recovery the
+    reference restarts from the recovered figures, so a new episode needs a new drop."""
 
     def __init__(self, settings: ThroughputSettings | None = None) -> None:
         self.settings = settings or ThroughputSettings()
         self._ref: deque[float] = deque(maxlen=self.settings.reference)
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
+        self._history: deque[float] = deque(maxlen=self.settings.recent + self.settings.step)
         self._quiet_since: float | None = None
+        self._episode: deque[float] = deque(maxlen=self.settings.reference)
+        """tokens/s with a queue during the episode: its level, which a recovery is measured from."""
+        self._leaving: list[float] = []
+        self._rebased = False
+        """The reference restarted from a recovery's figures (few, but measured at this workload)."""
         self.harmful = False
         self.loss = 0.0
         self.episodes = 0
 
     @property
     def reference(self) -> float | None:
-        if len(self._ref) < self.settings.min_reference:
+        if not self._ref or (len(self._ref) < self.settings.min_reference and not self._rebased):
             return None
         return float(statistics.median(self._ref))
 
     def update(self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool) -> bool | None:
         """The new harm state when it changed (True: began, False: ended), else None."""
         s = self.settings
+        self._history.append(tokens_per_s)
         if binding and not limited:
             self._ref.append(tokens_per_s)
         if binding:
@@ -666,20 +685,53 @@ class ThroughputJudge:
         # At a limit in every recent interval: vLLM alone touches an H200's power cap for a second now
         # and then while its tokens/s wander with the workload.
         held = full and all(lim for _, lim in self._recent)
-        if held and self.loss >= s.loss:
+        recovered = self._recovered(float(median)) if full else False
+        if held and self.loss >= s.loss and not recovered and (self.harmful or self._stepped(float(median))):
             self._quiet_since = None
+            self._leaving.clear()
+            if binding:
+                self._episode.append(tokens_per_s)
             if not self.harmful:
                 self.harmful = True
                 self.episodes += 1
                 return True
             return None
-        if self.harmful and (not limited or self.loss < s.loss / 2):
+        if self.harmful and (not limited or self.loss < s.loss / 2 or recovered):
             if self._quiet_since is None:
                 self._quiet_since = t_s
+            if binding:
+                self._leaving.append(tokens_per_s)
             if t_s - self._quiet_since >= s.leave_s:
-                self.harmful = False
-                self._quiet_since = None
+                if recovered:  # the old reference belongs to a workload that has moved on
+                    self._ref.clear()
+                    self._ref.extend(self._leaving)
+                    self._rebased = True
+                self._end()
                 return False
         elif self.harmful:
             self._quiet_since = None
+            self._leaving.clear()
+            if binding:
+                self._episode.append(tokens_per_s)
         return None
+
+    def _stepped(self, median: float) -> bool:
+        """The recent median is the loss's share below the intervals just before (queue or not: without
+        one, tokens/s are the offered load, which the engine served)."""
+        before = list(self._history)[: -self.settings.recent]
+        if len(before) < self.settings.step:
+            return False
+        return median <= (1 - self.settings.loss) * float(statistics.median(before))
+
+    def _recovered(self, median: float) -> bool:
+        """tokens/s back up by the loss's share over the episode's level (only during an episode)."""
+        if not self.harmful or len(self._episode) < self.settings.recent:
+            return False
+        level = float(statistics.median(self._episode))
+        return level > 0 and median >= level / (1 - self.settings.loss)
+
+    def _end(self) -> None:
+        self.harmful = False
+        self._quiet_since = None
+        self._episode.clear()
+        self._leaving.clear()
