@@ -1083,6 +1083,7 @@ class Soak:
             drifting=lambda: drift.drifting,
             harm=harm,
             waiting=lambda: self._replayer.waiting_admission if self._replayer is not None else 0,
+            draining=lambda: self._replayer.draining if self._replayer is not None else False,
             energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
             limited=gpu_watch.limited if gpu_watch is not None and ccfg.scope != "host" else lambda: False,
         )

@@ -70,6 +70,9 @@ class ControlInputs:
     """GPU energy so far (J, a running total), None when unknown."""
     limited: Callable[[], bool] = lambda: False
     """Whether a device in scope shows a throttle reason in most recent samples (at a limit)."""
+    draining: Callable[[], bool] = lambda: False
+    """Whether the replay has stopped dispatching (the trace or the duration is over): the backlog that
+    drains then is no traffic to tune for, so the ceiling no longer counts as binding."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,7 +233,7 @@ class Controller:
         if energy is not None and self._last_energy is not None and energy >= self._last_energy:
             joules = energy - self._last_energy
         self._last_energy = energy
-        binding = self.inputs.waiting() > 0
+        binding = self.inputs.waiting() > 0 and not self.inputs.draining()
         self._judge_throughput(now, delta, interval, binding)
         if cfg.batch.enabled:
             harm = self.inputs.harm()

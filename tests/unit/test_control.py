@@ -67,6 +67,8 @@ class World:
     """Requests waiting for admission (> 0: the ceiling binds)."""
     pays: bool = False
     """Under harm, a ceiling below the start serves 1.5x the rate (an edge GPU's clock comes back)."""
+    draining: bool = False
+    """The trace is over and the backlog drains."""
 
 
 def control_cfg(tmp_path: Path, text: str) -> ControlConfig:
@@ -100,6 +102,7 @@ def make(
         drifting=lambda: world.drifting,
         harm=lambda: world.harm,
         waiting=lambda: world.waiting,
+        draining=lambda: world.draining,
     )
     return (
         Controller(cfg, start, inputs, actuator, tmp_path, wall=lambda: clock[0]),
@@ -412,3 +415,14 @@ def test_throughput_harm_is_recorded_and_acted_on_only_when_asked(tmp_path: Path
         assert kinds[0] == "harm_enter" and events[0][2]["harm_kind"] == "throughput"
         assert events[0][2]["acted_on"] is acts
         assert ("downscale" in kinds) is acts
+
+
+def test_the_drain_after_the_trace_is_no_traffic_to_tune_for(tmp_path: Path) -> None:
+    """Harm with requests waiting, but the replay has stopped dispatching: the backlog that drains is not
+    the trace's load, so no trial starts; the same harm before the end starts one."""
+    ctrl, world, events, _, clock = make(tmp_path, BATCH)
+    run_for(ctrl, world, clock, 3)
+    run_for(ctrl, world, clock, 30, harm="power", draining=True)
+    assert events == [] and ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 16
+    run_for(ctrl, world, clock, 12, draining=False)
+    assert [e[0] for e in events] == ["downscale"]

@@ -312,13 +312,18 @@ async def test_snapshot_shows_the_backlog_when_the_engine_cannot_keep_up() -> No
     rep, records = make(engine, [spec(i, i * 0.1) for i in range(6)], clock, limit=1)
     snaps: list[dict[str, float | int]] = []
 
+    draining: list[bool] = []
+
     async def probe() -> None:
         await clock.sleep_until(0.55)
         snaps.append(rep.snapshot())
         await clock.sleep_until(0.56)
         snaps.append(rep.snapshot())
+        draining.append(rep.draining)  # the soak lasts its duration (1,000 s): not draining yet
 
+    assert not rep.draining
     await asyncio.gather(rep.run(), probe())
+    assert draining == [False] and rep.draining
     first, second = snaps
     assert first["scheduled"] == 6 and first["in_engine"] == 1 and first["ceiling"] == 1
     assert first["waiting_admission"] == 5 and first["pending"] == 6

@@ -221,6 +221,7 @@ class Replayer:
         self._late_n = 0
         self._late_max = 0.0
         self._stop = asyncio.Event()
+        self._draining = False
         self.stats = ReplayStats()
         self.fatal = ""
         """Why the replay ended early on its own (the engine died, the trace changed); empty if not."""
@@ -233,6 +234,11 @@ class Replayer:
     def pending(self) -> int:
         """Requests sent or waiting for admission and not finished."""
         return len(self._tasks)
+
+    @property
+    def draining(self) -> bool:
+        """The trace is over (or the replay was stopped): no more arrivals, those pending finish."""
+        return self._draining
 
     @property
     def waiting_admission(self) -> int:
@@ -302,6 +308,7 @@ class Replayer:
                 end.cancel()
         finally:
             stop_wait.cancel()
+            self._draining = True
         await self._drain()
         return self.stats
 
