@@ -167,15 +167,21 @@ def fmt(x: float | None, digits: int = 0) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("folder", type=Path, help="holds free/, control/, dryrun/ as run.sh wrote them")
+    ap.add_argument("folder", type=Path, help="holds the arms' folders as run.sh or pays.sh wrote them")
+    ap.add_argument("--tpot-ms", type=float, help="goodput's TPOT limit for every arm (default: each arm's)")
     args = ap.parse_args()
-    arms = {name: load_arm(args.folder / name) for name in ("free", "control", "dryrun")}
-    ctl, dry, free = arms["control"], arms["dryrun"], arms["free"]
-    assert ctl.load is not None and dry.load is not None
-    print(
-        f"SLO for goodput: TPOT <= {ctl.slo_tpot_ms:g} ms, "
-        f"admission wait + TTFT <= {ctl.slo_ttft_ms / 1000:g} s"
-    )
+    # run.sh: free/, control/, dryrun/; pays.sh: dryrun1/, control/, dryrun2/ (no load-free arm).
+    names = [n for n in ("free", "control", "dryrun", "dryrun1", "dryrun2") if (args.folder / n).is_dir()]
+    arms = {name: load_arm(args.folder / name) for name in names}
+    if args.tpot_ms is not None:
+        for arm in arms.values():
+            arm.slo_tpot_ms = args.tpot_ms
+    ctl = arms["control"]
+    dries = [arms[n] for n in ("dryrun", "dryrun1", "dryrun2") if n in arms]
+    free = arms.get("free")
+    assert ctl.load is not None and all(d.load is not None for d in dries)
+    ttft = "off" if ctl.slo_ttft_ms >= 1e12 else f"<= {ctl.slo_ttft_ms / 1000:g} s"
+    print(f"SLO for goodput: TPOT <= {ctl.slo_tpot_ms:g} ms, admission wait + TTFT {ttft}")
     keys = (
         "tokens_per_s", "goodput_tps", "completed", "tpot_p50_ms", "tpot_p99_ms", "queue_p99_s",
         "sm_mhz", "power_w", "power_cap_share", "clock_loss_p50", "clock_loss_max",
@@ -184,42 +190,45 @@ def main() -> None:
     digits |= {"clock_loss_p50": 3, "clock_loss_max": 3}
     print("| window | arm | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 2) + "|")
-    # Each arm's windows from its own load times (the loads began 3 s apart in replay time).
+    windows = ("before the load", "under the load", "after the load")
+    # Each arm's windows from its own load times (the loads began seconds apart in replay time).
     table: dict[tuple[str, str], dict[str, float | None]] = {}
-    for arm in (ctl, dry):
+    for arm in (ctl, *dries):
         assert arm.load is not None
-        spans = {
-            "before the load": (0.0, arm.load[0]),
-            "under the load": arm.load,
-            "after the load": (arm.load[1], arm.end),
-        }
+        spans = dict(zip(windows, ((0.0, arm.load[0]), arm.load, (arm.load[1], arm.end)), strict=True))
         for wname, (lo, hi) in spans.items():
             w = arm.window(lo, hi)
             table[(wname, arm.name)] = w
             label = f"{wname} ({lo:.0f}-{hi:.0f} s)"
             print(f"| {label} | {arm.name} | " + " | ".join(fmt(w[k], digits.get(k, 0)) for k in keys) + " |")
-    half = free.end / 2
-    for lo, hi in ((0.0, half), (half, free.end)):
-        w = free.window(lo, hi)
-        print(
-            f"| load-free ({lo:.0f}-{hi:.0f} s) | free | "
-            + " | ".join(fmt(w[k], digits.get(k, 0)) for k in keys)
-            + " |"
-        )
+    if free is not None:
+        half = free.end / 2
+        for lo, hi in ((0.0, half), (half, free.end)):
+            w = free.window(lo, hi)
+            print(
+                f"| load-free ({lo:.0f}-{hi:.0f} s) | free | "
+                + " | ".join(fmt(w[k], digits.get(k, 0)) for k in keys)
+                + " |"
+            )
     print()
-    for k in ("tokens_per_s", "goodput_tps"):
-        row = []
-        for wname in ("before the load", "under the load", "after the load"):
-            a, b = table[(wname, "control")][k], table[(wname, "dryrun")][k]
-            row.append(f"{wname}: {fmt(100 * (a - b) / b if a is not None and b else None, 1)} %")
-        print(f"control vs dry run, {k}: " + "; ".join(row))
-    f1, f2 = free.window(0, half), free.window(half, free.end)
-    for k in ("tokens_per_s", "goodput_tps"):
-        a, b = f1[k], f2[k]
-        print(
-            f"load-free run, {k}, second half vs first: "
-            f"{fmt(100 * (b - a) / a if a and b is not None else None, 1)} %"
-        )
+
+    def change(a: float | None, b: float | None) -> str:
+        return f"{fmt(100 * (a - b) / b if a is not None and b else None, 1)} %"
+
+    for dry in dries:
+        for k in ("tokens_per_s", "goodput_tps"):
+            row = [f"{w}: {change(table[(w, ctl.name)][k], table[(w, dry.name)][k])}" for w in windows]
+            print(f"control vs {dry.name}, {k}: " + "; ".join(row))
+    if len(dries) == 2:
+        # Run-to-run noise: the two advice-only arms ran the same replay and load.
+        for k in ("tokens_per_s", "goodput_tps"):
+            a, b = dries[1].name, dries[0].name
+            row = [f"{w}: {change(table[(w, a)][k], table[(w, b)][k])}" for w in windows]
+            print(f"{dries[1].name} vs {dries[0].name} (noise), {k}: " + "; ".join(row))
+    if free is not None:
+        f1, f2 = free.window(0, free.end / 2), free.window(free.end / 2, free.end)
+        for k in ("tokens_per_s", "goodput_tps"):
+            print(f"load-free run, {k}, second half vs first: {change(f2[k], f1[k])}")
     for name, arm in arms.items():
         print(f"\n{name}: verdict {arm.verdict}; load {arm.load and tuple(round(x, 1) for x in arm.load)}")
         harm = [t for t, k, _ in arm.events if k == "harm_enter"]
