@@ -6,6 +6,7 @@ run begins, never in the loop. Relative paths are resolved against the config fi
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Sequence
@@ -25,9 +26,22 @@ from pydantic import (
 )
 
 from soakd.errors import ConfigError
+from soakd.files import not_a_regular_file
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+MAX_CONFIG_BYTES = 1 << 20
+MAX_DURATION_S = 366 * 86400.0
+"""Every duration and interval: a soak of a year is far beyond any use, and a bound keeps sleeps, timers
+and the JSON that records them finite."""
+# Bounds of the values that size memory or loops (each justified where used): token counts a model can
+# hold, request counts a night can carry.
+MAX_TOKENS = 1 << 20
+MAX_SEED = (1 << 63) - 1
+MAX_SYNTHETIC_REQUESTS = 10_000_000
+MAX_BLOCK_SIZE = 1 << 16  # = soakd.traces.model.MAX_BLOCK_SIZE (importing soakd.traces would be a cycle)
+MAX_VOCAB = 1 << 22
+"""The largest vocabularies in use are ~262k tokens; a prompt is built from a table of this size."""
 
 
 def parse_duration(value: object) -> float:
@@ -35,8 +49,10 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 90s, 10m or 8h")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError("a duration cannot be negative")
+        if not math.isfinite(value) or value < 0:
+            raise ValueError("a duration must be a finite number of seconds >= 0")
+        if value > MAX_DURATION_S:
+            raise ValueError(f"a duration is at most {MAX_DURATION_S / 86400:.0f} days")
         return float(value)
     if not isinstance(value, str):
         raise ValueError("expected a duration such as 90s, 10m or 8h")
@@ -50,6 +66,8 @@ def parse_duration(value: object) -> float:
         pos = match.end()
     if pos != len(text) or not text:
         raise ValueError(f"{value!r} is not a duration (examples: 90s, 10m, 8h, 1h30m)")
+    if total > MAX_DURATION_S:
+        raise ValueError(f"a duration is at most {MAX_DURATION_S / 86400:.0f} days")
     return total
 
 
@@ -57,7 +75,8 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+    # No inf or NaN anywhere: every float is later used to sleep, scale or allocate.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class RunConfig(_Section):
@@ -67,11 +86,11 @@ class RunConfig(_Section):
     duration: Duration = Field(default=120.0, gt=0)
     output_dir: str = "runs"
     host: str = ""
-    seed: int = 0
-    snapshot_interval: Duration = Field(default=300.0, gt=0)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    snapshot_interval: Duration = Field(default=300.0, ge=1, le=86400)
     # How often the replay time reached is checkpointed for a resume (the journal of requests that came
     # due is exact; this bounds the replay time a resume repeats in a quiet stretch of the trace).
-    checkpoint_interval: Duration = Field(default=5.0, gt=0)
+    checkpoint_interval: Duration = Field(default=5.0, ge=0.1, le=3600)
     # `soakd run --resume` continues an unfinished run only if it was active this recently: a restart
     # after a crash resumes, last week's abandoned run does not.
     resume_within: Duration = Field(default=3600.0, gt=0)
@@ -84,10 +103,11 @@ class ArrivalConfig(_Section):
     """[trace.arrivals]: arrival times for a synthetic trace and for formats that record none (ShareGPT)."""
 
     process: Literal["poisson", "gamma", "constant"] = "poisson"
-    rate_rps: float = Field(default=2.0, gt=0)
-    burstiness: float = Field(default=1.0, gt=0)
+    rate_rps: float = Field(default=2.0, gt=0, le=100_000)
+    # The gamma shape is 1/burstiness**2: outside 0.01-100 the gaps are all-or-nothing.
+    burstiness: float = Field(default=1.0, ge=0.01, le=100)
     diurnal_amplitude: float = Field(default=0.0, ge=0, lt=1)
-    diurnal_period: Duration = Field(default=86400.0, gt=0)
+    diurnal_period: Duration = Field(default=86400.0, ge=1)
     diurnal_peak: Duration = Field(default=0.0, ge=0)
     think_time: Duration = Field(default=5.0, ge=0)
 
@@ -96,17 +116,17 @@ class SyntheticTraceConfig(_Section):
     """[trace.synthetic]: a generated trace for users with no recorded traffic."""
 
     duration: Duration = Field(default=60.0, gt=0)
-    input_tokens_mean: int = Field(default=256, ge=1)
-    input_tokens_max: int = Field(default=768, ge=1)
-    output_tokens_mean: int = Field(default=64, ge=1)
-    output_tokens_max: int = Field(default=192, ge=1)
+    input_tokens_mean: int = Field(default=256, ge=1, le=MAX_TOKENS)
+    input_tokens_max: int = Field(default=768, ge=1, le=MAX_TOKENS)
+    output_tokens_mean: int = Field(default=64, ge=1, le=MAX_TOKENS)
+    output_tokens_max: int = Field(default=192, ge=1, le=MAX_TOKENS)
     prefix_share: float = Field(default=0.5, ge=0, le=1)
-    prefix_blocks: int = Field(default=1, ge=0)
-    block_size: int = Field(default=512, ge=1)
+    prefix_blocks: int = Field(default=1, ge=0, le=4096)
+    block_size: int = Field(default=512, ge=1, le=MAX_BLOCK_SIZE)
     session_share: float = Field(default=0.0, ge=0, le=1)
-    turns_mean: float = Field(default=4.0, ge=1)
-    turns_max: int = Field(default=16, ge=1)
-    turn_input_tokens_mean: int = Field(default=64, ge=1)
+    turns_mean: float = Field(default=4.0, ge=1, le=1000)
+    turns_max: int = Field(default=16, ge=1, le=1000)
+    turn_input_tokens_mean: int = Field(default=64, ge=1, le=MAX_TOKENS)
 
 
 TraceFormat = Literal["auto", "native", "mooncake", "bailian", "azure", "burstgpt", "sharegpt", "synthetic"]
@@ -134,11 +154,22 @@ class TraceConfig(_Section):
     format: TraceFormat = "auto"
     skip_bad_rows: bool = False
     sort: bool = False
-    block_size: int = Field(default=0, ge=0)
+    block_size: int = Field(default=0, ge=0, le=MAX_BLOCK_SIZE)
     tokenizer: str = ""
-    default_output_tokens: int = Field(default=128, ge=1)
+    default_output_tokens: int = Field(default=128, ge=1, le=MAX_TOKENS)
     arrivals: ArrivalConfig = ArrivalConfig()
     synthetic: SyntheticTraceConfig = SyntheticTraceConfig()
+
+    @model_validator(mode="after")
+    def _bounded_synthetic(self) -> TraceConfig:
+        # A synthetic trace is generated whole: its request count sizes memory before anything runs.
+        expected = self.arrivals.rate_rps * self.synthetic.duration
+        if expected > MAX_SYNTHETIC_REQUESTS:
+            raise ValueError(
+                f"arrivals.rate_rps x synthetic.duration is {expected:.3g} requests; at most "
+                f"{MAX_SYNTHETIC_REQUESTS:,} (lower one of them)"
+            )
+        return self
 
 
 class SpeculativeConfig(_Section):
@@ -147,8 +178,8 @@ class SpeculativeConfig(_Section):
     enabled: bool = True
     method: str = "ngram"
     num_speculative_tokens: int = Field(default=3, ge=1, le=16)
-    prompt_lookup_min: int = Field(default=2, ge=1)
-    prompt_lookup_max: int = Field(default=4, ge=1)
+    prompt_lookup_min: int = Field(default=2, ge=1, le=64)
+    prompt_lookup_max: int = Field(default=4, ge=1, le=64)
     model: str = ""
 
 
@@ -160,14 +191,14 @@ class ServerConfig(_Section):
     port: int = Field(default=0, ge=0, le=65535)
     extra_flags: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    stop_timeout: Duration = Field(default=30.0, gt=0)
+    stop_timeout: Duration = Field(default=30.0, gt=0, le=3600)
 
 
 class RestartConfig(_Section):
     """[engine.restart]: what happens when the engine dies mid-run."""
 
     enabled: bool = True
-    max_restarts: int = Field(default=3, ge=0)
+    max_restarts: int = Field(default=3, ge=0, le=1000)
 
 
 class EngineChange(_Section):
@@ -176,8 +207,8 @@ class EngineChange(_Section):
     at: Duration = Field(gt=0)
     mode: Literal["drain", "abort"] = "drain"
     reason: str = "scheduled change"
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = None
+    max_num_seqs: int | None = Field(default=None, ge=1, le=65536)
+    cudagraph_capture_sizes: list[Annotated[int, Field(ge=1, le=65536)]] | None = None
     num_speculative_tokens: int | None = Field(default=None, ge=1, le=16)
     speculative_enabled: bool | None = None
     extra_args: dict[str, Any] = Field(default_factory=dict)
@@ -190,25 +221,25 @@ class EngineConfig(_Section):
     url: str = ""
     api_key_env: str = "SOAKD_OPENAI_API_KEY"
     served_model: str = ""
-    vocab_size: int = Field(default=0, ge=0)
+    vocab_size: int = Field(default=0, ge=0, le=MAX_VOCAB)
     model: str = "models/tiny"
     dtype: str = "bfloat16"
     load_format: Literal["auto", "dummy"] = "auto"
     """vLLM's weight loading: "dummy" fills the config's shapes with random weights (a shape folder,
     `soakd model shape`, always loads so)."""
-    max_model_len: int = Field(default=2048, ge=16)
-    max_num_seqs: int = Field(default=16, ge=1)
+    max_model_len: int = Field(default=2048, ge=16, le=16 * MAX_TOKENS)
+    max_num_seqs: int = Field(default=16, ge=1, le=65536)
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
-    cpu_kvcache_space_gib: int = Field(default=1, ge=1)
+    cpu_kvcache_space_gib: int = Field(default=1, ge=1, le=65536)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
-    temperature: float = Field(default=0.0, ge=0)
+    temperature: float = Field(default=0.0, ge=0, le=100)
     cudagraph_metrics: bool = True
     scheduler_cls: str = ""
     per_request_spec_metrics: bool = True
     worker_extension: bool = True
-    seed: int = 0
-    start_timeout: Duration = Field(default=900.0, gt=0)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    start_timeout: Duration = Field(default=900.0, gt=0, le=86400)
     drain_timeout: Duration = Field(default=60.0, ge=0)
     speculative: SpeculativeConfig = SpeculativeConfig()
     server: ServerConfig = ServerConfig()
@@ -220,15 +251,16 @@ class EngineConfig(_Section):
 class ReplayConfig(_Section):
     """[replay]: how the trace is paced and admitted."""
 
-    speed: float = Field(default=1.0, gt=0)
+    # Up to 1,000x: the replay yields to the event loop on every request, so a run still ends on time.
+    speed: float = Field(default=1.0, gt=0, le=1000)
     start: Duration = Field(default=0.0, ge=0)
     end: Duration = Field(default=0.0, ge=0)
     rate_scale: float = Field(default=1.0, gt=0, le=64)
     sessions: Literal["closed", "open"] = "closed"
     loop: bool = True
-    warmup_requests: int = Field(default=8, ge=0)
-    max_concurrency: int = Field(default=16, ge=1)
-    max_pending: int = Field(default=4096, ge=1)
+    warmup_requests: int = Field(default=8, ge=0, le=100_000)
+    max_concurrency: int = Field(default=16, ge=1, le=100_000)
+    max_pending: int = Field(default=4096, ge=1, le=10_000_000)
     drain_timeout: Duration = Field(default=60.0, ge=0)
 
 
@@ -242,20 +274,21 @@ class SpecDriftConfig(_Section):
     baseline: Duration = Field(default=300.0, gt=0)
     window: Duration = Field(default=300.0, gt=0)
     threshold: float = Field(default=0.2, gt=0, lt=1)
-    min_draft_tokens: int = Field(default=200, ge=1)
+    min_draft_tokens: int = Field(default=200, ge=1, le=10**12)
 
 
 class TelemetryConfig(_Section):
     """[telemetry]: which collectors run and how often."""
 
-    interval: Duration = Field(default=1.0, gt=0)
-    slow_interval: Duration = Field(default=10.0, gt=0)
-    gpu_fast_interval: Duration = Field(default=0.1, gt=0)
-    gpu_slow_interval: Duration = Field(default=2.0, gt=0)
-    gpu_energy_interval: Duration = Field(default=10.0, gt=0)
+    # Sampling periods: below these a collector is a busy loop; above, a night has no samples.
+    interval: Duration = Field(default=1.0, ge=0.05, le=3600)
+    slow_interval: Duration = Field(default=10.0, ge=0.1, le=3600)
+    gpu_fast_interval: Duration = Field(default=0.1, ge=0.01, le=60)
+    gpu_slow_interval: Duration = Field(default=2.0, ge=0.1, le=3600)
+    gpu_energy_interval: Duration = Field(default=10.0, ge=0.1, le=3600)
     gpu_recording: str = ""
-    gpu_recording_speed: float = Field(default=1.0, gt=0)
-    ceiling_bandwidth_gbs: float = Field(default=0.0, ge=0)
+    gpu_recording_speed: float = Field(default=1.0, gt=0, le=1000)
+    ceiling_bandwidth_gbs: float = Field(default=0.0, ge=0, le=1e6)
     collectors: list[CollectorName] = Field(default_factory=lambda: list(_ALL_COLLECTORS))
     spec_drift: SpecDriftConfig = SpecDriftConfig()
 
@@ -267,15 +300,15 @@ class SpoolConfig(_Section):
     keeps only essential measurements; on a full disk it writes nothing; both are counted and reported
     (soakd.sinks.spool.Spool)."""
 
-    segment_bytes: int = Field(default=8 * 1024 * 1024, ge=4096)
-    fsync_interval: Duration = Field(default=1.0, gt=0)
+    segment_bytes: int = Field(default=8 * 1024 * 1024, ge=4096, le=1 << 30)
+    fsync_interval: Duration = Field(default=1.0, ge=0.01, le=3600)
     # The H200 runs in tests/data/h200 spooled 8.8-14.2 kB/s (26-44 lines/s, 10-19 req/s, one GPU):
     # 0.25-0.41 GB in 8 h. 4 GiB is ten times that: room for 8 GPUs (~2.1 kB/s each) at 100 req/s
     # (~420 B a request), about 1.9 GB in 8 h, twice over.
-    max_bytes: int = Field(default=4 * 1024**3, ge=0)
+    max_bytes: int = Field(default=4 * 1024**3, ge=0, le=1 << 50)
     # Kept free for everything else on the disk; essential lines (requests: ~5 kB/s at 12 req/s) may
     # still use it, which at that rate lasts about 15 h.
-    min_free_bytes: int = Field(default=256 * 1024**2, ge=0)
+    min_free_bytes: int = Field(default=256 * 1024**2, ge=0, le=1 << 50)
 
 
 class InfluxConfig(_Section):
@@ -291,10 +324,10 @@ class InfluxConfig(_Section):
     username: str = ""
     password_env: str = "SOAKD_INFLUX_PASSWORD"
     token_env: str = "SOAKD_INFLUX_TOKEN"
-    batch_lines: int = Field(default=5000, ge=1)
-    timeout: Duration = Field(default=10.0, gt=0)
-    interval: Duration = Field(default=1.0, gt=0)
-    final_drain_timeout: Duration = Field(default=60.0, ge=0)
+    batch_lines: int = Field(default=5000, ge=1, le=1_000_000)
+    timeout: Duration = Field(default=10.0, gt=0, le=3600)
+    interval: Duration = Field(default=1.0, ge=0.05, le=3600)
+    final_drain_timeout: Duration = Field(default=60.0, ge=0, le=86400)
 
 
 # Event kinds the webhook sink can alert on (soakd.sinks.webhook.RULES; "verdict" is the run's end).
@@ -346,12 +379,12 @@ class WebhookConfig(_Section):
     # Absent: 1m for "alertmanager" (below its 5m resolve_timeout), 4h for "webhook" (Alertmanager's
     # own repeat_interval); 0: never.
     resend_interval: Duration | None = None
-    max_alerts: int = Field(default=64, ge=1)
+    max_alerts: int = Field(default=64, ge=1, le=100_000)
     # Lines read per step: the event loop waits ~20-30 ms for 5,000 on a busy 2-core host (RESULTS.md).
-    batch_lines: int = Field(default=5000, ge=1)
-    timeout: Duration = Field(default=5.0, gt=0)
-    interval: Duration = Field(default=2.0, gt=0)
-    final_drain_timeout: Duration = Field(default=20.0, ge=0)
+    batch_lines: int = Field(default=5000, ge=1, le=1_000_000)
+    timeout: Duration = Field(default=5.0, gt=0, le=3600)
+    interval: Duration = Field(default=2.0, ge=0.05, le=3600)
+    final_drain_timeout: Duration = Field(default=20.0, ge=0, le=86400)
 
 
 class SinksConfig(_Section):
@@ -406,14 +439,14 @@ class RecaptureControlConfig(_Section):
     idle: Duration = Field(default=60.0, ge=0)
     min_hit_rate: float = Field(default=0.9, ge=0, le=1)
     min_gain: float = Field(default=0.05, ge=0, le=1)
-    min_steps: int = Field(default=1000, ge=1)
+    min_steps: int = Field(default=1000, ge=1, le=10**12)
     cooldown: Duration = Field(default=1800.0, ge=0)
     long_idle: Duration = Field(default=3600.0, ge=0)
     quantile: float = Field(default=0.99, gt=0, le=1)
     max_sizes: int = Field(default=12, ge=1, le=128)
-    max_size: int = Field(default=0, ge=0)
-    align: int = Field(default=1, ge=1)
-    idle_below_running: int = Field(default=0, ge=0)
+    max_size: int = Field(default=0, ge=0, le=65536)
+    align: int = Field(default=1, ge=1, le=4096)
+    idle_below_running: int = Field(default=0, ge=0, le=100_000)
     without_graphs: bool = False
 
 
@@ -432,7 +465,7 @@ class ControlConfig(_Section):
 
     enabled: bool = True
     dry_run: bool = False
-    interval: Duration = Field(default=1.0, gt=0)
+    interval: Duration = Field(default=1.0, ge=0.05, le=3600)
     scope: Literal["any", "gpu", "host"] = "any"
     batch: BatchControlConfig = BatchControlConfig()
     harm: HarmControlConfig = HarmControlConfig()
@@ -442,7 +475,7 @@ class ControlConfig(_Section):
 
 # A criterion set to false is not checked (TOML has no null, and a removed key takes its default).
 Ratio = Annotated[float, Field(ge=0, le=1)] | Literal[False]
-Millis = Annotated[float, Field(gt=0)] | Literal[False]
+Millis = Annotated[float, Field(gt=0, le=MAX_DURATION_S * 1000)] | Literal[False]
 
 
 def _check_expr(text: str) -> str:
@@ -460,7 +493,7 @@ class CriteriaConfig(_Section):
     min_completed_ratio: Ratio = 0.95
     # Daemon crashes resumed during the run. Each one restarted the engine, so the soak did not show
     # `run.duration` of continuous serving: by default an interrupted soak cannot pass.
-    max_interruptions: Annotated[int, Field(ge=0)] | Literal[False] = 0
+    max_interruptions: Annotated[int, Field(ge=0, le=1_000_000)] | Literal[False] = 0
     # k6-threshold-style lines over the run's metrics, e.g. "p99(ttft_ms) < 500" (soakd.report.dsl).
     checks: list[Annotated[str, AfterValidator(_check_expr)]] = Field(default_factory=list)
     # Checks judged during the run too (k6's abortOnFail): once one fails, past `abort_grace` of replay,
@@ -500,8 +533,15 @@ class Config(_Section):
 
 def read_toml(path: Path) -> tuple[str, dict[str, Any]]:
     """A TOML file's text and data; unreadable, not UTF-8 or bad TOML is a ConfigError naming the line."""
+    kind = not_a_regular_file(path)
+    if kind is not None:
+        raise ConfigError(f"cannot read: {kind}", file=path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB: not a soakd config", file=path)
+        text = raw.decode("utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read: {err.strerror}", file=path) from None
     except UnicodeDecodeError:
