@@ -194,6 +194,62 @@ def test_sigterm_mid_run_drains_flushes_and_exits_0(
     assert not (run_dir / "report.html").exists()  # a service stop is quick: the report comes later
 
 
+@pytest.mark.parametrize("stop", ["duration", "sigterm"])
+def test_a_replay_at_the_highest_speed_still_ends_on_time(
+    tmp_path: Path, tiny_model: Path, vllm_server: Server, stop: str
+) -> None:
+    """`replay.speed` at its bound (1,000x) with the trace looping: the replay is behind its schedule
+    from the first request on, yet it yields to the event loop, so the run ends at its duration, or on
+    SIGTERM, with every request that came due recorded once and a verdict that is JSON (no Infinity)."""
+    cfg = write_config(
+        tmp_path / "fast.toml",
+        tiny_model,
+        f'kind = "openai"\nurl = "{vllm_server.url}"',
+        duration="8s" if stop == "duration" else "300s",
+    )
+    text = cfg.read_text(encoding="utf-8")
+    assert text.count("[replay]\nwarmup_requests = 2") == 1
+    cfg.write_text(
+        text.replace(
+            "[replay]\nwarmup_requests = 2",
+            "[replay]\nwarmup_requests = 0\nspeed = 1000.0\nloop = true\nmax_pending = 2000\n"
+            'drain_timeout = "3s"',
+        ),
+        encoding="utf-8",
+    )
+    proc = start_soakd(cfg, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "runs").glob(f"*/{JOURNAL_FILE}")) or _lines(tmp_path) < 50:
+            assert proc.poll() is None or stop == "duration", proc.communicate()[1][-2000:]
+            if proc.poll() is not None:
+                break
+            assert time.monotonic() < deadline, "the replay did not start"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        code, out, err = finish_soakd(proc, timeout_s=90)
+    finally:
+        if proc.poll() is None:
+            finish_soakd(proc, timeout_s=1)
+    # The replay had started; from there: at most the duration, the 3 s drain and the shutdown.
+    assert time.monotonic() - t0 < 30, err[-2000:]
+    assert code in (0, 1), err[-2000:]
+    doc = json.loads(out)
+    run_dir = Path(doc["run_dir"])
+    verdict = json.loads((run_dir / "verdict.json").read_text(), parse_constant=_no_constant)
+    assert verdict["verdict"] in ("PASS", "FAIL")
+    assert doc["interrupted"] is (stop == "sigterm")
+    due = read_journal(run_dir / JOURNAL_FILE)
+    records = list(iter_samples(run_dir / "spool", "requests"))
+    assert len(records) == len(due) == doc["replay"]["scheduled"] > 50
+
+
+def _no_constant(name: str) -> object:
+    raise AssertionError(f"verdict.json holds {name}, which is not JSON")
+
+
 def _lines(tmp_path: Path) -> int:
     return sum(len(p.read_bytes().splitlines()) for p in (tmp_path / "runs").glob(f"*/{JOURNAL_FILE}"))
 

@@ -95,6 +95,9 @@ class SystemClock:
     async def sleep_until(self, deadline: float, precise: bool = True) -> None:
         delay = deadline - time.monotonic()
         if delay <= 0:
+            # Behind schedule: still yield, or a replay far behind (a high speed, a slow host) never
+            # lets the duration timer, a signal handler or the collectors run.
+            await asyncio.sleep(0)
             return
         if not precise:
             await asyncio.sleep(delay)
