@@ -7,7 +7,6 @@ import contextlib
 import itertools
 import os
 import platform
-import re
 import secrets
 import signal
 import socket
@@ -17,7 +16,6 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import structlog
 from apscheduler.events import (
@@ -56,6 +54,7 @@ from soakd.notify import notify, watchdog_interval_s
 from soakd.policies.actuator import Actuator
 from soakd.policies.throttle import HarmSettings, ThrottleState
 from soakd.probe import hardware_profiles, model_bytes
+from soakd.redact import redacted
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
@@ -213,38 +212,6 @@ def resolve_model(cfg: Config) -> str:
             key="engine.model",
         )
     return str(path)
-
-
-_SECRET_NAME = re.compile(r"token|secret|passw|pwd|key|credential|auth", re.IGNORECASE)
-_SECRET_PARAMS = {"p", "password", "token", "key", "apikey", "api_key", "secret"}
-
-
-def _redact_url(url: str) -> str:
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2] if "@" in parts.netloc else parts.netloc
-    if "@" in parts.netloc:
-        netloc = "<redacted>@" + netloc
-    query = "&".join(
-        f"{k}=<redacted>" if k.lower() in _SECRET_PARAMS else f"{k}={v}"
-        for k, v in parse_qsl(parts.query, keep_blank_values=True)
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def redacted(value: Any, key: str = "", parent: str = "") -> Any:
-    """A config dump fit for meta.json: secret-looking environment values (`engine.server.env`) and the
-    credentials in URLs (user:password@, ?p=) replaced. Secrets belong in credentials or the
-    environment, never in the config file; this catches the ones put there anyway."""
-    if isinstance(value, dict):
-        return {k: redacted(v, k, key) for k, v in value.items()}
-    if isinstance(value, list):
-        return [redacted(v, key, parent) for v in value]
-    if isinstance(value, str):
-        if value.startswith(("http://", "https://")):
-            return _redact_url(value)
-        if parent == "env" and _SECRET_NAME.search(key) and value:
-            return "<redacted>"
-    return value
 
 
 def new_run_id(name: str, now: datetime | None = None) -> str:

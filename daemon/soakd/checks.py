@@ -10,6 +10,7 @@ from soakd.app import resolve_model
 from soakd.collectors.gpu import probe_nvml
 from soakd.config import Config
 from soakd.errors import ConfigError, SinkError
+from soakd.redact import redact_text
 from soakd.sinks.influx import make_writer
 from soakd.traces.loader import open_trace
 
@@ -19,6 +20,10 @@ class CheckResult:
     name: str
     ok: bool
     detail: str
+
+    def __post_init__(self) -> None:
+        # A detail may quote a URL from the config (InfluxDB, a server) or an error holding one.
+        object.__setattr__(self, "detail", redact_text(self.detail))
 
 
 def _vllm_version() -> str | None:

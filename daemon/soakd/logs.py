@@ -9,9 +9,20 @@ from typing import Any
 
 import structlog
 
+from soakd.redact import redact_text
+
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 # journald reads a "<N>" prefix as the syslog priority of the line.
 _SYSLOG = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2, "exception": 3}
+
+
+def _redact(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Every string in a log line with its URLs redacted (an error quoting a server's URL with its
+    credentials, a traceback): the last stop before the journal."""
+    for key, value in event_dict.items():
+        if isinstance(value, str) and "://" in value:
+            event_dict[key] = redact_text(value)
+    return event_dict
 
 
 def configure(level: str = "info", *, journald_prefix: bool = False) -> None:
@@ -34,6 +45,7 @@ def configure(level: str = "info", *, journald_prefix: bool = False) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            _redact,
             render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
@@ -70,6 +82,7 @@ def _route_stdlib(render: Any, level: str) -> None:
             structlog.stdlib.add_logger_name,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            _redact,
         ],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, render],
     )

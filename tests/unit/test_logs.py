@@ -60,3 +60,21 @@ def test_journald_prefix_carries_the_priority(
     structlog.get_logger("soakd.test").error("bad")
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("<4>{") and err[1].startswith("<3>{")
+
+
+def test_no_url_credential_reaches_a_log_line(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    configure("info")
+    structlog.get_logger("soakd.test").warning(
+        "sink_outage", error="POST HTTP://soakd:Zq9hunter2@db:8086/write?db=s&access_token=Zq9tok failed"
+    )
+    try:
+        raise ConnectionError("cannot reach https://u:Zq9hunter2@alerts:9093/api/v2/alerts")
+    except ConnectionError:
+        logging.getLogger("aiohttp.client").exception("request failed")
+    err = capsys.readouterr().err
+    assert "Zq9" not in err
+    lines = _lines(err)
+    assert "db:8086/write?db=s&access_token=<redacted>" in str(lines[0]["error"])
+    assert "alerts:9093" in str(lines[1]["exception"])

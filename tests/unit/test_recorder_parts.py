@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from soakd.engine.openai_http import RequestError, _new_tokens, base_url, error_message, redact_url
+from soakd.engine.openai_http import RequestError, _new_tokens, base_url, error_message
 from soakd.errors import UsageError
+from soakd.redact import redact_url
 from soakd.sse import EventSplitter
 from soakd.traces.record import (
     OrderedRecordWriter,
@@ -109,7 +110,7 @@ def test_error_messages_are_short_and_never_echo_the_input() -> None:
 
 def test_urls() -> None:
     assert base_url("http://h:8000/v1/") == "http://h:8000"
-    assert redact_url("http://user:secret@h:8000/v1?key=abc") == "http://h:8000/v1"
+    assert redact_url("http://user:secret@h:8000/v1?key=abc") == "http://<redacted>@h:8000/v1?key=<redacted>"
 
 
 def test_tokens_from_continuous_usage_or_one_per_chunk() -> None:

@@ -302,7 +302,7 @@ def test_a_resumed_engine_starts_with_the_changes_already_due(tmp_path: Path) ->
 
 
 def test_meta_json_never_holds_secrets_put_in_the_config() -> None:
-    from soakd.app import redacted
+    from soakd.redact import redacted
 
     doc = {
         "engine": {"server": {"env": {"HF_TOKEN": "hf_x", "CUDA_VISIBLE_DEVICES": "0"}}, "url": ""},

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
 from soakd.engine.stats import StepStats, copy_spec_steps
 from soakd.engine.vllm_local import config_id
 from soakd.errors import EngineError
+from soakd.redact import redact_url
 from soakd.sse import EventSplitter
 
 log = structlog.get_logger(__name__)
@@ -54,19 +54,6 @@ def base_url(url: str) -> str:
     """The server root: trailing slashes and an OpenAI-style `/v1` suffix removed."""
     text = url.strip().rstrip("/")
     return text[: -len("/v1")] if text.endswith("/v1") else text
-
-
-def redact_url(url: str) -> str:
-    """The URL without credentials or query, for logs and run metadata."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
-    except ValueError:
-        return "<invalid url>"
-    if ":" in host:
-        host = f"[{host}]"  # IPv6 literal
-    return urllib.parse.urlunsplit((parts.scheme, host + port, parts.path, "", ""))
 
 
 def error_message(status: int, body: str) -> str:

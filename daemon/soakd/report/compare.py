@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from soakd.redact import redacted
 from soakd.report.metrics import load_metrics
 from soakd.report.runs import META_FILE, read_json
 from soakd.report.verdict import VERDICT_FILE
@@ -261,7 +262,9 @@ def _flatten(doc: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[EnvItem]:
-    a, b = _flatten(meta_a.get("config") or {}), _flatten(meta_b.get("config") or {})
+    # Redacted again: a meta.json from an older soakd, or edited by hand, may hold what today's would not.
+    a = _flatten(redacted(meta_a.get("config") or {}))
+    b = _flatten(redacted(meta_b.get("config") or {}))
     keys = sorted(set(a) | set(b))
     return [EnvItem(k, a.get(k), b.get(k)) for k in keys if k not in _CONFIG_NOISE and a.get(k) != b.get(k)]
 

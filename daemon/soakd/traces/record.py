@@ -48,8 +48,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from soakd.engine.openai_http import base_url, redact_url
+from soakd.engine.openai_http import base_url
 from soakd.errors import InputError, UsageError
+from soakd.redact import redact_url
 from soakd.sse import EventSplitter
 from soakd.traces.native import FORMAT_NAME, VERSION
 
