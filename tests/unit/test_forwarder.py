@@ -621,3 +621,36 @@ async def test_a_refused_batch_that_cannot_be_set_aside_is_located_in_the_spool(
     kept = [e["kept_in"] for e in logs if e["event"] == "sink_rejected_batch"]
     assert kept == [f"spool, from the first segment to {spool.current_segment.name}:{spool.bytes_written}"]
     spool.close()
+
+
+async def test_ships_only_what_soakd_wrote(tmp_path: Path) -> None:
+    """A segment name that is a symlink (to a secret), a FIFO, a device or a folder is refused, never
+    read, shipped or set aside; a line longer than any soakd writes is skipped without being held whole;
+    the lines around it ship in order."""
+    import os
+
+    from soakd.sinks.spool import MAX_LINE_BYTES, iter_samples
+
+    spool = Spool(tmp_path, segment_bytes=1 << 20, fsync_interval_s=1.0)
+    _fill(spool, 0, 2)
+    spool.close()
+    seg = spool.current_segment
+    with seg.open("ab") as f:  # a huge line (a damaged or foreign segment), then soakd's own again
+        f.write(b'm,t=x s="' + b"A" * (3 * MAX_LINE_BYTES) + b'" 1\n')
+    again = Spool(tmp_path, segment_bytes=1 << 20, fsync_interval_s=1.0)
+    _fill(again, 2, 2)
+    again.close()
+    secret = tmp_path.parent / f"{tmp_path.name}-secret.txt"
+    secret.write_text('m,t=x password="Zq9hunter2" 1\n')
+    (tmp_path / "seg-00000100.lp").symlink_to(secret)
+    os.mkfifo(tmp_path / "seg-00000101.lp")
+    (tmp_path / "seg-00000102.lp").symlink_to("/dev/zero")
+    (tmp_path / "seg-00000103.lp").mkdir()
+    writer = MemoryWriter()
+    fwd = Forwarder(tmp_path, writer, batch_lines=100)
+    assert await fwd.step() == 4
+    assert await fwd.step() == 0
+    assert _indexes(writer.lines) == [0, 1, 2, 3]
+    assert "Zq9hunter2" not in "".join(writer.lines)
+    assert [s.fields["i"] for s in iter_samples(tmp_path, "m")] == [0, 1, 2, 3]
+    assert not (tmp_path / "rejected.lp").exists()

@@ -22,7 +22,7 @@ from typing import Any
 from soakd import __version__
 from soakd.files import write_private
 from soakd.report.series import ACTION_KINDS
-from soakd.sinks.spool import list_segments
+from soakd.sinks.spool import list_segments, open_segment
 
 REPORT_HTML = "report.html"
 REPORT_JSON = "report.json"
@@ -38,9 +38,11 @@ def data_digest(run_dir: Path) -> dict[str, Any]:
     paths = [*list_segments(run_dir / "spool"), *(run_dir / n for n in DIGEST_FILES)]
     total = 0
     for path in paths:
-        if not path.is_file():
+        try:
+            fh = open_segment(path)  # regular files only, never through a symlink
+        except FileNotFoundError:
             continue
-        with path.open("rb") as fh:
+        with fh:
             while chunk := fh.read(1 << 20):
                 h.update(chunk)
                 total += len(chunk)

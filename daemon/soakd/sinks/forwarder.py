@@ -24,7 +24,7 @@ import structlog
 from soakd.errors import SinkError, SinkRejected
 from soakd.metric import FieldValue
 from soakd.sinks.influx import LineWriter
-from soakd.sinks.spool import FILE_MODE, list_segments
+from soakd.sinks.spool import FILE_MODE, list_segments, open_segment, read_lines
 
 log = structlog.get_logger(__name__)
 
@@ -234,8 +234,8 @@ class Forwarder:
             last = i == len(segments) - 1
             offset = cursor.offset if path.name == cursor.segment else 0
             try:
-                f = path.open("rb")
-            except FileNotFoundError:
+                f = open_segment(path)
+            except FileNotFoundError:  # gone since it was listed, or refused
                 continue
             with f:
                 size = os.fstat(f.fileno()).st_size
@@ -245,24 +245,27 @@ class Forwarder:
                     offset = 0
                     recount = True
                 f.seek(offset)
-                torn = b""
-                for raw in f:
-                    if not raw.endswith(b"\n"):
-                        torn = raw
+                torn = 0
+                for raw, length in read_lines(f):
+                    if raw is not None and not raw.endswith(b"\n"):
+                        torn = length
                         break
-                    offset += len(raw)
-                    nbytes += len(raw)
+                    offset += length
+                    nbytes += length
                     newlines += 1
-                    if raw != b"\n":
+                    if raw is None:
+                        # Not soakd's (it writes no line this long): never shipped, never held whole.
+                        log.warning("forwarder_skipped_long_line", segment=path.name, bytes=length)
+                    elif raw != b"\n":
                         lines.append(raw[:-1].decode("utf-8", errors="replace"))
                     if len(lines) >= want:
                         return _Batch(lines, _Cursor(path.name, offset), newlines, nbytes, recount)
             cursor = _Cursor(path.name, offset)
             if torn and not last:
                 # A later segment exists, so this one is final: its torn tail will never be completed.
-                log.warning("forwarder_skipped_torn_line", segment=path.name, bytes=len(torn))
-                cursor = _Cursor(path.name, offset + len(torn))
-                nbytes += len(torn)
+                log.warning("forwarder_skipped_torn_line", segment=path.name, bytes=torn)
+                cursor = _Cursor(path.name, offset + torn)
+                nbytes += torn
         return _Batch(lines, cursor, newlines, nbytes, recount)
 
     def _advance(self, batch: _Batch) -> None:
@@ -300,7 +303,7 @@ class Forwarder:
                 continue
             start = self._scan.offset if path.name == self._scan.segment else 0
             try:
-                f = path.open("rb")
+                f = open_segment(path)
             except FileNotFoundError:
                 continue
             with f:

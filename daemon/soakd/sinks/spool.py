@@ -16,10 +16,11 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Literal
 
 import structlog
 
@@ -61,6 +62,10 @@ _STILL_DEGRADED_LOG_S = 60.0
 # next write, so an event that itself changes the state cannot recurse without bound.
 _MAX_EVENTS_PER_WRITE = 8
 _TAIL_PROBE = 1 << 16
+MAX_LINE_BYTES = 1 << 20
+"""The longest line a reader takes: soakd writes none above a few kB (an event's message is capped), so
+a longer one is not soakd's; it is skipped with a warning, never held in memory whole."""
+_REFUSED_WARNED: set[str] = set()
 
 EventFields = dict[str, FieldValue]
 EventCallback = Callable[[str, EventFields], None]
@@ -80,19 +85,87 @@ def segment_index(path: Path) -> int:
     return int(match.group(1))
 
 
+class SegmentRefused(FileNotFoundError):
+    """A segment name that is not a regular file of its own (a symlink, FIFO, device, folder): readers
+    treat it as absent, so nothing soakd did not write is read, shipped or copied."""
+
+
 def list_segments(directory: Path) -> list[Path]:
-    """The segment files of a spool directory, oldest first (an absent directory has none)."""
+    """The segment files of a spool directory, oldest first (an absent directory has none). Only
+    regular files count: anything else under a segment's name is refused with one warning."""
     try:
-        names = [entry.name for entry in os.scandir(directory) if SEGMENT_RE.match(entry.name)]
+        entries = [e for e in os.scandir(directory) if SEGMENT_RE.match(e.name)]
     except FileNotFoundError:
         return []
+    names = []
+    for entry in entries:
+        try:
+            regular = entry.is_file(follow_symlinks=False)
+        except OSError:
+            regular = False
+        if regular:
+            names.append(entry.name)
+        else:
+            _warn_refused(directory / entry.name, "not a regular file (a symlink, FIFO, device or folder)")
     # Zero-padded numbers: name order is numeric order.
     return [directory / name for name in sorted(names)]
 
 
+def _warn_refused(path: Path, why: str) -> None:
+    key = str(path)
+    if key not in _REFUSED_WARNED and len(_REFUSED_WARNED) < 10_000:
+        _REFUSED_WARNED.add(key)
+        log.warning("spool_segment_refused", segment=key, reason=why)
+
+
+def open_segment(path: Path) -> BinaryIO:
+    """Open a segment for reading: never through a symlink, never blocking on a FIFO, regular files only
+    (the check is on the opened file, so a swap after `list_segments` is caught too)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            _warn_refused(path, "a symlink")
+            raise SegmentRefused(errno.ENOENT, "refused: a symlink", str(path)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            _warn_refused(path, "not a regular file")
+            raise SegmentRefused(errno.ENOENT, "refused: not a regular file", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def read_lines(f: BinaryIO) -> Iterator[tuple[bytes | None, int]]:
+    """(line with its newline, bytes) from the file's position on, each line read with a bounded buffer.
+    A line over MAX_LINE_BYTES comes as (None, its bytes) after being skipped in chunks; a last line
+    without a newline (torn) comes as it is and ends the iteration."""
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            if not raw.endswith(b"\n"):
+                return
+            continue
+        skipped = len(raw)
+        while True:
+            chunk = f.readline(MAX_LINE_BYTES)
+            skipped += len(chunk)
+            if not chunk:
+                yield b"", skipped  # an overlong torn tail: nothing whole to give
+                return
+            if chunk.endswith(b"\n"):
+                break
+        yield None, skipped
+
+
 def torn_tail_bytes(path: Path) -> int:
     """Bytes after the last newline of a file (a line torn by a crash); 0 when it ends on a whole line."""
-    with path.open("rb") as f:
+    with open_segment(path) as f:
         size = os.fstat(f.fileno()).st_size
         end = size
         while end > 0:
@@ -617,8 +690,15 @@ def iter_numbered_lines(directory: Path) -> Iterator[tuple[Path, int, str]]:
     A last line without its newline (torn by a crash, or still being written) is skipped.
     """
     for path in list_segments(directory):
-        with path.open("rb") as f:
-            for number, raw in enumerate(f, start=1):
+        try:
+            f = open_segment(path)
+        except FileNotFoundError:  # gone since it was listed, or refused
+            continue
+        with f:
+            for number, (raw, size) in enumerate(read_lines(f), start=1):
+                if raw is None:
+                    log.warning("spool_line_too_long", segment=str(path), line=number, bytes=size)
+                    continue
                 if not raw.endswith(b"\n"):
                     break
                 if raw == b"\n":
