@@ -655,7 +655,8 @@ def _trace_arg(value: str) -> str:
     """A trace named on the command line: "bundled:NAME" as it is, a path made absolute."""
     from soakd.config import BUNDLED_PREFIX
 
-    return value if value.startswith(BUNDLED_PREFIX) else str(Path(value).resolve())
+    # Made absolute without following symlinks: a symlink loop is the trace reader's to refuse in words.
+    return value if value.startswith(BUNDLED_PREFIX) else str(Path(value).absolute())
 
 
 def _open_cli_trace(args: argparse.Namespace) -> Any:

@@ -1,10 +1,39 @@
-"""Private files of a run: created 0600 whatever the process umask, replaced atomically."""
+"""Files soakd writes and reads: private run files (0600 whatever the umask, replaced atomically), and
+the type check every input file passes before it is opened."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 from pathlib import Path
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_a_regular_file(path: Path) -> str | None:
+    """Why `path` cannot be read as an input file (a FIFO would block forever, /dev/zero never ends, a
+    directory or a symlink loop has no content), or None for a regular file (through symlinks) and for a
+    missing one (the caller's open says so in its own words)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "a symlink loop"
+        return None
+    for test, kind in _KINDS:
+        if test(mode):
+            return f"{kind}, not a regular file"
+    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 def write_private(path: Path, data: bytes, *, fsync: bool = False) -> None:

@@ -39,6 +39,7 @@ _PHRASE_MAX = 8
 # Domain tags keep the two id spaces apart: a hash id can never produce the block of a unique request.
 _SHARED = 0
 _UNIQUE = 1
+_CACHE_TOKENS = 1 << 22  # 16 MiB of int32 token ids
 
 _Tokens = npt.NDArray[np.int32]
 
@@ -61,6 +62,7 @@ class PromptSynth:
         self._seed = _natural(seed)
         self._cache_blocks = cache_blocks
         self._cache: OrderedDict[tuple[int, int, int], _Tokens] = OrderedDict()
+        self._cached_tokens = 0
 
     def prompt_ids(self, spec: RequestSpec, salt: int = 0) -> list[int]:
         """Exactly `spec.input_tokens` token ids; the same for the same (seed, salt, spec) anywhere.
@@ -100,8 +102,11 @@ class PromptSynth:
         if self._cache_blocks:
             block.setflags(write=False)  # shared by every later request with this id
             self._cache[key] = block
-            if len(self._cache) > self._cache_blocks:
-                self._cache.popitem(last=False)
+            self._cached_tokens += block.size
+            # Bounded in blocks and in tokens (4096 blocks of 64k tokens would be 1 GiB).
+            while len(self._cache) > self._cache_blocks or self._cached_tokens > _CACHE_TOKENS:
+                _, old = self._cache.popitem(last=False)
+                self._cached_tokens -= old.size
         return block
 
     def _block(self, entropy: list[int], size: int) -> _Tokens:

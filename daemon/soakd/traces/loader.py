@@ -32,6 +32,7 @@ import structlog
 
 from soakd.config import BUNDLED_PREFIX, BUNDLED_TRACES, ReplayConfig, TraceConfig
 from soakd.errors import TraceError
+from soakd.files import not_a_regular_file
 from soakd.traces import azure, bailian, burstgpt, mooncake, native, sharegpt
 from soakd.traces.model import (
     RequestSpec,
@@ -39,6 +40,7 @@ from soakd.traces.model import (
     Skip,
     TraceSummary,
     blocks_needed,
+    bounded_lines,
     json_lines,
     show_number,
 )
@@ -235,6 +237,9 @@ def _stamp(source: Traversable, name: str) -> int | None:
     """
     if not isinstance(source, Path):
         return None
+    kind = not_a_regular_file(source)
+    if kind is not None:
+        raise TraceError(f"cannot read: {kind}", file=name)
     try:
         st = source.stat()
     except OSError as err:
@@ -362,7 +367,7 @@ def _bad_utf8_line(source: Traversable, name: str) -> int | None:
     """
     try:
         with _open(source, name, None) as fh:
-            for number, raw in enumerate(fh, start=1):
+            for number, raw in enumerate(bounded_lines(fh, name), start=1):
                 try:
                     raw.decode("utf-8")
                 except UnicodeDecodeError:
@@ -372,7 +377,7 @@ def _bad_utf8_line(source: Traversable, name: str) -> int | None:
     return None
 
 
-def _json_rows(fh: Iterable[bytes], name: str) -> Iterator[tuple[int, dict[str, Any]]]:
+def _json_rows(fh: IO[bytes], name: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line, object) for each non-blank line; a line that is not a JSON object is raised."""
     for line, obj in json_lines(fh, name):
         if isinstance(obj, TraceError):

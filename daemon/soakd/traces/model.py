@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -21,6 +21,43 @@ from soakd.errors import TraceError
 # loader build: a session turn without block ids gets ceil(tokens / block_size) made-up block ids, so
 # a count like 1e300 or 1e10 in a 20-byte row would otherwise overflow or exhaust memory.
 MAX_TOKENS = 1 << 25
+MAX_ROW_BYTES = 16 << 20
+"""The longest row (line) a trace may have: a native row's `hash_ids` for a 10M-token prompt in blocks of
+16 is ~6 MB. A longer line (a gzip bomb of zeros, a file without newlines) is refused on its line number
+before it is held whole."""
+MAX_BLOCK_SIZE = 1 << 16
+"""Tokens per prefix block: real caches use 16-512, Mooncake's traces 512. The prompt builder makes and
+caches whole blocks, so this bounds its memory per block."""
+
+
+_TOO_LONG = f"line longer than {MAX_ROW_BYTES >> 20} MiB: not a trace row"
+
+
+def bounded_lines(fh: IO[bytes], file: str) -> Iterator[bytes]:
+    """The lines of a binary stream, each read with a bounded buffer; a line over MAX_ROW_BYTES is a
+    TraceError naming its line."""
+    number = 0
+    while True:
+        raw = fh.readline(MAX_ROW_BYTES + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+            raise TraceError(_TOO_LONG, file=file, line=number)
+        yield raw
+
+
+def bounded_text_lines(text: IO[str], file: str) -> Iterator[str]:
+    """The same for text (the CSV readers): a line over MAX_ROW_BYTES characters is a TraceError."""
+    number = 0
+    while True:
+        line = text.readline(MAX_ROW_BYTES + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > MAX_ROW_BYTES and not line.endswith("\n"):
+            raise TraceError(_TOO_LONG, file=file, line=number)
+        yield line
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +315,7 @@ def csv_rows(
     A header missing a `required` column is raised as a TraceError on line 1 naming the `layout`
     expected. A file with no header at all has no rows.
     """
-    reader = csv.reader(text)
+    reader = csv.reader(bounded_text_lines(text, file))
     header = next(reader, None)
     if header is None:
         return {}, iter(())
@@ -296,10 +333,10 @@ def csv_rows(
     return columns, rows()
 
 
-def json_lines(fh: Iterable[bytes], file: str) -> Iterator[tuple[int, dict[str, Any] | TraceError]]:
+def json_lines(fh: IO[bytes], file: str) -> Iterator[tuple[int, dict[str, Any] | TraceError]]:
     """(1-based line, object) for each non-blank line, or the TraceError of a line that is not a JSON
     object (the caller decides whether that ends the read)."""
-    for line, raw in enumerate(fh, start=1):
+    for line, raw in enumerate(bounded_lines(fh, file), start=1):
         if not raw.strip():
             continue
         try:

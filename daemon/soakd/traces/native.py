@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from soakd.errors import TraceError
-from soakd.traces.model import RequestSpec, Row, RowReader, Skip, blocks_needed
+from soakd.traces.model import MAX_BLOCK_SIZE, RequestSpec, Row, RowReader, Skip, blocks_needed
 
 FORMAT_NAME = "soakd-trace"
 VERSION = 1
@@ -143,7 +143,10 @@ def _parse_header(r: RowReader) -> int:
     version = r.integer("version")
     if version != VERSION:
         raise r.error(f"unsupported version {version} (this soakd reads version {VERSION})", "version")
-    return r.integer("block_size", minimum=1)
+    block_size = r.integer("block_size", minimum=1)
+    if block_size > MAX_BLOCK_SIZE:
+        raise r.error(f"must be <= {MAX_BLOCK_SIZE}, got {block_size}", "block_size")
+    return block_size
 
 
 def record(spec: RequestSpec) -> dict[str, Any]:

@@ -1,0 +1,147 @@
+"""Special and hostile files as config or trace, through the real CLI in a child process: each is refused
+by type or by size before it is read whole (exit 2, one line naming the file), in seconds, with the
+child's peak RSS measured (< 500 MB), where before a FIFO hung forever and /dev/zero or a gzip bomb
+exhausted memory."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+PEAK_RSS_BYTES = 500 << 20
+
+
+def _run(argv: list[str], cwd: Path, timeout_s: float = 60.0) -> tuple[int, str, int]:
+    """(exit code, stderr, peak RSS in bytes) of `python -m soakd ARGV`, killed by its pid on timeout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SOAKD_CONFIG", "JOURNAL_STREAM")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "soakd", *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            os.wait4(proc.pid, 0)
+            pytest.fail(f"soakd {' '.join(argv)} still running after {timeout_s:.0f} s")
+        time.sleep(0.02)
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode("utf-8", "replace")
+    proc.stderr.close()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, err, usage.ru_maxrss * 1024
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _loop(path: Path) -> Path:
+    path.symlink_to(path.name)  # points at itself
+    return path
+
+
+def _dev_zero(path: Path) -> Path:
+    path.symlink_to("/dev/zero")
+    return path
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _big_config(path: Path) -> Path:
+    path.write_text("# padding\n" * 200_000)  # 2 MB of comments: valid TOML, not a config
+    return path
+
+
+def _gzip_bomb(path: Path) -> Path:
+    with gzip.open(path, "wb", compresslevel=9) as f:  # 64 MiB of zeros, no newline: ~64 kB stored
+        chunk = b"0" * (1 << 20)
+        for _ in range(64):
+            f.write(chunk)
+    return path
+
+
+def _long_line(path: Path) -> Path:
+    path.write_bytes(
+        b'{"format": "soakd-trace", "version": 1, "block_size": 16, "x": "' + b"a" * (20 << 20) + b'"}\n'
+    )
+    return path
+
+
+def _huge_block_size(path: Path) -> Path:
+    header = '{"format": "soakd-trace", "version": 1, "block_size": 1000000000}'
+    path.write_text(header + '\n{"t": 0, "input_tokens": 9, "output_tokens": 1}\n')
+    return path
+
+
+CONFIGS: list[tuple[str, Callable[[Path], Path], str]] = [
+    ("fifo", _fifo, "a FIFO, not a regular file"),
+    ("symlink-loop", _loop, "a symlink loop"),
+    ("dev-zero", _dev_zero, "a character device, not a regular file"),
+    ("folder", _folder, "a directory, not a regular file"),
+    ("two-megabytes", _big_config, "larger than 1 MiB"),
+]
+
+
+@pytest.mark.parametrize(("kind", "make", "reason"), CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_a_special_or_huge_config_is_refused(
+    tmp_path: Path, kind: str, make: Callable[[Path], Path], reason: str
+) -> None:
+    path = make(tmp_path / "c.toml")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err, rss = _run(["check", "--config", "c.toml"], tmp_path)
+    expected = (
+        f"c.toml: {reason}: not a soakd config"
+        if kind == "two-megabytes"
+        else f"c.toml: cannot read: {reason}"
+    )
+    assert code == 2 and err == f"soakd: error: {expected}\n", err
+    assert rss < PEAK_RSS_BYTES and sorted(p.name for p in tmp_path.iterdir()) == before
+    assert path.name in before
+
+
+TRACES: list[tuple[str, str, Callable[[Path], Path], str]] = [
+    ("fifo", "t.jsonl", _fifo, "cannot read: a FIFO, not a regular file"),
+    ("symlink-loop", "t.jsonl", _loop, "cannot read: a symlink loop"),
+    ("dev-zero", "t.jsonl", _dev_zero, "cannot read: a character device, not a regular file"),
+    ("folder", "t.jsonl", _folder, "cannot read: a directory, not a regular file"),
+    ("gzip-bomb", "t.jsonl.gz", _gzip_bomb, "line longer than 16 MiB"),
+    ("long-line", "t.jsonl", _long_line, "line longer than 16 MiB"),
+    ("huge-block-size", "t.jsonl", _huge_block_size, "block_size: must be <= 65536"),
+]
+# Detection reads the first 64 kB only: a file of one endless line is "cannot tell the format" there,
+# and "line longer than" once its format is given.
+_UNDETECTED = "cannot tell the format from the first row"
+
+
+@pytest.mark.parametrize(("kind", "name", "make", "reason"), TRACES, ids=[t[0] for t in TRACES])
+def test_a_special_or_hostile_trace_is_refused(
+    tmp_path: Path, kind: str, name: str, make: Callable[[Path], Path], reason: str
+) -> None:
+    make(tmp_path / name)
+    endless = kind in ("gzip-bomb", "long-line")
+    for argv in (["trace", "inspect", name, "--format", "native"], ["check", "--trace", name]):
+        code, err, rss = _run(argv, tmp_path)
+        assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (argv, err[-2000:])
+        assert err.startswith(f"soakd: error: {tmp_path / name}"), err
+        assert reason in err or (endless and argv[0] == "check" and _UNDETECTED in err), err
+        assert rss < PEAK_RSS_BYTES, (argv, rss >> 20)
