@@ -669,6 +669,9 @@ class Soak:
             "error": self.error,
             "ran_s": ran_s,
             "interrupted": self.interrupted,
+            # The whole run across resumed processes, lost-in-flight requests counted as failed (the
+            # verdict's figures); `replay` is this process's replayer alone.
+            "requests": verdict.requests.to_dict(),
             "replay": asdict(stats),
             "points": dict(sorted(writer.counts.items())),
             "spool": {

@@ -373,13 +373,16 @@ def _report_after_run(run_dir: Path) -> None:
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
-    replay = summary["replay"]
+    # The whole run (across resumed processes) where the summary has it; older summaries: the replayer's.
+    req = summary.get("requests") or summary["replay"]
     ran = max(float(summary["ran_s"]), 1e-9)
+    lost = int(req.get("lost_in_flight") or 0)
     print(f"run {summary['run_id']} -> {run_dir}")
+    lost_note = f" ({lost} lost in flight at restarts)" if lost else ""
     print(
-        f"  requests: {replay['scheduled']} scheduled, {replay['completed']} completed, "
-        f"{replay['failed']} failed, {replay['shed']} shed; "
-        f"{replay['output_tokens']} output tokens ({replay['output_tokens'] / ran:.1f} tok/s)"
+        f"  requests: {req['scheduled']} scheduled, {req['completed']} completed, "
+        f"{req['failed']} failed{lost_note}, {req['shed']} shed; "
+        f"{req['output_tokens']} output tokens ({req['output_tokens'] / ran:.1f} tok/s)"
     )
     points = ", ".join(f"{k} {v}" for k, v in summary["points"].items())
     print(f"  points: {points}")

@@ -220,7 +220,12 @@ def test_sigkill_then_resume_finishes_the_same_run_with_exact_accounting(tmp_pat
     assert set(keys) == set(planned) - lost and not (set(keys) & lost)
 
     verdict = json.loads((run_dir / "verdict.json").read_text())
-    assert verdict["requests"]["scheduled"] == len(planned) - len(lost)
+    # Lost requests were scheduled and did not complete: the whole run's accounting, in the verdict,
+    # the summary and the printout alike.
+    req = verdict["requests"]
+    assert req["scheduled"] == len(planned) and req["completed"] + req["failed"] == len(planned)
+    assert req["lost_in_flight"] == len(lost) and req["completed"] <= len(planned) - len(lost)
+    assert req["completed_ratio"] < 1.0
     assert verdict["lost_in_flight"] == len(lost)
     (gap,) = verdict["interruptions"]
     assert gap["lost_in_flight"] == len(lost) and gap["down_s"] > 0 and 2.0 < gap["at_s"] < 8.0
@@ -238,6 +243,7 @@ def test_sigkill_then_resume_finishes_the_same_run_with_exact_accounting(tmp_pat
     assert events.count("run_start") == 1 and events.count("run_resume") == 1
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["points"]["requests"] == len(records)  # counts cover both processes
+    assert summary["requests"] == req
     assert summary["resume"]["interruptions"][0]["lost_in_flight"] == len(lost)
 
 
@@ -330,3 +336,26 @@ def test_a_bad_credential_is_refused_before_anything_is_written(
     with pytest.raises(ConfigError):
         Soak(cfg)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_the_printout_counts_the_whole_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from soakd.cli import _print_summary
+
+    summary = {
+        "run_id": "r",
+        "ran_s": 10.0,
+        "points": {},
+        "replay": {"scheduled": 53, "completed": 53, "failed": 0, "shed": 0, "output_tokens": 106},
+        "requests": {
+            "scheduled": 80,
+            "completed": 72,
+            "failed": 8,
+            "shed": 0,
+            "output_tokens": 160,
+            "lost_in_flight": 8,
+        },
+    }
+    _print_summary(summary, Path("runs/r"))
+    out = capsys.readouterr().out
+    assert "80 scheduled, 72 completed, 8 failed (8 lost in flight at restarts)" in out
+    assert "(16.0 tok/s)" in out

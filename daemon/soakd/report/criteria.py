@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -154,6 +154,23 @@ class RequestSummary:
     e2e: LatencyStats | None = None
     lateness: LatencyStats | None = None
     errors: dict[str, int] = field(default_factory=dict)
+    lost_in_flight: int = 0
+    """Requests in flight when the daemon died (a resumed run): scheduled, never completed, counted as
+    failed; the spool has no record of them, the due-journal does."""
+
+    def with_lost(self, lost: int) -> RequestSummary:
+        """The whole run's figures: these records plus the requests lost in flight at crashes."""
+        if lost <= 0:
+            return self
+        errors = dict(self.errors)
+        errors["lost in flight (daemon restart)"] = errors.get("lost in flight (daemon restart)", 0) + lost
+        return replace(
+            self,
+            scheduled=self.scheduled + lost,
+            failed=self.failed + lost,
+            errors=errors,
+            lost_in_flight=self.lost_in_flight + lost,
+        )
 
     @property
     def error_rate(self) -> float | None:

@@ -110,8 +110,8 @@ def verdict_of(
     interruptions: list[dict[str, Any]],
 ) -> Verdict:
     """The verdict over the run's folded points and its interruptions (nothing is written)."""
-    requests = metrics.summary()
     lost = lost_in_flight(interruptions)
+    requests = metrics.summary().with_lost(lost)
     results = evaluate(
         criteria,
         requests,
