@@ -26,8 +26,10 @@ class FakeEngine:
         chunk: int = 2,
         fail_on: set[int] | None = None,
         short_on: set[int] | None = None,
+        huge_on: set[int] | None = None,
     ) -> None:
         self.clock = clock
+        self.huge_on = huge_on or set()
         self.step_s = step_s
         self.chunk = chunk
         self.fail_on = fail_on or set()
@@ -52,6 +54,9 @@ class FakeEngine:
             if index in self.fail_on:
                 raise RuntimeError("boom")
             left = request.max_tokens - (1 if index in self.short_on else 0)
+            if index in self.huge_on:  # a server whose usage reports far more than was asked
+                yield 10**15
+                return
             while left > 0:
                 await self.clock.sleep_until(self.clock.monotonic() + self.step_s)
                 n = min(self.chunk, left)
@@ -393,3 +398,17 @@ async def test_a_request_without_a_possible_prompt_fails_alone() -> None:
     assert stats.completed == 2 and stats.failed == 1 and stats.scheduled == 3
     by = {r.index: r for r in records}
     assert by[1].error.startswith("prompt: request 1:")
+
+
+async def test_an_implausible_token_count_fails_the_request_not_the_accounting() -> None:
+    clock = FakeClock()
+    engine = FakeEngine(clock, huge_on={1})
+    rep, records = make(engine, [spec(i, i * 0.1) for i in range(3)], clock)
+    stats = await rep.run()
+    by_index = {r.index: r for r in records}
+    assert stats.completed == 2 and stats.failed == 1
+    bad = by_index[1]
+    assert bad.error.startswith("implausible output: 1000000000000000 tokens reported for max_tokens")
+    # Only what max_tokens allows is counted: the run's tokens stay physical.
+    assert bad.output_tokens == bad.output_tokens_expected
+    assert stats.output_tokens == sum(r.output_tokens for r in records) < 10**6

@@ -542,6 +542,7 @@ class Replayer:
         gaps = 0.0
         deltas = 0
         received = 0
+        reported = 0
         async for n in self._engine.generate(request):
             now = clock.monotonic()
             if first is None:
@@ -550,8 +551,12 @@ class Replayer:
                 gaps += now - last
                 deltas += 1
             last = now
-            received += n
-            self.stats.output_tokens += n
+            reported += n
+            # More tokens than max_tokens is not physical (a server's usage gone wrong): only what could
+            # have been generated enters the accounting, and the request fails below.
+            counted = max(0, min(n, out_tokens - received))
+            received += counted
+            self.stats.output_tokens += counted
         record.output_tokens = received
         if request.spec is not None and request.spec.drafted:
             record.spec_accepted = sum(request.spec.accepted)
@@ -569,7 +574,12 @@ class Replayer:
                 record.tpot_s = (last - first) / (received - 1)
             if deltas:
                 record.itl_mean_s = gaps / deltas
-        if received < out_tokens:
+        if reported > out_tokens:
+            self._finish(
+                record,
+                f"implausible output: {reported} tokens reported for max_tokens {out_tokens}",
+            )
+        elif received < out_tokens:
             self._finish(record, f"short output: {received} of {out_tokens} tokens")
         else:
             self._finish(record, "")
