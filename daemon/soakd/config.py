@@ -311,11 +311,23 @@ class SpoolConfig(_Section):
     min_free_bytes: int = Field(default=256 * 1024**2, ge=0, le=1 << 50)
 
 
+def _http_url(value: object) -> object:
+    if isinstance(value, str) and value:
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number or out of range
+        except ValueError:
+            raise ValueError("not a URL (expected http://HOST[:PORT][/PATH])") from None
+        if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http:// or https:// URL with a host")
+    return value
+
+
 class InfluxConfig(_Section):
     """[sinks.influx]: where the forwarder ships the spool."""
 
     enabled: bool = False
-    url: str = "http://127.0.0.1:8086"
+    url: Annotated[str, BeforeValidator(_http_url)] = "http://127.0.0.1:8086"
     api: Literal["v1", "v2"] = "v1"
     database: str = "soakd"
     retention_policy: str = ""
@@ -328,6 +340,12 @@ class InfluxConfig(_Section):
     timeout: Duration = Field(default=10.0, gt=0, le=3600)
     interval: Duration = Field(default=1.0, ge=0.05, le=3600)
     final_drain_timeout: Duration = Field(default=60.0, ge=0, le=86400)
+
+    @model_validator(mode="after")
+    def _url_when_enabled(self) -> InfluxConfig:
+        if self.enabled and not self.url:
+            raise ValueError("enabled without a url")
+        return self
 
 
 # Event kinds the webhook sink can alert on (soakd.sinks.webhook.RULES; "verdict" is the run's end).
@@ -353,14 +371,6 @@ _OPT_IN_WEBHOOK_KINDS = frozenset({"webhook_outage", "sink_rejected"})
 _DEFAULT_WEBHOOK_KINDS: tuple[WebhookKind, ...] = tuple(
     k for k in get_args(WebhookKind) if k not in _OPT_IN_WEBHOOK_KINDS
 )
-
-
-def _http_url(value: object) -> object:
-    if isinstance(value, str) and value:
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("expected an http:// or https:// URL with a host")
-    return value
 
 
 class WebhookConfig(_Section):
