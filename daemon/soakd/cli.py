@@ -44,6 +44,8 @@ def _override(text: str) -> tuple[str, Any]:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
+    except RecursionError:  # tomllib recurses per nesting level
+        raise argparse.ArgumentTypeError(f"{key.strip()}: value nested deeper than the parser goes") from None
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is taken as a string
     return key.strip(), value

@@ -558,6 +558,8 @@ def read_toml(path: Path) -> tuple[str, dict[str, Any]]:
         raise ConfigError("not UTF-8 text", file=path) from None
     try:
         return text, tomllib.loads(text)
+    except RecursionError:  # tomllib recurses per level: [[[[... or {a={b=... thousands deep
+        raise ConfigError("TOML nested deeper than the parser goes: not a soakd config", file=path) from None
     except tomllib.TOMLDecodeError as err:
         line = _decode_error_line(str(err))
         reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", str(err))

@@ -93,12 +93,18 @@ def _huge_block_size(path: Path) -> Path:
     return path
 
 
+def _deep_config(path: Path) -> Path:
+    path.write_text("a = " + "[" * 5000 + "\n")  # tomllib recurses once per level
+    return path
+
+
 CONFIGS: list[tuple[str, Callable[[Path], Path], str]] = [
     ("fifo", _fifo, "a FIFO, not a regular file"),
     ("symlink-loop", _loop, "a symlink loop"),
     ("dev-zero", _dev_zero, "a character device, not a regular file"),
     ("folder", _folder, "a directory, not a regular file"),
     ("two-megabytes", _big_config, "larger than 1 MiB"),
+    ("nested-5000-deep", _deep_config, "TOML nested deeper than the parser goes"),
 ]
 
 
@@ -111,12 +117,20 @@ def test_a_special_or_huge_config_is_refused(
     code, err, rss = _run(["check", "--config", "c.toml"], tmp_path)
     expected = (
         f"c.toml: {reason}: not a soakd config"
-        if kind == "two-megabytes"
+        if kind in ("two-megabytes", "nested-5000-deep")
         else f"c.toml: cannot read: {reason}"
     )
     assert code == 2 and err == f"soakd: error: {expected}\n", err
     assert rss < PEAK_RSS_BYTES and sorted(p.name for p in tmp_path.iterdir()) == before
     assert path.name in before
+
+
+def test_a_set_value_nested_past_the_parser_is_refused(tmp_path: Path) -> None:
+    code, err, _ = _run(["run", "--set", "replay.speed=" + "[" * 5000], tmp_path)
+    assert code == 2 and err.endswith(
+        "argument --set: replay.speed: value nested deeper than the parser goes\n"
+    ), err[-2000:]
+    assert "Traceback" not in err
 
 
 TRACES: list[tuple[str, str, Callable[[Path], Path], str]] = [
