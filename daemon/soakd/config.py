@@ -49,8 +49,10 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 90s, 10m or 8h")
     if isinstance(value, int | float):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError("a duration must be a finite number of seconds >= 0")
+        if not math.isfinite(value):
+            raise ValueError("a duration must be a finite number of seconds")
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
         if value > MAX_DURATION_S:
             raise ValueError(f"a duration is at most {MAX_DURATION_S / 86400:.0f} days")
         return float(value)
@@ -281,11 +283,11 @@ class TelemetryConfig(_Section):
     """[telemetry]: which collectors run and how often."""
 
     # Sampling periods: below these a collector is a busy loop; above, a night has no samples.
-    interval: Duration = Field(default=1.0, ge=0.05, le=3600)
-    slow_interval: Duration = Field(default=10.0, ge=0.1, le=3600)
+    interval: Duration = Field(default=1.0, ge=0.01, le=3600)
+    slow_interval: Duration = Field(default=10.0, ge=0.01, le=3600)
     gpu_fast_interval: Duration = Field(default=0.1, ge=0.01, le=60)
-    gpu_slow_interval: Duration = Field(default=2.0, ge=0.1, le=3600)
-    gpu_energy_interval: Duration = Field(default=10.0, ge=0.1, le=3600)
+    gpu_slow_interval: Duration = Field(default=2.0, ge=0.01, le=3600)
+    gpu_energy_interval: Duration = Field(default=10.0, ge=0.01, le=3600)
     gpu_recording: str = ""
     gpu_recording_speed: float = Field(default=1.0, gt=0, le=1000)
     ceiling_bandwidth_gbs: float = Field(default=0.0, ge=0, le=1e6)

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ CASES = _load_cases()
 # Address space for a `subprocess` case: ample for the CLI, and a regression that allocates without
 # bound fails with MemoryError in seconds instead of pushing the machine into swap.
 _CHILD_MEMORY = 2 << 30
+# What refusing one case may allocate on the Python heap.
+_PEAK_HEAP = 500 << 20
 
 
 def _params() -> list[Any]:
@@ -126,8 +129,16 @@ def test_bad_input_is_refused_in_one_line(
     if case.subprocess:
         code, out, err = _run_child(case.argv, work)
     else:
-        code = main(case.argv)
+        # The Python heap's peak (numpy's buffers included) while the case runs: refusing bad input
+        # must not first allocate for it. benchmarks/bench_hostile_rss.py measures each case's process RSS.
+        tracemalloc.start()
+        try:
+            code = main(case.argv)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
         out, err = capsys.readouterr()
+        assert peak < _PEAK_HEAP, f"{case.id}: {peak >> 20} MiB allocated to refuse it"
 
     assert "Traceback" not in err
     assert code == EXIT_INPUT, err

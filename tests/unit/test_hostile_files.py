@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,32 +18,47 @@ import pytest
 PEAK_RSS_BYTES = 500 << 20
 
 
+# Runs ARGV in DIR as its forked child and writes that child's peak RSS (KiB) to RSS_FILE. A child
+# forked from this small process starts small; ru_maxrss of one forked (or vforked, or spawned) from
+# pytest itself starts at pytest's own peak, hundreds of MB, and would hide soakd's.
+_MEASURE = """
+import os, sys
+rss_file, cwd, *argv = sys.argv[1:]
+os.chdir(cwd)
+pid = os.fork()
+if pid == 0:
+    os.execv(argv[0], argv)
+_, status, usage = os.wait4(pid, 0)
+with open(rss_file, "w") as f:
+    f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
+
+
 def _run(argv: list[str], cwd: Path, timeout_s: float = 60.0) -> tuple[int, str, int]:
-    """(exit code, stderr, peak RSS in bytes) of `python -m soakd ARGV`, killed by its pid on timeout."""
+    """(exit code, stderr, peak RSS in bytes) of `python -m soakd ARGV`, run in `cwd` and killed by its
+    process group on timeout."""
     env = {k: v for k, v in os.environ.items() if k not in ("SOAKD_CONFIG", "JOURNAL_STREAM")}
+    rss_file = cwd.parent / f"{cwd.name}.maxrss"
+    rss_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "soakd", *argv],
-        cwd=cwd,
+        [sys.executable, "-c", _MEASURE, str(rss_file), str(cwd), sys.executable, "-m", "soakd", *argv],
         env=env,
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            os.wait4(proc.pid, 0)
-            pytest.fail(f"soakd {' '.join(argv)} still running after {timeout_s:.0f} s")
-        time.sleep(0.02)
-    assert proc.stderr is not None
-    err = proc.stderr.read().decode("utf-8", "replace")
-    proc.stderr.close()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, err, usage.ru_maxrss * 1024
+    try:
+        _, err_bytes = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"soakd {' '.join(argv)} still running after {timeout_s:.0f} s")
+    rss = int(rss_file.read_text()) * 1024
+    rss_file.unlink()
+    return proc.returncode, err_bytes.decode("utf-8", "replace"), rss
 
 
 def _fifo(path: Path) -> Path:
