@@ -2,7 +2,8 @@
 # Set up soakd on a fresh Debian 12 / Python 3.11 machine without a GPU: a virtual environment in
 # .venv with soakd, vLLM's CPU build and the development tools. `--servers` also installs the servers
 # the integration tests start (Debian's influxdb 1.6.7, victoria-metrics and prometheus-alertmanager)
-# and the headless Chromium that opens the sign-off report in its test (needs root).
+# the headless Chromium that opens the sign-off report in its test, and debootstrap, which makes the
+# Debian root the units are tested in under a real systemd (needs root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,10 +12,11 @@ command -v "$PY" >/dev/null || PY=python3
 
 if [[ "${1:-}" == "--servers" ]]; then
   if ! command -v influxd >/dev/null || ! command -v victoria-metrics >/dev/null \
-    || ! command -v prometheus-alertmanager >/dev/null || ! command -v chromium >/dev/null; then
+    || ! command -v prometheus-alertmanager >/dev/null || ! command -v chromium >/dev/null \
+    || ! command -v debootstrap >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq influxdb victoria-metrics prometheus-alertmanager \
-      chromium >/dev/null
+      chromium debootstrap >/dev/null
   fi
 fi
 

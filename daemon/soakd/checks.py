@@ -10,7 +10,7 @@ from soakd.app import resolve_model
 from soakd.collectors.gpu import probe_nvml
 from soakd.config import Config
 from soakd.errors import ConfigError, SinkError
-from soakd.redact import redact_text
+from soakd.redact import redact_text, redact_url
 from soakd.sinks.influx import make_writer
 from soakd.traces.loader import open_trace
 
@@ -35,6 +35,32 @@ def _vllm_version() -> str | None:
     return None
 
 
+# How long `check` waits for an attached server to answer /health: it checks, it does not wait for a start.
+SERVER_CHECK_TIMEOUT_S = 10.0
+
+
+async def _check_server(cfg: Config) -> CheckResult:
+    """Attach mode: the server answers and serves a model (no local vLLM is needed or looked for)."""
+    from soakd.engine.openai_http import OpenAIEngine
+    from soakd.errors import EngineError
+
+    engine = OpenAIEngine(cfg.engine.model_copy(update={"start_timeout": SERVER_CHECK_TIMEOUT_S}))
+    try:
+        await engine.start()
+    except EngineError as err:
+        return CheckResult("engine", False, str(err))
+    try:
+        info = engine.info
+        return CheckResult(
+            "engine",
+            True,
+            f"{redact_url(cfg.engine.url)} serves {info.model} ({info.version or 'version unknown'}, "
+            f"max_model_len {info.max_model_len})",
+        )
+    finally:
+        await engine.stop()
+
+
 async def run_checks(cfg: Config) -> list[CheckResult]:
     """Config validity was proven by loading it; these check the trace, the model, vLLM, GPU, InfluxDB.
 
@@ -53,11 +79,15 @@ async def run_checks(cfg: Config) -> list[CheckResult]:
         )
     )
     try:
-        out.append(CheckResult("model", True, resolve_model(cfg)))
+        model = resolve_model(cfg)
+        out.append(CheckResult("model", True, model or "the server's own (engine.served_model unset)"))
     except ConfigError as err:
         out.append(CheckResult("model", False, err.reason))
-    version = _vllm_version()
-    out.append(CheckResult("engine", version is not None, version or "vLLM is not installed"))
+    if cfg.engine.kind == "openai":
+        out.append(await _check_server(cfg))
+    else:
+        version = _vllm_version()
+        out.append(CheckResult("engine", version is not None, version or "vLLM is not installed"))
     if "gpu" in cfg.telemetry.collectors:
         gpu = probe_nvml()
         detail = f"{gpu.count} GPU(s), driver {gpu.driver}" if gpu.count else f"no GPU: {gpu.reason}"

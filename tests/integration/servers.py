@@ -94,8 +94,12 @@ def _wait_ready(server: Server, path: str, ok_status: int) -> None:
             time.sleep(0.05)  # poll interval
 
 
-def start_influxdb(root: Path, http_port: int | None = None, rpc_port: int | None = None) -> Server:
-    """Start influxd with its data under `root`; pass the ports of a stopped instance to restart it."""
+def start_influxdb(
+    root: Path, http_port: int | None = None, rpc_port: int | None = None, admin_password: str = ""
+) -> Server:
+    """Start influxd with its data under `root`; pass the ports of a stopped instance to restart it.
+    With `admin_password`, authentication is on and an admin user "admin" is made (influxd lets the
+    first user be created without credentials)."""
     root.mkdir(parents=True, exist_ok=True)
     http_port = http_port or free_port()
     rpc_port = rpc_port or free_port()
@@ -119,6 +123,7 @@ bind-address = "127.0.0.1:{rpc_port}"
 [http]
   bind-address = "127.0.0.1:{http_port}"
   log-enabled = false
+  auth-enabled = {"true" if admin_password else "false"}
 
 [continuous_queries]
   enabled = false
@@ -133,6 +138,16 @@ bind-address = "127.0.0.1:{rpc_port}"
         {"http": http_port, "rpc": rpc_port},
     )
     _wait_ready(server, "/ping", 204)
+    if admin_password:
+        quoted = admin_password.replace("\\", "\\\\").replace("'", "\\'")
+        answer = httpx.post(
+            server.url + "/query",
+            data={"q": f"CREATE USER admin WITH PASSWORD '{quoted}' WITH ALL PRIVILEGES"},
+            timeout=10,
+        )
+        if answer.status_code != 200 or '"error"' in answer.text:
+            server.stop()
+            raise ServerStartError(f"influxd: creating the admin user: {answer.status_code} {answer.text}")
     return server
 
 

@@ -63,6 +63,24 @@ def metric(server: Server, name: str, **labels: str) -> float:
     return total
 
 
+def test_check_in_attach_mode_names_what_the_server_serves(vllm_server: Server, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[engine]\nkind = "openai"\nurl = "{vllm_server.url}"\n', encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "soakd", "check", "--config", str(cfg), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    engine = {c["name"]: c for c in json.loads(done.stdout)}["engine"]
+    assert engine["ok"] and engine["detail"] == f"{vllm_server.url} serves tiny (0.32.0, max_model_len 2048)"
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+
+
 async def test_discovers_the_server(vllm_server: Server, tiny_model: Path) -> None:
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     async with started(vllm_server.url + "/v1/") as engine:

@@ -109,6 +109,20 @@ def test_check_reports_an_unreachable_influxdb(
     assert "FAIL influx: http://127.0.0.1:9 (v1)" in out
 
 
+def test_check_in_attach_mode_asks_the_server_not_for_vllm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine.kind = "openai" needs no local vLLM (a service host may have none): check asks the server."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[engine]\nkind = "openai"\nurl = "http://u:secret@127.0.0.1:9/v1"\n')
+    code, out, _ = run(["check", "--config", str(cfg), "--json"], capsys)
+    assert code == 1
+    engine = {c["name"]: c for c in json.loads(out)}["engine"]
+    assert not engine["ok"] and "127.0.0.1:9" in engine["detail"], engine
+    assert "vLLM is not installed" not in engine["detail"] and "secret" not in engine["detail"]
+
+
 def test_help_does_not_import_vllm() -> None:
     code = (
         "import sys; from soakd.cli import main\n"
