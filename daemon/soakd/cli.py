@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -49,6 +49,21 @@ def _override(text: str) -> tuple[str, Any]:
     except tomllib.TOMLDecodeError:
         value = raw  # a bare word is taken as a string
     return key.strip(), value
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` (a count that sizes a list or a buffer)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high:,}, got {value:,}")
+        return value
+
+    return parse
 
 
 def _duration(text: str) -> float:
@@ -260,13 +275,17 @@ def _matrix_parser(sub: Any) -> None:
 
 
 def _trace_parser(sub: Any) -> None:
+    from soakd.config import MAX_BLOCK_SIZE
+
     tr = sub.add_parser("trace", help="inspect, convert, generate and record traces")
     tsub = tr.add_subparsers(dest="trace_command", required=True, parser_class=_Parser)
 
     ins = tsub.add_parser("inspect", help="requests, rate over time, length percentiles, reuse, sessions")
     ins.add_argument("file")
     ins.add_argument("--format", choices=_FORMATS, default=None)
-    ins.add_argument("--buckets", type=int, default=24, help="time buckets for the rate over time")
+    ins.add_argument(
+        "--buckets", type=_int_in(1, 100_000), default=24, help="time buckets for the rate over time"
+    )
     ins.add_argument("--json", action="store_true")
     _trace_reading_flags(ins)
     _config_flags(ins)
@@ -300,7 +319,9 @@ def _trace_parser(sub: Any) -> None:
         "--listen", default="127.0.0.1:8001", help="HOST:PORT to listen on (loopback by default)"
     )
     rec.add_argument("--upstream", required=True, help="base URL of the server to pass requests to")
-    rec.add_argument("--block-size", type=int, default=16, help="tokens per prefix block hash")
+    rec.add_argument(
+        "--block-size", type=_int_in(1, MAX_BLOCK_SIZE), default=16, help="tokens per prefix block hash"
+    )
     rec.add_argument("--record-prompts", action="store_true", help="also store prompt text in the trace")
     rec.add_argument("--allow-remote", action="store_true", help="allow listening on a non-loopback address")
 
@@ -650,10 +671,13 @@ def _reading_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> N
 
 
 def _refuse_existing(out: Path, force: bool) -> None:
+    """An output file may replace a file with --force, never a directory (or what is not a file)."""
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory: name the file to write")
     if out.exists() and not force:
         raise UsageError(f"{out} exists (use --force to replace it)")
     if not out.parent.is_dir():
-        raise UsageError(f"{out.parent} is not a directory")
+        raise UsageError(f"{out.parent} is not a folder")
 
 
 def _trace_arg(value: str) -> str:
@@ -689,8 +713,6 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 def _trace_inspect(args: argparse.Namespace) -> int:
     from soakd.traces.inspect import inspect_lines, inspect_trace
 
-    if args.buckets < 1:
-        raise UsageError("--buckets must be >= 1")
     doc = inspect_trace(_open_cli_trace(args), args.buckets)
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -749,8 +771,6 @@ def _trace_record(args: argparse.Namespace) -> int:
         raise UsageError(f"--listen: expected HOST:PORT, got {args.listen!r}")
     if not args.upstream.startswith(("http://", "https://")):
         raise UsageError(f"--upstream: expected an http:// or https:// URL, got {args.upstream!r}")
-    if args.block_size < 1:
-        raise UsageError("--block-size must be >= 1")
     # The recorder itself refuses an existing OUT: a recording is never overwritten.
 
     def ready(port: int) -> None:
@@ -785,10 +805,7 @@ def _cmd_telemetry(args: argparse.Namespace) -> int:
     from soakd.collectors.nvml_record import record
 
     out: Path = args.out
-    if out.exists() and not args.force:
-        raise UsageError(f"{out} exists (use --force to overwrite)")
-    if not out.parent.is_dir():
-        raise UsageError(f"{out.parent} is not a folder")
+    _refuse_existing(out, args.force)
     try:
         source = LiveNvml(pynvml)
     except pynvml.NVMLError as err:

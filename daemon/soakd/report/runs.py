@@ -11,6 +11,7 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
+from soakd.files import not_a_regular_file
 from soakd.metric import Sample
 from soakd.report.criteria import evaluate, run_context
 from soakd.report.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
@@ -61,12 +62,29 @@ def find_run(arg: str, output_dir: Path) -> Path:
     raise UsageError(f"no run at {arg!r} (not a run directory, nor a run id under {output_dir})")
 
 
+# A run's JSON files are small (meta.json of a large config: tens of kB); more is not soakd's.
+MAX_RUN_JSON_BYTES = 16 << 20
+
+
 def read_json(path: Path) -> dict[str, Any]:
+    """A run file's JSON object; anything else (a FIFO, a huge or non-UTF-8 file, deep nesting) is a
+    one-line UsageError naming the file."""
+    kind = not_a_regular_file(path)
+    if kind:
+        raise UsageError(f"cannot read: {kind}", file=path)
     try:
-        with path.open(encoding="utf-8") as fh:
-            data = json.load(fh)
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_RUN_JSON_BYTES + 1)
     except OSError as err:
         raise UsageError(f"cannot read: {err.strerror}", file=path) from None
+    if len(raw) > MAX_RUN_JSON_BYTES:
+        raise UsageError(f"larger than {MAX_RUN_JSON_BYTES >> 20} MiB: not a soakd run file", file=path)
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError("not UTF-8 text", file=path) from None
+    except RecursionError:
+        raise UsageError("JSON nested deeper than the parser goes", file=path) from None
     except json.JSONDecodeError as err:
         raise UsageError(f"not JSON: {err.msg}", file=path, line=err.lineno) from None
     if not isinstance(data, dict):

@@ -75,8 +75,8 @@ def _offset_s(text: str) -> int:
     if text[0] not in "+-":
         raise ValueError
     digits = text[1:].replace(":", "")
-    if len(digits) != 4 or not digits.isdigit():
-        raise ValueError
+    if len(digits) != 4 or not digits.isdigit() or int(digits[:2]) > 23 or int(digits[2:]) > 59:
+        raise ValueError  # ISO 8601 offsets stop at 23:59 (real ones at 14:00)
     offset = int(digits[:2]) * 3600 + int(digits[2:]) * 60
     return offset if text[0] == "+" else -offset
 
