@@ -412,3 +412,22 @@ async def test_an_implausible_token_count_fails_the_request_not_the_accounting()
     # Only what max_tokens allows is counted: the run's tokens stay physical.
     assert bad.output_tokens == bad.output_tokens_expected
     assert stats.output_tokens == sum(r.output_tokens for r in records) < 10**6
+
+
+async def test_a_replay_behind_its_schedule_still_ends_at_its_duration() -> None:
+    """A host that cannot keep the pace (here each prompt takes 1 s of the clock to build) falls behind
+    the trace; the run still ends at its duration, and what fell due after it is not sent late."""
+    clock = FakeClock()
+
+    class SlowPrompts(PromptSynth):
+        def prompt_ids(self, spec: RequestSpec, salt: int = 0, limit: int | None = None) -> list[int]:
+            clock.now += 1.0
+            return super().prompt_ids(spec, salt, limit)
+
+    engine = FakeEngine(clock)
+    rep, records = make(engine, [spec(i, i * 0.1) for i in range(20)], clock, duration=5.0)
+    rep._prompts = SlowPrompts(100, 0, (0,))
+    stats = await rep.run()
+    assert 4 <= stats.scheduled <= 6 < 20, stats
+    assert len(records) == stats.scheduled
+    assert clock.monotonic() < 5.0 + 5.0 + 1.0  # the duration, the drain bound and one slow prompt

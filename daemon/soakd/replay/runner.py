@@ -279,8 +279,13 @@ class Replayer:
         t0 = self._t0 = self._clock.monotonic()
         wall0 = self._wall0 = self._clock.wall_ns()
         stop_wait = asyncio.create_task(self._stop.wait())
+        end = t0 + self._duration_s if self._duration_s is not None else None
         try:
             for item in self._iterate():
+                if end is not None and self._clock.monotonic() >= end:
+                    # Behind schedule at the run's end (an engine or a host that cannot keep the pace):
+                    # the requests still owed are not sent after the duration, the run ends on time.
+                    break
                 deadline = t0 + item.due_s
                 if self._clock.monotonic() < deadline - _LEAD_S:
                     wake = self._clock.sleep_until(deadline - _LEAD_S, precise=False)
