@@ -21,6 +21,7 @@ import structlog
 
 from soakd import __version__
 from soakd.errors import EngineError, InputError, SinkError, UsageError
+from soakd.files import json_text
 
 log = structlog.get_logger(__name__)
 
@@ -359,7 +360,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _report_after_run(result.run_dir)
     if args.json:
         doc = {**result.summary, "verdict_detail": result.verdict.to_dict(), "run_dir": str(result.run_dir)}
-        print(json.dumps(doc, indent=2, default=str))
+        print(json_text(doc, indent=2, default=str))
     else:
         _print_summary(result.summary, result.run_dir)
         print("\n".join(result.verdict.lines()))
@@ -533,7 +534,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         write_report(build_doc(run_dir, meta, verdict.to_dict(), data, source=source), *paths)
         print(f"report: {' and '.join(str(p) for p in paths if p is not None)}", file=sys.stderr)
     if args.json:
-        print(json.dumps(verdict.to_dict(), indent=2, default=str))
+        print(json_text(verdict.to_dict(), indent=2, default=str))
     else:
         print("\n".join(verdict.lines()))
         for line in _hardware_lines(summary):
@@ -593,7 +594,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     out_dir = base.resolve(base.run.output_dir)
     comp = compare_runs(find_run(args.run_a, out_dir), find_run(args.run_b, out_dir), args.tolerance)
     if args.json:
-        print(json.dumps(comp.to_dict(), indent=2, default=str))
+        print(json_text(comp.to_dict(), indent=2, default=str))
     else:
         print("\n".join(lines(comp)))
     for warning in comp.warnings:
@@ -637,7 +638,7 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     matrix = Matrix(planned, spec.baseline_name, out, config_path, args.tolerance)
     rows = matrix.run()
     if args.json:
-        print(json.dumps(matrix.to_dict(), indent=2, default=str))
+        print(json_text(matrix.to_dict(), indent=2, default=str))
     else:
         print("\n".join(markdown(matrix)))
         print(f"\nwritten to {out / MATRIX_MD}")
@@ -715,7 +716,7 @@ def _trace_inspect(args: argparse.Namespace) -> int:
 
     doc = inspect_trace(_open_cli_trace(args), args.buckets)
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(json_text(doc, indent=2))
     else:
         print("\n".join(inspect_lines(doc)))
     return EXIT_OK
@@ -821,7 +822,7 @@ def _cmd_telemetry(args: argparse.Namespace) -> int:
     cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
     # The recorder's own cost: CPU seconds per wall second of sampling (the collector's overhead).
     doc = {**asdict(counts), "out": str(out), "wall_s": wall, "cpu_s": cpu, "cpu_share": cpu / wall}
-    print(json.dumps(doc, indent=2))
+    print(json_text(doc, indent=2))
     return EXIT_OK
 
 
@@ -832,7 +833,7 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model}: not a folder")
     doc = probe(model_dir=args.model, measure_copy=not args.no_copy, load_format=args.load_format)
     if args.json:
-        print(json.dumps(doc, indent=2, default=str))
+        print(json_text(doc, indent=2, default=str))
     else:
         print("\n".join(probe_lines(doc)))
     return EXIT_OK

@@ -42,6 +42,8 @@ MAX_SYNTHETIC_REQUESTS = 10_000_000
 MAX_BLOCK_SIZE = 1 << 16  # = soakd.traces.model.MAX_BLOCK_SIZE (importing soakd.traces would be a cycle)
 MAX_VOCAB = 1 << 22
 """The largest vocabularies in use are ~262k tokens; a prompt is built from a table of this size."""
+MAX_MODEL_LEN = 16 * MAX_TOKENS
+"""A context window: beyond the longest any model has (10M tokens)."""
 
 
 def parse_duration(value: object) -> float:
@@ -229,7 +231,7 @@ class EngineConfig(_Section):
     load_format: Literal["auto", "dummy"] = "auto"
     """vLLM's weight loading: "dummy" fills the config's shapes with random weights (a shape folder,
     `soakd model shape`, always loads so)."""
-    max_model_len: int = Field(default=2048, ge=16, le=16 * MAX_TOKENS)
+    max_model_len: int = Field(default=2048, ge=16, le=MAX_MODEL_LEN)
     max_num_seqs: int = Field(default=16, ge=1, le=65536)
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
     cpu_kvcache_space_gib: int = Field(default=1, ge=1, le=65536)

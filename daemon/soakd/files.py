@@ -1,13 +1,16 @@
-"""Files soakd writes and reads: private run files (0600 whatever the umask, replaced atomically), and
-the type check every input file passes before it is opened."""
+"""Files soakd writes and reads: private run files (0600 whatever the umask, replaced atomically) in
+strict JSON, and the type check every input file passes before it is opened."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
+import math
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -57,3 +60,19 @@ def write_private(path: Path, data: bytes, *, fsync: bool = False) -> None:
 def open_private_append(path: Path) -> int:
     """A file descriptor appending to `path`, created 0600 if new."""
     return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def json_text(data: Any, **kwargs: Any) -> str:
+    """JSON that every parser reads: a NaN or infinity (a figure that could not be measured, such as a
+    percentile of nothing) becomes null, never Python's bare NaN / Infinity tokens."""
+    return json.dumps(_finite(data), allow_nan=False, **kwargs)

@@ -140,6 +140,21 @@ def test_spec_and_graph_rates_equal_the_sums_of_the_spooled_points() -> None:
     assert scal["output_tokens"] == sum(int(s.fields["output_tokens"]) for s in ok)
 
 
+def test_mtp_acceptance_of_the_h200_recording_is_the_sum_of_its_points() -> None:
+    """vLLM's `mtp` method (MiMo-7B-RL shape, k = 1, dummy weights) on an H200: one draft position, its
+    acceptance folded from the points equals the summary's counters and the rates the points carry."""
+    metrics, samples = _fold(DATA / "mtp" / "spool.lp.gz")
+    spec = [s for s in samples if s.measurement == "spec_decode"]
+    accepted = sum(int(s.fields["accepted"]) for s in spec)
+    drafted = sum(int(s.fields["draft_tokens"]) for s in spec)
+    summary = json.loads((DATA / "mtp" / "summary.json").read_text())["spec_decode"]
+    assert (accepted, drafted) == (summary["accepted"], summary["drafts"]) == (13006, 37489)
+    assert all(s.fields["draft_tokens"] == s.fields["draft_tokens_pos0"] for s in spec)  # k = 1
+    assert not any("draft_tokens_pos1" in s.fields for s in spec)
+    assert metrics.scalars()["spec_acceptance"] == pytest.approx(accepted / drafted)
+    assert 0.3 < accepted / drafted < 0.4
+
+
 def test_throttle_time_is_the_detector_time_inside_the_replay() -> None:
     """The control recording has one power-cap episode during the replay (summary: 45.1 s throttled)."""
     metrics, samples = _fold(DATA / "control" / "spool.lp.gz")

@@ -165,3 +165,21 @@ def test_hash_ids_that_do_not_cover_the_prompt_are_refused() -> None:
         p.prompt_ids(spec(600, (1,)))
     with pytest.raises(ValueError, match="do not cover"):
         p.prompt_ids(spec(100, (1, 2)))
+
+
+@pytest.mark.parametrize("hash_ids", [(), (7, 8, 9)])
+@pytest.mark.parametrize("limit", [1, 511, 512, 513, 1500, 5000])
+def test_a_limited_prompt_is_the_full_prompts_head(hash_ids: tuple[int, ...], limit: int) -> None:
+    p = PromptSynth(32_000, seed=4)
+    full = p.prompt_ids(spec(1500, hash_ids))
+    assert p.prompt_ids(spec(1500, hash_ids), limit=limit) == full[:limit]
+
+
+def test_a_huge_row_sent_to_a_short_context_builds_only_what_is_sent() -> None:
+    # 2^25 tokens in 2^15 blocks: built whole that is 33M ids (over a GB as a list) before the clip.
+    n = 1 << 25
+    big = spec(n, tuple(range(n // 1024)), block_size=1024)
+    ids = PromptSynth(32_000, seed=4).prompt_ids(big, limit=4096)
+    assert len(ids) == 4096 and ids == PromptSynth(32_000, seed=4).prompt_ids(
+        spec(4096, (0, 1, 2, 3), block_size=1024)
+    )

@@ -113,3 +113,20 @@ def test_quantiles_stay_exact_then_bounded_and_within_the_error() -> None:
     for v in (0.0, 0.0, 0.0, 1e-9):
         zero.add(v)
     assert zero.percentile(50) == 0.0 and zero.percentile(100) == 1e-9
+
+
+def _strict(text: str) -> object:
+    """json.loads that refuses NaN / Infinity, as JavaScript, jq and Go do."""
+
+    def refuse(token: str) -> object:
+        raise ValueError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_figure_that_could_not_be_measured_is_null_in_the_written_json(tmp_path: Path) -> None:
+    doc = {"ttft": {"p99_ms": float("nan"), "max_ms": float("inf")}, "rows": [1.5, float("-inf")], "n": 3}
+    path = tmp_path / "verdict.json"
+    write_json_atomic(path, doc)
+    expected = {"ttft": {"p99_ms": None, "max_ms": None}, "rows": [1.5, None], "n": 3}
+    assert _strict(path.read_text()) == expected

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from soakd.config import EngineConfig
+from soakd.config import MAX_MODEL_LEN, MAX_VOCAB, EngineConfig
 from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
 from soakd.engine.stats import StepStats, copy_spec_steps
 from soakd.engine.vllm_local import config_id
@@ -39,7 +39,7 @@ _CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 # SentencePiece vocabulary has at least this many ids, so prompts stay valid (if less varied).
 FALLBACK_VOCAB = 256
 # Ids probed up to this bound; a server accepting even this one does not check ids at all.
-_PROBE_LIMIT = 1 << 24
+_PROBE_LIMIT = MAX_VOCAB
 _ERROR_CHARS = 160
 _BODY_CHARS = 4096
 # Validation messages can echo the request's input; nothing from there on is kept.
@@ -182,9 +182,11 @@ class OpenAIEngine:
             raise EngineError(f"server at {shown} does not serve {wanted!r} (it serves: {names})")
         self._model = str(card["id"])
         max_len = card.get("max_model_len")
-        if isinstance(max_len, int) and max_len > 0:
+        if isinstance(max_len, int) and 0 < max_len <= MAX_MODEL_LEN:
             details["max_model_len_source"] = "/v1/models"
         else:
+            if max_len is not None:  # a context no model has: prompts would be sized by it
+                log.warning("max_model_len_implausible", reported=str(max_len)[:40], limit=MAX_MODEL_LEN)
             max_len = self._cfg.max_model_len
             details["max_model_len_source"] = "engine.max_model_len (the server does not say)"
         version_doc = await self._get_json("/version")
@@ -228,9 +230,13 @@ class OpenAIEngine:
             if isinstance(added, dict):
                 reserved = tuple(sorted(int(k) for k in added if str(k).isdigit()))
             declared = info.get("vocab_size")
-            if vocab is None and isinstance(declared, int) and declared > 0:
+            if vocab is None and isinstance(declared, int) and 0 < declared <= MAX_VOCAB:
                 vocab = declared
                 details["vocab_source"] = "/tokenizer_info"
+            elif vocab is None and declared is not None:
+                # Not a tokenizer's (the largest are ~260k): prompts drawn from it would be refused,
+                # or sized by it. Found by probing instead, as for a server that says nothing.
+                log.warning("vocab_implausible", declared=str(declared)[:40], limit=MAX_VOCAB)
             details["reserved_ids_source"] = "/tokenizer_info added tokens"
         else:
             details["reserved_ids_source"] = (

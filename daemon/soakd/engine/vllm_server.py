@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import structlog
 
-from soakd.config import EngineConfig
+from soakd.config import MAX_VOCAB, EngineConfig
 from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.channel import SOCKET_ENV, StepChannel
 from soakd.engine.live_limit import reported_live
@@ -194,7 +194,7 @@ class VllmServerEngine:
     def _vocab_hint(self) -> int | None:
         """The model's vocabulary size from the plugin's hello (the engine's own model config)."""
         value = self._channel.facts().get("vocab_size") if self._channel is not None else None
-        return value if isinstance(value, int) and value > 0 else None
+        return value if isinstance(value, int) and 0 < value <= MAX_VOCAB else None
 
     async def _start_http(self, http: OpenAIEngine) -> None:
         """Wait for health, unless the server process exits first (then say why, from its log)."""

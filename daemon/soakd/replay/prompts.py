@@ -64,31 +64,33 @@ class PromptSynth:
         self._cache: OrderedDict[tuple[int, int, int], _Tokens] = OrderedDict()
         self._cached_tokens = 0
 
-    def prompt_ids(self, spec: RequestSpec, salt: int = 0) -> list[int]:
-        """Exactly `spec.input_tokens` token ids; the same for the same (seed, salt, spec) anywhere.
+    def prompt_ids(self, spec: RequestSpec, salt: int = 0, limit: int | None = None) -> list[int]:
+        """Exactly `spec.input_tokens` token ids (the first `limit` of them when given); the same for the
+        same (seed, salt, spec) anywhere.
 
         `salt` changes every block (e.g. per replay loop, to defeat the prefix cache across loops).
+        `limit` builds only the blocks the clipped prompt needs: a trace row of 2^25 tokens sent to a
+        model of 32k builds 32k ids, not a gigabyte of them.
         """
         size = spec.block_size
         if size < 1 or spec.input_tokens < 1:
             raise ValueError(f"request {spec.index}: block_size and input_tokens must be >= 1")
+        if spec.hash_ids and not 1 <= spec.input_tokens - (len(spec.hash_ids) - 1) * size <= size:
+            raise ValueError(
+                f"request {spec.index}: {len(spec.hash_ids)} hash_ids of {size} tokens "
+                f"do not cover {spec.input_tokens} tokens"
+            )
+        n = spec.input_tokens if limit is None else max(1, min(spec.input_tokens, limit))
+        blocks = blocks_needed(n, size)
         if spec.hash_ids:
-            last = spec.input_tokens - (len(spec.hash_ids) - 1) * size
-            if not 1 <= last <= size:
-                raise ValueError(
-                    f"request {spec.index}: {len(spec.hash_ids)} hash_ids of {size} tokens "
-                    f"do not cover {spec.input_tokens} tokens"
-                )
-            parts = [self._shared(block_id, size, salt) for block_id in spec.hash_ids]
+            parts = [self._shared(block_id, size, salt) for block_id in spec.hash_ids[:blocks]]
         else:
-            blocks = blocks_needed(spec.input_tokens, size)
-            last = spec.input_tokens - (blocks - 1) * size
             # Unique content is never seen again with this salt, so caching it would only evict prefixes.
             parts = [
                 self._block([self._seed, _natural(salt), _UNIQUE, _natural(spec.index), j], size)
                 for j in range(blocks)
             ]
-        parts[-1] = parts[-1][:last]
+        parts[-1] = parts[-1][: n - (blocks - 1) * size]
         ids: list[int] = np.concatenate(parts).tolist()
         return ids
 

@@ -509,18 +509,17 @@ class Replayer:
         """The prompt token ids of a request, clipped to leave room for its output."""
         spec = item.spec
         out_tokens = min(spec.output_tokens, self._max_model_len - 1)
+        room = self._max_model_len - out_tokens
+        if spec.input_tokens > room:
+            self.stats.clipped += 1
         # Each loop and each rate-scale copy is its own traffic: salted apart, prefixes shared within.
-        ids = self._prompts.prompt_ids(spec, salt=item.loop + (spec.copy << 32))
+        ids = self._prompts.prompt_ids(spec, salt=item.loop + (spec.copy << 32), limit=room)
         if history is not None:
             # A later turn carries the conversation as it really went: the previous prompt and the
             # answer the engine gave, whose KV blocks the prefix cache holds, as in a live chat. The
             # trace's length is kept; only the part the history covers is replaced.
             n = min(len(history), len(ids))
             ids[:n] = history[:n].tolist()
-        room = self._max_model_len - out_tokens
-        if len(ids) > room:
-            ids = ids[:room]
-            self.stats.clipped += 1
         return ids
 
     async def _send(self, item: Scheduled, record: RequestRecord, ids: list[int], tail: _Tail | None) -> None:

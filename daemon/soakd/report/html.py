@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from soakd import __version__
-from soakd.files import write_private
+from soakd.files import json_text, write_private
 from soakd.report.series import ACTION_KINDS
 from soakd.sinks.spool import list_segments, open_segment
 
@@ -425,6 +425,6 @@ def render_html(doc: Mapping[str, Any]) -> str:
 def write_report(doc: Mapping[str, Any], html_path: Path | None, json_path: Path) -> None:
     """Render first, then write each file atomically (0600): nothing is half-written."""
     page = render_html(doc).encode("utf-8") if html_path is not None else None
-    write_private(json_path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode("utf-8"), fsync=True)
+    write_private(json_path, (json_text(doc, indent=1, sort_keys=True) + "\n").encode("utf-8"), fsync=True)
     if html_path is not None and page is not None:
         write_private(html_path, page, fsync=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -10,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from soakd.files import json_text
 from soakd.report.criteria import CriterionResult, RequestSummary
 
 VERDICT_FILE = "verdict.json"
@@ -96,7 +96,7 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True, default=str)
+            fh.write(json_text(data, indent=2, sort_keys=True, default=str))
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
