@@ -279,10 +279,10 @@ class Replayer:
         t0 = self._t0 = self._clock.monotonic()
         wall0 = self._wall0 = self._clock.wall_ns()
         stop_wait = asyncio.create_task(self._stop.wait())
-        end = t0 + self._duration_s if self._duration_s is not None else None
+        ends_at = t0 + self._duration_s if self._duration_s is not None else None
         try:
             for item in self._iterate():
-                if end is not None and self._clock.monotonic() >= end:
+                if ends_at is not None and self._clock.monotonic() >= ends_at:
                     # Behind schedule at the run's end (an engine or a host that cannot keep the pace):
                     # the requests still owed are not sent after the duration, the run ends on time.
                     break
