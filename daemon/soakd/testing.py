@@ -1,9 +1,27 @@
-"""Fakes for tests of soakd and of code built on it: clocks that tests move by hand. (The replay's
-virtual-time clock, which wakes sleepers in order, is soakd.replay.clock.FakeClock.)"""
+"""Fakes for tests of soakd and of code built on it: clocks that tests move by hand, and an HTTP app
+served on a free loopback port. (The replay's virtual-time clock, which wakes sleepers in order, is
+soakd.replay.clock.FakeClock.)"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """`app` on 127.0.0.1 at a port the kernel picks; yields its base URL ("http://127.0.0.1:PORT"), and
+    closes every connection when the block ends."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
 
 
 class ManualClock:
