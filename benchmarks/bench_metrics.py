@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "daemon"))
 
 from soakd.config import CriteriaConfig  # noqa: E402
+from soakd.judge.criteria import evaluate  # noqa: E402
+from soakd.judge.metrics import METRIC_MEASUREMENTS, RunMetrics  # noqa: E402
 from soakd.metric import Sample, parse_line  # noqa: E402
-from soakd.report.criteria import evaluate  # noqa: E402
-from soakd.report.metrics import METRIC_MEASUREMENTS, RunMetrics  # noqa: E402
 
 DATA = ROOT / "tests" / "data" / "h200"
 CHECKS = [

@@ -42,11 +42,15 @@ from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import Config, EngineConfig
-from soakd.control import LIMIT_FILE, ControlInputs, Controller, Slo, input_harm, input_throttled
+from soakd.control import ControlInputs, Controller, Slo, input_harm, input_throttled
 from soakd.engine.base import ACTIVE_SEQS_ENV, SIGNALS, Engine, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor, apply_change
 from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.errors import ConfigError, EngineError
+from soakd.files import write_json_atomic
+from soakd.judge.criteria import first_abort, run_context
+from soakd.judge.metrics import RunMetrics
+from soakd.judge.verdict import Verdict, lost_in_flight
 from soakd.logs import bind
 from soakd.loopwatch import LoopWatch
 from soakd.metric import FieldValue, Sample
@@ -60,12 +64,8 @@ from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
-from soakd.report.criteria import first_abort, run_context
-from soakd.report.metrics import RunMetrics
-from soakd.report.runs import META_FILE, SPOOL_DIR, SUMMARY_FILE, verdict_of
-from soakd.report.verdict import VERDICT_FILE, Verdict, lost_in_flight, write_json_atomic
+from soakd.report.runs import verdict_of
 from soakd.resume import (
-    JOURNAL_FILE,
     Checkpoint,
     DueJournal,
     Interruption,
@@ -74,6 +74,15 @@ from soakd.resume import (
     fingerprint,
     load_state,
     shifted,
+)
+from soakd.rundir import (
+    JOURNAL_FILE,
+    LIMIT_FILE,
+    META_FILE,
+    SNAPSHOT_FILE,
+    SPOOL_DIR,
+    SUMMARY_FILE,
+    VERDICT_FILE,
 )
 from soakd.shapes import effective_load_format
 from soakd.sinks.forwarder import Forwarder
@@ -184,9 +193,6 @@ class RunResult:
 
 
 ProgressFn = Callable[[float, float, ReplayStats], None]
-
-
-SNAPSHOT_FILE = "snapshot.json"
 
 
 def resolve_model(cfg: Config) -> str:

@@ -68,7 +68,7 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
 
 
 def _duration(text: str) -> float:
-    from soakd.config import parse_duration
+    from soakd.units import parse_duration
 
     try:
         # A bare number on the command line is seconds ("85"), like "85s".
@@ -337,7 +337,7 @@ def _load_config(path: Path | None, overrides: dict[str, Any]) -> Any:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from soakd.app import Soak
-    from soakd.report.progress import Progress
+    from soakd.progress import Progress
 
     overrides = dict(args.overrides)
     if args.trace:
@@ -379,9 +379,9 @@ def _report_after_run(run_dir: Path) -> None:
     is stopped by now; a report that cannot be made is logged and leaves the exit code alone."""
     import time
 
-    from soakd.report.html import REPORT_HTML, REPORT_JSON, build_doc, write_report
-    from soakd.report.runs import META_FILE, fold_spool, read_json
-    from soakd.report.verdict import VERDICT_FILE
+    from soakd.report.html import build_doc, write_report
+    from soakd.report.runs import fold_spool, read_json
+    from soakd.rundir import META_FILE, REPORT_HTML, REPORT_JSON, VERDICT_FILE
 
     t0 = time.monotonic()
     try:
@@ -448,7 +448,7 @@ def _hardware_lines(summary: dict[str, Any]) -> list[str]:
 
 def _report_paths(args: argparse.Namespace, run_dir: Path) -> tuple[Path | None, Path] | None:
     """Where the report goes (HTML, JSON); checked before anything is written."""
-    from soakd.report.html import REPORT_HTML, REPORT_JSON
+    from soakd.rundir import REPORT_HTML, REPORT_JSON
 
     if args.no_report and (args.html or args.report_json or args.no_html):
         raise UsageError("--no-report with --html, --report-json or --no-html: which is it?")
@@ -481,7 +481,8 @@ def _verify_digest(run_dir: Path, expected: str) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from soakd import config
-    from soakd.report.runs import META_FILE, find_run, judge, read_json
+    from soakd.report.runs import find_run, judge, read_json
+    from soakd.rundir import META_FILE, SUMMARY_FILE
 
     base = _load_config(args.config, {}) if args.config else config.load(None)
     run_dir = find_run(args.run, base.resolve(base.run.output_dir))
@@ -501,7 +502,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
             file=run_dir / META_FILE,
         ) from None
     criteria = judged_by.criteria
-    summary_path = run_dir / "summary.json"
+    summary_path = run_dir / SUMMARY_FILE
     summary = read_json(summary_path) if summary_path.exists() else {}
     planned = float(meta["config"]["run"]["duration"])
     # A run that never wrote its summary died before the end: judge it as interrupted, at the replay
@@ -546,7 +547,8 @@ def _read_run(args: argparse.Namespace, run_dir: Path, meta: dict[str, Any], cfg
     """The run's metrics and the report's series, from the spool or (--from-influx) InfluxDB."""
     import time
 
-    from soakd.report.runs import META_FILE, fold_run, fold_spool
+    from soakd.report.runs import fold_run, fold_spool
+    from soakd.rundir import META_FILE
 
     if not args.from_influx:
         return fold_spool(run_dir)
@@ -568,7 +570,7 @@ def _read_run(args: argparse.Namespace, run_dir: Path, meta: dict[str, Any], cfg
 
 async def _ship(cfg: Any, run_dir: Path) -> tuple[int, int]:
     """Ship what the spool still holds: (lines InfluxDB took, lines it refused)."""
-    from soakd.report.runs import SPOOL_DIR
+    from soakd.rundir import SPOOL_DIR
     from soakd.sinks.forwarder import Forwarder
     from soakd.sinks.influx import make_writer
 

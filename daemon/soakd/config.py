@@ -6,7 +6,6 @@ run begins, never in the loop. Relative paths are resolved against the config fi
 
 from __future__ import annotations
 
-import math
 import re
 import tomllib
 from collections.abc import Sequence
@@ -27,13 +26,10 @@ from pydantic import (
 
 from soakd.errors import ConfigError
 from soakd.files import not_a_regular_file
+from soakd.judge.dsl import validate
+from soakd.units import MAX_DURATION_S, parse_duration
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_CONFIG_BYTES = 1 << 20
-MAX_DURATION_S = 366 * 86400.0
-"""Every duration and interval: a soak of a year is far beyond any use, and a bound keeps sleeps, timers
-and the JSON that records them finite."""
 # Bounds of the values that size memory or loops (each justified where used): token counts a model can
 # hold, request counts a night can carry.
 MAX_TOKENS = 1 << 20
@@ -44,35 +40,6 @@ MAX_VOCAB = 1 << 22
 """The largest vocabularies in use are ~262k tokens; a prompt is built from a table of this size."""
 MAX_MODEL_LEN = 16 * MAX_TOKENS
 """A context window: beyond the longest any model has (10M tokens)."""
-
-
-def parse_duration(value: object) -> float:
-    """Seconds from a number or a string such as "90s", "10m", "8h", "1h30m", "250ms"."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 90s, 10m or 8h")
-    if isinstance(value, int | float):
-        if not math.isfinite(value):
-            raise ValueError("a duration must be a finite number of seconds")
-        if value < 0:
-            raise ValueError("a duration cannot be negative")
-        if value > MAX_DURATION_S:
-            raise ValueError(f"a duration is at most {MAX_DURATION_S / 86400:.0f} days")
-        return float(value)
-    if not isinstance(value, str):
-        raise ValueError("expected a duration such as 90s, 10m or 8h")
-    text = value.strip().replace(" ", "")
-    pos = 0
-    total = 0.0
-    for match in _DURATION_PART.finditer(text):
-        if match.start() != pos:
-            break
-        total += float(match.group(1)) * _UNIT_S[match.group(2)]
-        pos = match.end()
-    if pos != len(text) or not text:
-        raise ValueError(f"{value!r} is not a duration (examples: 90s, 10m, 8h, 1h30m)")
-    if total > MAX_DURATION_S:
-        raise ValueError(f"a duration is at most {MAX_DURATION_S / 86400:.0f} days")
-    return total
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
@@ -493,8 +460,6 @@ Millis = Annotated[float, Field(gt=0, le=MAX_DURATION_S * 1000)] | Literal[False
 
 
 def _check_expr(text: str) -> str:
-    from soakd.report.dsl import validate  # the criteria language imports this module
-
     return validate(text)
 
 
@@ -508,7 +473,7 @@ class CriteriaConfig(_Section):
     # Daemon crashes resumed during the run. Each one restarted the engine, so the soak did not show
     # `run.duration` of continuous serving: by default an interrupted soak cannot pass.
     max_interruptions: Annotated[int, Field(ge=0, le=1_000_000)] | Literal[False] = 0
-    # k6-threshold-style lines over the run's metrics, e.g. "p99(ttft_ms) < 500" (soakd.report.dsl).
+    # k6-threshold-style lines over the run's metrics, e.g. "p99(ttft_ms) < 500" (soakd.judge.dsl).
     checks: list[Annotated[str, AfterValidator(_check_expr)]] = Field(default_factory=list)
     # Checks judged during the run too (k6's abortOnFail): once one fails, past `abort_grace` of replay,
     # the run stops early (drained, FAIL, exit 3) instead of spending the night on a soak that cannot pass.

@@ -38,12 +38,10 @@ from soakd.policies.downscale import (
 )
 from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
 from soakd.policies.throttle import ThroughputJudge, ThroughputSettings, worst_harm
+from soakd.rundir import CONTROL_STATE_FILE
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-
-STATE_FILE = "control-state.json"
-LIMIT_FILE = "active-seqs"
 
 
 @dataclass(slots=True)
@@ -109,7 +107,7 @@ class Controller:
         self.actuator = actuator
         self._wall = wall
         self.slo = slo or Slo()
-        self.state_path = run_dir / STATE_FILE
+        self.state_path = run_dir / CONTROL_STATE_FILE
         b = cfg.batch
         self.batch = BatchPolicy(
             BatchSettings(
@@ -542,7 +540,7 @@ def input_harm(
 def state_of(path: Path) -> dict[str, Any] | None:
     """The saved controller state of a run directory, or None."""
     try:
-        data = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        data = json.loads((path / CONTROL_STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +77,20 @@ def json_text(data: Any, **kwargs: Any) -> str:
     """JSON that every parser reads: a NaN or infinity (a figure that could not be measured, such as a
     percentile of nothing) becomes null, never Python's bare NaN / Infinity tokens."""
     return json.dumps(_finite(data), allow_nan=False, **kwargs)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON so that a reader sees the old file or the whole new one, never half of it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json_text(data, indent=2, sort_keys=True, default=str))
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        # mkstemp creates 0600, which run files keep: they sit in the run's 0700 directory and may name
+        # hosts, models and traffic; reviewers read them as the service user.
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from soakd import config
 from soakd.errors import ConfigError, UsageError
+from soakd.files import write_json_atomic
 from soakd.report.compare import (
     DEFAULT_TOLERANCE_PCT,
     compare_metrics,
@@ -37,9 +38,8 @@ from soakd.report.compare import (
     fmt_value,
     trace_warning,
 )
-from soakd.report.metrics import load_metrics
-from soakd.report.runs import META_FILE, read_json
-from soakd.report.verdict import VERDICT_FILE, write_json_atomic
+from soakd.report.runs import load_metrics, read_json
+from soakd.rundir import META_FILE, VERDICT_FILE
 
 log = structlog.get_logger(__name__)
 

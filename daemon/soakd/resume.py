@@ -27,17 +27,15 @@ from typing import Any
 
 import structlog
 
-from soakd.files import open_private_append
+from soakd.files import open_private_append, write_json_atomic
+from soakd.judge.metrics import METRIC_MEASUREMENTS, RunMetrics
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled
-from soakd.report.metrics import METRIC_MEASUREMENTS, RunMetrics
-from soakd.report.runs import CHECKPOINT_FILE, SPOOL_DIR, SUMMARY_FILE
-from soakd.report.verdict import write_json_atomic
+from soakd.rundir import CHECKPOINT_FILE, JOURNAL_FILE, SPOOL_DIR, SUMMARY_FILE
 from soakd.sinks.spool import iter_lines, list_segments
 
 log = structlog.get_logger(__name__)
 
-JOURNAL_FILE = "replay.journal"
 
 RequestKey = tuple[int, int, int]
 """(loop, trace index, rate-scale copy): one scheduled request of a run."""

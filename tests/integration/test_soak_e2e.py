@@ -32,7 +32,8 @@ from conftest import InfluxStarter
 from servers import Server, finish_soakd, start_soakd
 
 from soakd.metric import parse_line
-from soakd.resume import JOURNAL_FILE, read_journal
+from soakd.resume import read_journal
+from soakd.rundir import JOURNAL_FILE
 from soakd.sinks.spool import iter_samples
 
 pytestmark = pytest.mark.integration

@@ -19,6 +19,7 @@ from soakd.collectors.allocator import AllocatorCollector, server_rpc, validate_
 from soakd.collectors.base import RefreshingCollector
 from soakd.engine.worker_ext import SoakdWorkerExtension, cuda_fields, memory_stats, request_amx
 from soakd.errors import CollectorError
+from soakd.testing import serving
 
 GiB = 1 << 30
 
@@ -291,15 +292,8 @@ async def fake_server() -> AsyncIterator[tuple[str, dict[str, Any]]]:
 
     app = web.Application()
     app.router.add_post("/collective_rpc", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}/", state
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url + "/", state
 
 
 async def test_server_rpc_posts_the_method_and_returns_results(

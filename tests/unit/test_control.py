@@ -12,12 +12,13 @@ from typing import Any, cast
 import pytest
 
 from soakd.config import ControlConfig, EngineChange, load
-from soakd.control import LIMIT_FILE, STATE_FILE, ControlInputs, Controller, Slo, input_harm, input_throttled
+from soakd.control import ControlInputs, Controller, Slo, input_harm, input_throttled
 from soakd.engine.base import EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import EngineError
 from soakd.policies.actuator import Actuator
 from soakd.replay.admission import AdmissionGate
+from soakd.rundir import CONTROL_STATE_FILE, LIMIT_FILE
 
 
 @dataclass
@@ -167,7 +168,7 @@ def test_harm_lowers_gate_and_engine_limit_and_a_trial_that_does_not_pay_is_reve
     assert len(events) == 3 and ctrl.batch.reverted == 1
     summary = ctrl.summary()
     assert summary["reverted"] == 1 and summary["kept"] == 0 and set(summary["levels"]) == {"16", "12"}
-    assert '"blocked": {"12"' in (tmp_path / STATE_FILE).read_text()
+    assert '"blocked": {"12"' in (tmp_path / CONTROL_STATE_FILE).read_text()
 
 
 def test_a_trial_that_pays_is_kept_and_the_ceiling_returns_once_the_harm_is_gone(tmp_path: Path) -> None:
@@ -215,7 +216,7 @@ def test_state_survives_a_restart_and_the_ceiling_is_restored(tmp_path: Path) ->
 
 
 def test_torn_state_file_starts_afresh(tmp_path: Path) -> None:
-    (tmp_path / STATE_FILE).write_text('{"batch": ')
+    (tmp_path / CONTROL_STATE_FILE).write_text('{"batch": ')
     ctrl, *_ = make(tmp_path, BATCH)
     assert not ctrl.restored and ctrl.batch.limit == 16
 

@@ -15,12 +15,12 @@ import pytest
 
 from soakd.config import CriteriaConfig, load
 from soakd.errors import ConfigError
+from soakd.judge import dsl
+from soakd.judge.criteria import evaluate
+from soakd.judge.dsl import parse_check
+from soakd.judge.metrics import SERIES, RunMetrics
 from soakd.metric import Sample, parse_line
-from soakd.report import dsl
-from soakd.report.criteria import evaluate
-from soakd.report.dsl import parse_check
-from soakd.report.metrics import SERIES, RunMetrics, load_metrics
-from soakd.report.runs import judge
+from soakd.report.runs import judge, load_metrics
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "h200"
 T0 = 1_800_000_000 * 10**9

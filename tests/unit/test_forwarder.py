@@ -17,6 +17,7 @@ from soakd.metric import Sample
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.influx import V1Writer, V2Writer, make_writer
 from soakd.sinks.spool import Spool, iter_lines
+from soakd.testing import ManualTime
 
 
 class MemoryWriter:
@@ -43,21 +44,6 @@ class MemoryWriter:
 
     async def aclose(self) -> None:
         return None
-
-
-class FakeTime:
-    """A monotonic clock and a sleep that advances it, so timeouts run instantly."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.sleeps: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
 
 
 def _fill(spool: Spool, start: int, n: int) -> None:
@@ -172,7 +158,7 @@ async def test_outage_keeps_cursor_loses_nothing_and_reports_events(tmp_path: Pa
     _fill(spool, 0, 50)
     writer = MemoryWriter()
     events: list[tuple[str, dict[str, float | int | str]]] = []
-    clock = FakeTime()
+    clock = ManualTime(100.0)
     fwd = Forwarder(
         tmp_path, writer, batch_lines=40, on_event=lambda k, f: events.append((k, f)), clock=clock
     )
@@ -233,7 +219,7 @@ async def test_outage_at_the_first_attempt_is_reported(tmp_path: Path) -> None:
 async def test_drain_backs_off_and_recovers(tmp_path: Path) -> None:
     spool = Spool(tmp_path, segment_bytes=4096, fsync_interval_s=1.0)
     _fill(spool, 0, 100)
-    clock = FakeTime()
+    clock = ManualTime(100.0)
     writer = MemoryWriter(fail_next=6)
     fwd = Forwarder(
         tmp_path,
@@ -253,7 +239,7 @@ async def test_drain_backs_off_and_recovers(tmp_path: Path) -> None:
 async def test_drain_gives_up_at_timeout(tmp_path: Path) -> None:
     spool = Spool(tmp_path, segment_bytes=4096, fsync_interval_s=1.0)
     _fill(spool, 0, 10)
-    clock = FakeTime()
+    clock = ManualTime(100.0)
     writer = MemoryWriter(fail_next=10**9)
     fwd = Forwarder(tmp_path, writer, batch_lines=30, sleep=clock.sleep, clock=clock, backoff_max_s=2.0)
     assert not await fwd.drain(timeout_s=10.0)
@@ -479,7 +465,7 @@ async def test_backlog_reads_only_what_was_appended_since_the_last_look(tmp_path
 
 async def test_backlog_follows_shipping_outages_restarts_and_torn_tails(tmp_path: Path) -> None:
     spool = Spool(tmp_path, segment_bytes=2048, fsync_interval_s=1.0)
-    clock = FakeTime()
+    clock = ManualTime(100.0)
     writer = MemoryWriter()
     fwd = Forwarder(tmp_path, writer, batch_lines=33, clock=clock)
 
@@ -532,7 +518,7 @@ async def test_backlog_recounts_when_segments_are_deleted_by_hand(tmp_path: Path
 async def test_series_fields_report_backlog_age_and_counters(tmp_path: Path) -> None:
     spool = Spool(tmp_path, segment_bytes=4096, fsync_interval_s=1.0)
     _fill(spool, 0, 30)  # times 1000..1029 ns
-    clock = FakeTime()
+    clock = ManualTime(100.0)
     writer = MemoryWriter(fail_next=1)
     fwd = Forwarder(tmp_path, writer, batch_lines=20, clock=clock)
     assert await fwd.step() == 0
@@ -564,7 +550,7 @@ async def test_series_fields_report_backlog_age_and_counters(tmp_path: Path) -> 
 async def test_step_backs_off_exponentially_while_the_database_is_down(tmp_path: Path) -> None:
     spool = Spool(tmp_path, segment_bytes=4096, fsync_interval_s=1.0)
     _fill(spool, 0, 5)
-    clock = FakeTime()
+    clock = ManualTime(100.0)
     writer = MemoryWriter(fail_next=10**9)
     fwd = Forwarder(tmp_path, writer, batch_lines=10, clock=clock, backoff_initial_s=0.5, backoff_max_s=4.0)
     attempt_times: list[float] = []

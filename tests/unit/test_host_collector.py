@@ -298,8 +298,8 @@ def test_host_collector_reports_its_own_and_the_engines_cpu(tmp_path: Path) -> N
 
 
 def test_soakd_cpu_pct_sums_each_process_and_skips_the_gap_of_a_resume() -> None:
+    from soakd.judge.metrics import RunMetrics
     from soakd.metric import Sample
-    from soakd.report.metrics import RunMetrics
 
     m = RunMetrics()
     # First process: 10 s of CPU over 20 s. A crash, 30 s down; the resumed process starts with 25 s of

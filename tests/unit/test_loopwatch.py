@@ -76,7 +76,7 @@ def test_a_loop_held_up_is_saturated_then_ok_and_only_while_active() -> None:
 
 
 def test_saturated_is_not_said_while_not_judged_and_the_metric_sums_late_time() -> None:
-    from soakd.report.metrics import RunMetrics
+    from soakd.judge.metrics import RunMetrics
 
     events: list[str] = []
     active = [True]

@@ -26,43 +26,33 @@ from soakd.collectors.nvml import (
 )
 from soakd.collectors.nvml_record import record
 from soakd.metric import Sample
+from soakd.testing import ManualClock
 
 RECORDING = Path(__file__).resolve().parents[1] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
 FIELD_74_GROWTH_NS = 25_349_273_696  # last slow line's field 74 minus the first's (0)
-
-
-class FakeClock:
-    def __init__(self, t: float = 0.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
 
 
 # -- the real recording ----------------------------------------------------------------------------
 
 
 def _replay(interval_s: float = 5.0) -> list[Sample]:
-    clock = FakeClock()
+    clock = ManualClock()
     source = RecordedNvml(RECORDING, clock)
     col = NvmlCollector(source)
     per_point = round(interval_s * 10)
     points: list[Sample] = []
     k = 0
     while not source.finished:
-        clock.t = k * 0.1 + 0.05  # between recorded lines (t jitters by < 3 ms)
+        clock.now = k * 0.1 + 0.05  # between recorded lines (t jitters by < 3 ms)
         if source.finished:
             break
-        col.sample_fast(clock.t)
+        col.sample_fast(clock.now)
         if k % 10 == 0:
             col.sample_slow()
         k += 1
         if k % per_point == 0:
-            points.extend(col.collect(int(clock.t * 1e9)))
-    points.extend(col.collect(int(clock.t * 1e9)))
+            points.extend(col.collect(int(clock.now * 1e9)))
+    points.extend(col.collect(int(clock.now * 1e9)))
     return points
 
 
@@ -72,17 +62,17 @@ def points() -> list[Sample]:
 
 
 def test_recorded_source_reads_header_and_lines() -> None:
-    clock = FakeClock(100.0)
+    clock = ManualClock(100.0)
     src = RecordedNvml(RECORDING, clock)
     assert src.gpu_count() == 1 and src.driver_version() == "580.159.04"
     st = src.static(0)
     assert st.name == "NVIDIA H200" and st.max_sm_mhz == 1980 and st.power_limit_mw == 700_000
     assert st.mem_total == 150_754_820_096
     assert src.fast(0)["reasons"] == 1 and src.slow(0)["fields"]["74"] == 0
-    clock.t += 180.0
+    clock.now += 180.0
     assert src.fast(0)["reasons"] == 4
     assert not src.finished
-    clock.t += 30.0
+    clock.now += 30.0
     assert src.finished
 
 
@@ -124,17 +114,17 @@ def test_no_field_is_none_and_every_point_is_writable(points: list[Sample]) -> N
 
 
 def test_collector_is_a_refreshing_collector() -> None:
-    col = NvmlCollector(RecordedNvml(RECORDING, FakeClock()))
+    col = NvmlCollector(RecordedNvml(RECORDING, ManualClock()))
     assert isinstance(col, RefreshingCollector) and col.name == "gpu"
 
 
 async def test_refresh_reads_the_slow_tier() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     src = RecordedNvml(RECORDING, clock)
     col = NvmlCollector(src)
     await col.refresh()
-    clock.t = 180.05
-    col.sample_fast(clock.t)
+    clock.now = 180.05
+    col.sample_fast(clock.now)
     await col.refresh()
     (p,) = col.collect(1)
     assert float(p.fields["throttle_power_s"]) > 1.0
@@ -590,9 +580,9 @@ def test_gpm_errors_turn_it_off_and_free_the_samples() -> None:
 
 
 def test_record_round_trip(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     orig = RecordedNvml(RECORDING, clock)
-    clock.t = 170.05  # idle, then the start of the burn; between recorded lines
+    clock.now = 170.05  # idle, then the start of the burn; between recorded lines
     out = tmp_path / "rec.jsonl.gz"
     counts = record(orig, 8.0, out, clock=clock, sleep=clock.sleep, wall_ns=lambda: 7)
     assert (counts.fast_samples, counts.slow_samples, counts.missed, counts.gpus) == (80, 8, 0, 1)
@@ -601,12 +591,12 @@ def test_record_round_trip(tmp_path: Path) -> None:
         header = json.loads(f.readline())["header"]
     assert header["driver"] == "580.159.04" and header["gpus"][0]["max_sm_mhz"] == 1980
 
-    clock2 = FakeClock()
+    clock2 = ManualClock()
     back = RecordedNvml(out, clock2)
     assert back.static(0) == orig.static(0)
     for k in range(80):
-        clock.t = 170.05 + k * 0.1 + 0.001
-        clock2.t = k * 0.1 + 0.001
+        clock.now = 170.05 + k * 0.1 + 0.001
+        clock2.now = k * 0.1 + 0.001
         assert back.fast(0) == orig.fast(0)
         if k % 10 == 0:
             assert back.slow(0) == orig.slow(0)
@@ -614,18 +604,18 @@ def test_record_round_trip(tmp_path: Path) -> None:
 
 
 def test_record_plain_jsonl_and_replays_through_the_collector(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     src = RecordedNvml(RECORDING, clock)
-    clock.t = 180.0
+    clock.now = 180.0
     out = tmp_path / "burn.jsonl"
     record(src, 3.0, out, fast_hz=10.0, slow_hz=2.0, clock=clock, sleep=clock.sleep)
     lines = out.read_text().splitlines()
     assert len(lines) == 31 and sum("fields" in line for line in lines) == 6
-    clock2 = FakeClock()
+    clock2 = ManualClock()
     col = NvmlCollector(RecordedNvml(out, clock2))
     for k in range(30):
-        clock2.t = k * 0.1 + 0.01
-        col.sample_fast(clock2.t)
+        clock2.now = k * 0.1 + 0.01
+        col.sample_fast(clock2.now)
         col.sample_slow()
     (p,) = col.collect(1)
     assert p.fields["reason_sw_power_cap_share"] == 1.0
@@ -634,7 +624,7 @@ def test_record_plain_jsonl_and_replays_through_the_collector(tmp_path: Path) ->
 
 
 def test_record_counts_missed_slots_when_reads_overrun(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     src = RecordedNvml(RECORDING, clock)
 
     class Slow:
@@ -642,7 +632,7 @@ def test_record_counts_missed_slots_when_reads_overrun(tmp_path: Path) -> None:
             return getattr(src, name)
 
         def fast(self, i: int) -> dict[str, Any]:
-            clock.t += 0.25  # a read that takes two and a half slots
+            clock.now += 0.25  # a read that takes two and a half slots
             return src.fast(i)
 
     counts = record(Slow(), 2.0, tmp_path / "r.jsonl", clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
@@ -650,7 +640,7 @@ def test_record_counts_missed_slots_when_reads_overrun(tmp_path: Path) -> None:
 
 
 def test_record_is_atomic(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     src = RecordedNvml(RECORDING, clock)
 
     class Failing:
@@ -658,7 +648,7 @@ def test_record_is_atomic(tmp_path: Path) -> None:
             return getattr(src, name)
 
         def slow(self, i: int) -> dict[str, Any]:
-            if clock.t > 2.0:
+            if clock.now > 2.0:
                 raise RuntimeError("GPU fell off the bus")
             return src.slow(i)
 

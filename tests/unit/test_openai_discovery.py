@@ -12,6 +12,7 @@ from aiohttp import web
 
 from soakd.config import EngineConfig
 from soakd.engine.openai_http import OpenAIEngine
+from soakd.testing import serving
 
 REAL_VOCAB = 3000
 
@@ -42,15 +43,8 @@ async def lying_server() -> AsyncIterator[str]:
     app.router.add_get("/version", version)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def test_a_vocabulary_and_context_no_model_has_are_not_believed(lying_server: str) -> None:

@@ -26,6 +26,7 @@ from soakd.collectors.prom import (
 )
 from soakd.errors import CollectorError
 from soakd.metric import Sample
+from soakd.testing import serving
 
 DATA = Path(__file__).parents[1] / "data" / "vllm_metrics"
 BEFORE = (DATA / "before.txt").read_text(encoding="utf-8")
@@ -360,18 +361,13 @@ async def metrics_server() -> AsyncIterator[Callable[[int, str], str]]:
 
     app = web.Application()
     app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    async with serving(app) as url:
 
-    def set_answer(status: int, body: str) -> str:
-        answer[0] = (status, body)
-        return f"http://127.0.0.1:{port}"
+        def set_answer(status: int, body: str) -> str:
+            answer[0] = (status, body)
+            return url
 
-    yield set_answer
-    await runner.cleanup()
+        yield set_answer
 
 
 async def test_http_fetch_reads_the_body(metrics_server: Callable[[int, str], str]) -> None:

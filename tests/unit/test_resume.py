@@ -21,7 +21,6 @@ from soakd.config import Config
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.resume import (
-    JOURNAL_FILE,
     Checkpoint,
     DueJournal,
     find_resumable,
@@ -30,6 +29,7 @@ from soakd.resume import (
     read_journal,
     shifted,
 )
+from soakd.rundir import JOURNAL_FILE
 from soakd.sinks.spool import Spool, iter_samples
 from soakd.traces.model import RequestSpec
 

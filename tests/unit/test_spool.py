@@ -8,6 +8,7 @@ import pytest
 
 from soakd.metric import Sample
 from soakd.sinks.spool import Spool, iter_lines, iter_samples
+from soakd.testing import ManualClock
 
 
 def _samples(n: int, start: int = 0, pad: int = 0) -> list[Sample]:
@@ -20,14 +21,6 @@ def _samples(n: int, start: int = 0, pad: int = 0) -> list[Sample]:
         )
         for i in range(start, start + n)
     ]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_rotation_by_size_keeps_lines_whole(tmp_path: Path) -> None:
@@ -76,7 +69,7 @@ def test_samples_without_values_are_skipped(tmp_path: Path) -> None:
 
 
 def test_fsync_is_batched_by_interval(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     spool = Spool(tmp_path, segment_bytes=1 << 20, fsync_interval_s=1.0, clock=clock)
     for i in range(1000):
         clock.now = i * 0.01  # a write every 10 ms for 10 s
@@ -90,7 +83,7 @@ def test_fsync_is_batched_by_interval(tmp_path: Path) -> None:
 
 def test_data_reaches_the_file_on_every_write(tmp_path: Path) -> None:
     # No fsync due yet, but a reader (the forwarder) already sees the whole batch.
-    clock = FakeClock()
+    clock = ManualClock()
     spool = Spool(tmp_path, segment_bytes=1 << 20, fsync_interval_s=60.0, clock=clock)
     spool.write(_samples(10))
     assert spool.fsyncs == 0

@@ -25,16 +25,9 @@ from soakd.metric import FieldValue, Sample
 from soakd.sinks import spool as spool_mod
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.spool import ESSENTIAL_MEASUREMENTS, Spool, iter_lines, iter_samples, list_segments
+from soakd.testing import ManualClock
 
 T0 = 1_700_000_000_000_000_000
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Disk:
@@ -84,7 +77,7 @@ def _ids(lines: list[str]) -> list[int]:
 
 def test_max_bytes_keeps_only_essential_lines_and_counts_the_rest(tmp_path: Path) -> None:
     events, on_event = _recorder()
-    spool = Spool(tmp_path, 1 << 20, 1.0, FakeClock(), max_bytes=2000, on_event=on_event)
+    spool = Spool(tmp_path, 1 << 20, 1.0, ManualClock(), max_bytes=2000, on_event=on_event)
     mix = ["gpu", "requests", "host", "events", "engine"]
     offered: Counter[str] = Counter()
     i = 0
@@ -117,7 +110,7 @@ def test_max_bytes_keeps_only_essential_lines_and_counts_the_rest(tmp_path: Path
 
 
 def test_low_free_space_degrades_and_recovers_once_space_returns(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     events, on_event = _recorder()
     # More free space than any disk has: statvfs (real) always reports less.
     spool = Spool(tmp_path, 1 << 20, 1.0, clock, min_free_bytes=1 << 62, on_event=on_event)
@@ -163,7 +156,7 @@ def test_free_space_is_read_once_a_second_or_per_mebibyte_not_per_write(
         return real(directory)
 
     monkeypatch.setattr(spool_mod, "fs_space", counting)
-    clock = FakeClock()
+    clock = ManualClock()
     spool = Spool(tmp_path, 64 << 20, 1.0, clock, min_free_bytes=1)
     for i in range(200):
         clock.now = i * 0.004  # 200 writes in 0.8 s
@@ -180,7 +173,7 @@ def test_free_space_is_read_once_a_second_or_per_mebibyte_not_per_write(
 
 
 def test_a_full_disk_cuts_the_failed_write_back_and_recovers(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     disk = Disk()
     events, on_event = _recorder()
     spool = Spool(tmp_path, 1 << 20, 1.0, clock, write_fn=disk, on_event=on_event)
@@ -225,7 +218,7 @@ def test_a_full_spool_tries_again_only_when_statvfs_shows_room_for_it(
 ) -> None:
     space = (0, 0)  # (free to anyone, free to this process): what statvfs would say
     monkeypatch.setattr(spool_mod, "fs_space", lambda directory: space)
-    clock = FakeClock()
+    clock = ManualClock()
     disk = Disk(room=0)
     spool = Spool(tmp_path, 1 << 20, 1.0, clock, write_fn=disk)
     spool.write(_batch(0, ["requests"]))
@@ -247,7 +240,7 @@ def test_a_full_spool_tries_again_only_when_statvfs_shows_room_for_it(
 )
 def test_other_write_errors_degrade_instead_of_raising(tmp_path: Path, error: int, reason: str) -> None:
     disk = Disk(room=0, error=error)
-    spool = Spool(tmp_path, 1 << 20, 1.0, FakeClock(), write_fn=disk)
+    spool = Spool(tmp_path, 1 << 20, 1.0, ManualClock(), write_fn=disk)
     assert spool.write(_batch(0, ["requests"])) == 0
     assert (_state(spool), spool.reason) == ("full", reason)
     assert spool.dropped == {"requests": 1}
@@ -255,7 +248,7 @@ def test_other_write_errors_degrade_instead_of_raising(tmp_path: Path, error: in
 
 
 def test_a_failed_truncate_moves_on_to_a_new_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     disk = Disk()
     spool = Spool(tmp_path, 1 << 20, 1.0, clock, write_fn=disk)
     spool.write(_batch(0, ["requests"] * 3))
@@ -283,7 +276,7 @@ def test_a_failed_truncate_moves_on_to_a_new_segment(tmp_path: Path, monkeypatch
 def test_a_failed_fsync_degrades_and_writing_resumes_in_a_new_segment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     spool = Spool(tmp_path, 200, 1.0, clock)
     spool.write(_batch(0, ["requests"] * 5))  # 5 x 40 bytes: a full segment
     first = spool.current_segment
@@ -307,7 +300,7 @@ def test_a_failed_fsync_degrades_and_writing_resumes_in_a_new_segment(
 
 
 def test_events_written_by_the_callback_go_through_the_same_spool(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     disk = Disk()
     spool = Spool(tmp_path, 1 << 20, 1.0, clock, write_fn=disk, max_bytes=1500)
     writer = SampleWriter(spool, {"run_id": "r"}, wall_ns=lambda: T0)
@@ -337,7 +330,7 @@ def test_events_written_by_the_callback_go_through_the_same_spool(tmp_path: Path
 
 
 def test_a_callback_that_keeps_changing_the_state_cannot_recurse(tmp_path: Path) -> None:
-    spool = Spool(tmp_path, 1 << 20, 1.0, FakeClock())
+    spool = Spool(tmp_path, 1 << 20, 1.0, ManualClock())
     calls: list[str] = []
 
     def flapping(kind: str, fields: dict[str, FieldValue]) -> None:
@@ -360,7 +353,7 @@ def test_a_failing_callback_does_not_break_the_write(tmp_path: Path) -> None:
     def broken(kind: str, fields: dict[str, FieldValue]) -> None:
         raise RuntimeError("listener bug")
 
-    spool = Spool(tmp_path, 1 << 20, 1.0, FakeClock(), max_bytes=1, on_event=broken)
+    spool = Spool(tmp_path, 1 << 20, 1.0, ManualClock(), max_bytes=1, on_event=broken)
     with capture_logs() as logs:
         assert spool.write(_batch(0, ["requests"])) == 1
         assert spool.write(_batch(1, ["requests"])) == 1  # past max_bytes: essential
@@ -410,7 +403,7 @@ def test_no_torn_duplicated_or_silently_lost_line_across_full_disks(
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        clock = FakeClock()
+        clock = ManualClock()
         disk = Disk()
         spool = Spool(directory, segment_bytes, 1.0, clock, write_fn=disk, max_bytes=max_bytes)
         writer = SampleWriter(spool, {}, wall_ns=lambda: T0)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from soakd.config import load
+from soakd.files import write_json_atomic
+from soakd.judge.criteria import evaluate, summarize
+from soakd.judge.verdict import make_verdict
 from soakd.metric import Sample
-from soakd.report.criteria import evaluate, summarize
-from soakd.report.verdict import make_verdict, write_json_atomic
 
 
 def req(status: str, ttft: float = 0.1, tpot: float = 0.01, error: str = "") -> Sample:
@@ -91,7 +92,7 @@ def test_an_interrupted_run_never_passes_the_duration_criterion() -> None:
 def test_quantiles_stay_exact_then_bounded_and_within_the_error() -> None:
     import numpy as np
 
-    from soakd.report.criteria import Quantiles
+    from soakd.judge.criteria import Quantiles
 
     rng = np.random.default_rng(5)
     values = rng.lognormal(-3.0, 1.0, size=200_000)  # latencies around 50 ms with a long tail

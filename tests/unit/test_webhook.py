@@ -33,6 +33,7 @@ from soakd.metric import Sample
 from soakd.policies.throttle import ThrottleDetector, ThrottleInput, counters_from_fields
 from soakd.sinks.spool import Spool, iter_samples
 from soakd.sinks.webhook import ALERTS_FILE, REJECTED_FILE, STATE_FILE, WebhookSink, make_sender
+from soakd.testing import ManualTime
 
 RECORDING = Path(__file__).parent.parent / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
 RUN_ID = "20261130T000000Z-soak-abcd"
@@ -91,20 +92,6 @@ async def receiver() -> Any:
     await rx.stop()
 
 
-class FakeTime:
-    """The sink's monotonic clock and sleep: backoff and re-send intervals pass instantly."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-        await asyncio.sleep(0)
-
-
 class Run:
     """A run's spool and event writer with a settable wall clock (seconds after T0)."""
 
@@ -132,7 +119,7 @@ class Run:
 
 
 def sink_for(
-    run: Run, clock: FakeTime, url: str, events: list[str] | None = None, **over: Any
+    run: Run, clock: ManualTime, url: str, events: list[str] | None = None, **over: Any
 ) -> WebhookSink:
     cfg = WebhookConfig(enabled=True, url=url, **{"resend_interval": 0.0, **over})
 
@@ -223,7 +210,7 @@ async def test_h200_throttle_episode_fires_then_resolves_the_same_labels(
     tmp_path: Path, receiver: Receiver
 ) -> None:
     run = Run(tmp_path)
-    clock = FakeTime()
+    clock = ManualTime(1000.0)
     sink = sink_for(run, clock, receiver.url, resend_interval=60.0)
     kinds = h200_throttle_episode(run)
     assert kinds == ["throttle_enter", "throttle_recovering", "throttle_leave"]
@@ -255,7 +242,7 @@ async def test_h200_throttle_episode_fires_then_resolves_the_same_labels(
 
 async def test_an_open_episode_is_sent_again_until_it_ends(tmp_path: Path, receiver: Receiver) -> None:
     run = Run(tmp_path)
-    clock = FakeTime()
+    clock = ManualTime(1000.0)
     sink = sink_for(run, clock, receiver.url, resend_interval=60.0)
     run.event("throttle_enter", "GPU 1: ok -> throttled (power cap)", gpu=1, reasons="sw_power_cap")
     run.event("engine_restart", "engine died (oom); restarted in 40 s", ok=1, restarts=1)
@@ -282,7 +269,7 @@ async def test_an_open_episode_is_sent_again_until_it_ends(tmp_path: Path, recei
 async def test_receiver_down_then_up_backfills_everything_in_order(tmp_path: Path) -> None:
     rx = Receiver()  # not started: its port refuses connections
     run = Run(tmp_path)
-    clock = FakeTime()
+    clock = ManualTime(1000.0)
     events: list[str] = []
     sink = sink_for(run, clock, rx.url, events)
     run.event("throttle_enter", "GPU 0: ok -> throttled", gpu=0)
@@ -335,7 +322,7 @@ async def test_restart_resumes_from_the_cursor_with_its_open_episodes(
     tmp_path: Path, receiver: Receiver
 ) -> None:
     run = Run(tmp_path)
-    clock = FakeTime()
+    clock = ManualTime(1000.0)
     first = sink_for(run, clock, receiver.url)
     run.event("spec_drift", "draft acceptance 41% is 30% below the run's first window", drift=-0.3)
     await first.tick(5.0)
@@ -381,7 +368,7 @@ async def test_bearer_token_from_credentials_is_sent_and_never_logged(
     creds.mkdir()
     (creds / "SOAKD_WEBHOOK_TOKEN").write_text(SECRET + "\n")
     run = Run(tmp_path)
-    clock = FakeTime()
+    clock = ManualTime(1000.0)
     cfg = WebhookConfig(
         enabled=True, url=receiver.url, format="webhook", external_url="http://grafana:3000/d/soak"
     )
@@ -428,7 +415,7 @@ async def test_bearer_token_from_credentials_is_sent_and_never_logged(
 
 async def test_basic_auth_and_a_refused_payload_is_set_aside(tmp_path: Path, receiver: Receiver) -> None:
     run = Run(tmp_path)
-    clock = FakeTime()
+    clock = ManualTime(1000.0)
     cfg = WebhookConfig(enabled=True, url=receiver.url, username="soakd", resend_interval=0.0)
     sink = WebhookSink(run.dir, make_sender(cfg, {"SOAKD_WEBHOOK_PASSWORD": "pw"}), cfg, clock=clock)
     receiver.statuses = [400]
@@ -509,7 +496,7 @@ def test_times_are_written_as_alertmanager_writes_them() -> None:
 
 async def test_a_run_stopped_on_purpose_is_a_warning_not_a_page(tmp_path: Path, receiver: Receiver) -> None:
     run = Run(tmp_path)
-    clock = FakeTime()
+    clock = ManualTime(1000.0)
     cfg = WebhookConfig(enabled=True, url=receiver.url, resend_interval=0.0)
     sink = WebhookSink(run.dir, make_sender(cfg, {}), cfg, clock=clock)
     run.verdict(passed=False, stopped=True)

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from soakd.judge.criteria import Quantiles
 from soakd.metric import FieldValue
 from soakd.probe import ModelBytes
-from soakd.report.criteria import Quantiles
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,11 +34,11 @@ from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import OPTIONAL_ARGS, SCHEDULER_CLS, config_id, engine_kwargs
 from soakd.errors import EngineError
 from soakd.files import open_private_append
+from soakd.rundir import ENGINE_LOG_FILE
 
 log = structlog.get_logger(__name__)
 
 StepSink = Callable[[StepStats], None]
-LOG_FILE = "engine-server.log"
 _HELLO_WAIT_S = 5.0
 _LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 # engine_kwargs keys that are not server flags (the model is positional or --model; the logger is ours).
@@ -116,7 +116,7 @@ class VllmServerEngine:
         self._cfg = cfg
         self._model = model
         self._sink = step_sink
-        self._log_path = log_dir / LOG_FILE
+        self._log_path = log_dir / ENGINE_LOG_FILE
         self._proc: subprocess.Popen[bytes] | None = None
         self._http: OpenAIEngine | None = None
         self._channel: StepChannel | None = None

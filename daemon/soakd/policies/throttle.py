@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
-from soakd.collectors import nvml
+from soakd import nvml_fields
 from soakd.metric import counter_growth
 
 __all__ = [
@@ -61,12 +61,12 @@ HW_SLOWDOWN: Final = 0x8
 DISPLAY_CLOCK_SETTING: Final = 0x100
 
 # One definition of the bits and counters, shared with the NVML collector that reads them.
-REASON_BITS: Final[Mapping[int, str]] = dict(nvml.REASON_BITS)
+REASON_BITS: Final[Mapping[int, str]] = dict(nvml_fields.REASON_BITS)
 """Clock-event (throttle) reason bits of `nvmlDeviceGetCurrentClocksEventReasons`, by name."""
 
 BENIGN_REASONS: Final = GPU_IDLE | APPLICATIONS_CLOCKS_SETTING | DISPLAY_CLOCK_SETTING
 
-NVML_FIELD_COUNTERS: Final[Mapping[int, str]] = dict(nvml.THROTTLE_COUNTERS)
+NVML_FIELD_COUNTERS: Final[Mapping[int, str]] = dict(nvml_fields.THROTTLE_COUNTERS)
 """NVML field ids of the cumulative throttle-time counters (ns), by the counter names used here."""
 
 DEFAULT_ENTER_COUNTERS: Final = frozenset(

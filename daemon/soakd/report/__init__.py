@@ -1,1 +1,1 @@
-"""Report: the acceptance criteria, the verdict, and reading a finished run back."""
+"""Reading a finished run back: re-judging it from its folder, the sign-off report, comparisons."""

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from soakd.redact import redacted
-from soakd.report.metrics import load_metrics
-from soakd.report.runs import META_FILE, read_json
-from soakd.report.verdict import VERDICT_FILE
+from soakd.report.runs import load_metrics, read_json
+from soakd.rundir import META_FILE, VERDICT_FILE
 
 Direction = Literal["lower", "higher", "none"]
 Status = Literal["better", "worse", "same", "changed", "n/a"]
@@ -55,7 +54,7 @@ _CONFIG_NOISE = {"run.name", "run.output_dir", "run.host"}
 
 
 def direction(name: str) -> Direction:
-    """Which way is better for a metric of the criteria language's names (report.metrics); counts of
+    """Which way is better for a metric of the criteria language's names (judge.metrics); counts of
     what the trace or the controller made happen (requests, output_tokens, replay_s, engine_rebuilds,
     recaptures) have no better side."""
     if name in _HIGHER:

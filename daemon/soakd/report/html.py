@@ -22,12 +22,10 @@ from typing import Any
 from soakd import __version__
 from soakd.files import json_text, write_private
 from soakd.report.series import ACTION_KINDS
+from soakd.rundir import DIGEST_FILES, SPOOL_DIR
 from soakd.sinks.spool import list_segments, open_segment
 
-REPORT_HTML = "report.html"
-REPORT_JSON = "report.json"
 SCHEMA = 1
-DIGEST_FILES = ("meta.json", "verdict.json")
 _EVENT_ROWS = 400  # the HTML lists at most this many events; the JSON has them all
 
 
@@ -35,7 +33,7 @@ def data_digest(run_dir: Path) -> dict[str, Any]:
     """sha256 over the spool segments (in order), meta.json and verdict.json, and the files it covers."""
     h = hashlib.sha256()
     names: list[str] = []
-    paths = [*list_segments(run_dir / "spool"), *(run_dir / n for n in DIGEST_FILES)]
+    paths = [*list_segments(run_dir / SPOOL_DIR), *(run_dir / n for n in DIGEST_FILES)]
     total = 0
     for path in paths:
         try:

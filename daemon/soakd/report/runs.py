@@ -11,19 +11,16 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
-from soakd.files import not_a_regular_file
+from soakd.files import not_a_regular_file, write_json_atomic
+from soakd.judge.criteria import evaluate, run_context
+from soakd.judge.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
+from soakd.judge.verdict import Verdict, lost_in_flight, make_verdict
 from soakd.metric import Sample
-from soakd.report.criteria import evaluate, run_context
-from soakd.report.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
 from soakd.report.series import FIELDS, SeriesBuilder, spool_samples
-from soakd.report.verdict import VERDICT_FILE, Verdict, lost_in_flight, make_verdict, write_json_atomic
+from soakd.rundir import CHECKPOINT_FILE, SPOOL_DIR, VERDICT_FILE
 from soakd.sinks.spool import iter_samples, list_segments, torn_tail_bytes
 
-META_FILE = "meta.json"
-SUMMARY_FILE = "summary.json"
 log = structlog.get_logger(__name__)
-
-SPOOL_DIR = "spool"
 
 
 def _union(*maps: dict[str, tuple[str, ...] | None]) -> dict[str, tuple[str, ...] | None]:
@@ -37,10 +34,6 @@ def _union(*maps: dict[str, tuple[str, ...] | None]) -> dict[str, tuple[str, ...
 
 # What a report reads: the plotted series and the verdict's metrics.
 READ_FIELDS = _union(FIELDS, METRIC_FIELDS)
-
-
-# Written by soakd.resume (which imports this module, hence the name here).
-CHECKPOINT_FILE = "checkpoint.json"
 
 
 def find_run(arg: str, output_dir: Path) -> Path:
@@ -204,3 +197,15 @@ def fold_spool(run_dir: Path) -> tuple[RunMetrics, SeriesBuilder]:
     folded = fold_run(spool_samples(run_dir / SPOOL_DIR, READ_FIELDS, on_damaged=damaged_line))
     warn_torn_tails(run_dir / SPOOL_DIR)
     return folded
+
+
+def load_metrics(run_dir: Path) -> dict[str, float | None]:
+    """A finished run's metrics: verdict.json's `metrics` when it has them, else folded from the spool."""
+    try:
+        data = json.loads((run_dir / VERDICT_FILE).read_text(encoding="utf-8"))
+        metrics = data.get("metrics") if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        metrics = None
+    if isinstance(metrics, dict):
+        return {str(k): float(v) if isinstance(v, int | float) else None for k, v in metrics.items()}
+    return RunMetrics().add_all(iter_samples(run_dir / SPOOL_DIR, METRIC_MEASUREMENTS)).scalars()

@@ -46,7 +46,7 @@ from soakd.config import WebhookConfig
 from soakd.errors import ConfigError, SinkError
 from soakd.files import open_private_append, write_private
 from soakd.metric import FieldValue, Sample, parse_line
-from soakd.report.verdict import VERDICT_FILE
+from soakd.rundir import VERDICT_FILE
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.influx import read_secret
 

@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, AnyStr
 
 from soakd.errors import TraceError
 
@@ -33,29 +33,16 @@ caches whole blocks, so this bounds its memory per block."""
 _TOO_LONG = f"line longer than {MAX_ROW_BYTES >> 20} MiB: not a trace row"
 
 
-def bounded_lines(fh: IO[bytes], file: str) -> Iterator[bytes]:
-    """The lines of a binary stream, each read with a bounded buffer; a line over MAX_ROW_BYTES is a
-    TraceError naming its line."""
+def bounded_lines(fh: IO[AnyStr], file: str) -> Iterator[AnyStr]:
+    """The lines of a stream (binary, or text for the CSV readers), each read with a bounded buffer; a
+    line over MAX_ROW_BYTES (bytes or characters) is a TraceError naming its line."""
     number = 0
     while True:
-        raw = fh.readline(MAX_ROW_BYTES + 1)
-        if not raw:
-            return
-        number += 1
-        if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
-            raise TraceError(_TOO_LONG, file=file, line=number)
-        yield raw
-
-
-def bounded_text_lines(text: IO[str], file: str) -> Iterator[str]:
-    """The same for text (the CSV readers): a line over MAX_ROW_BYTES characters is a TraceError."""
-    number = 0
-    while True:
-        line = text.readline(MAX_ROW_BYTES + 1)
+        line = fh.readline(MAX_ROW_BYTES + 1)
         if not line:
             return
         number += 1
-        if len(line) > MAX_ROW_BYTES and not line.endswith("\n"):
+        if len(line) > MAX_ROW_BYTES and line[-1:] not in ("\n", b"\n"):
             raise TraceError(_TOO_LONG, file=file, line=number)
         yield line
 
@@ -315,7 +302,7 @@ def csv_rows(
     A header missing a `required` column is raised as a TraceError on line 1 naming the `layout`
     expected. A file with no header at all has no rows.
     """
-    reader = csv.reader(bounded_text_lines(text, file))
+    reader = csv.reader(bounded_lines(text, file))
     header = next(reader, None)
     if header is None:
         return {}, iter(())

@@ -27,8 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from soakd.units import parse_duration
+
 if TYPE_CHECKING:
-    from soakd.report.metrics import RunMetrics
+    from soakd.judge.metrics import RunMetrics
 
 OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
@@ -117,8 +119,6 @@ class Check:
 
 
 def _duration(text: str) -> float:
-    from soakd.config import parse_duration
-
     seconds = parse_duration(text)
     if seconds <= 0:
         raise ValueError(f"duration {text!r} must be more than 0")

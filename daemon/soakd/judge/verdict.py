@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from soakd.files import json_text
-from soakd.report.criteria import CriterionResult, RequestSummary
-
-VERDICT_FILE = "verdict.json"
+from soakd.judge.criteria import CriterionResult, RequestSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +21,7 @@ class Verdict:
     interruptions: list[dict[str, Any]] = field(default_factory=list)
     """Daemon crashes the run was resumed from: replay time, downtime, requests lost in flight."""
     metrics: dict[str, float | None] = field(default_factory=dict)
-    """Every run-level metric by its criteria name (soakd.report.metrics), for reports and comparisons."""
+    """Every run-level metric by its criteria name (soakd.judge.metrics), for reports and comparisons."""
 
     @property
     def word(self) -> str:
@@ -89,20 +83,3 @@ def make_verdict(
     return Verdict(
         run_id, passed, criteria, requests, ran_s, planned_s, interrupted, interruptions or [], metrics or {}
     )
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON so that a reader sees the old file or the whole new one, never half of it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json_text(data, indent=2, sort_keys=True, default=str))
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        # mkstemp creates 0600, which run files keep: they sit in the run's 0700 directory and may name
-        # hosts, models and traffic; reviewers read them as the service user.
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

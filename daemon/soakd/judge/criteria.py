@@ -12,11 +12,11 @@ import numpy as np
 import numpy.typing as npt
 
 from soakd.config import CriteriaConfig
+from soakd.judge.dsl import OPS, measure, parse_check
 from soakd.metric import Sample
-from soakd.report.dsl import OPS, measure, parse_check
 
 if TYPE_CHECKING:
-    from soakd.report.metrics import RunMetrics
+    from soakd.judge.metrics import RunMetrics
 
 
 def _pct(values: npt.NDArray[np.float64], q: float) -> float | None:

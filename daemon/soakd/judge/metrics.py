@@ -9,15 +9,13 @@ multiple of 10 s are built: `min(spec_acceptance, window=5m)`, `sustained_ratio(
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from soakd.judge.criteria import RequestFolder, RequestSummary
+from soakd.judge.dsl import DISTRIBUTIONS
 from soakd.metric import Sample
-from soakd.report.criteria import RequestFolder, RequestSummary
-from soakd.report.dsl import DISTRIBUTIONS
 
 BUCKET_S = 10
 _BUCKET_NS = BUCKET_S * 1_000_000_000
@@ -522,19 +520,3 @@ METRIC_FIELDS: dict[str, tuple[str, ...] | None] = {
     "loop": ("late_s",),
 }
 """The fields the fold reads, per measurement (None: all): what a reader of InfluxDB must ask for."""
-
-
-def load_metrics(run_dir: Path) -> dict[str, float | None]:
-    """A finished run's metrics: verdict.json's `metrics` when it has them, else folded from the spool."""
-    from soakd.report.runs import SPOOL_DIR
-    from soakd.report.verdict import VERDICT_FILE
-    from soakd.sinks.spool import iter_samples
-
-    try:
-        data = json.loads((run_dir / VERDICT_FILE).read_text(encoding="utf-8"))
-        metrics = data.get("metrics") if isinstance(data, dict) else None
-    except (OSError, ValueError):
-        metrics = None
-    if isinstance(metrics, dict):
-        return {str(k): float(v) if isinstance(v, int | float) else None for k, v in metrics.items()}
-    return RunMetrics().add_all(iter_samples(run_dir / SPOOL_DIR, METRIC_MEASUREMENTS)).scalars()
