@@ -481,8 +481,9 @@ def _verify_digest(run_dir: Path, expected: str) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from soakd import config
+    from soakd.report.influxql import read_run
     from soakd.report.runs import find_run, judge, read_json
-    from soakd.rundir import META_FILE, SUMMARY_FILE
+    from soakd.rundir import META_FILE, SPOOL_DIR, SUMMARY_FILE
 
     base = _load_config(args.config, {}) if args.config else config.load(None)
     run_dir = find_run(args.run, base.resolve(base.run.output_dir))
@@ -511,13 +512,22 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     checkpoint = None if summary else read_checkpoint(run_dir)
     if args.ship:
-        shipped, refused = asyncio.run(_ship(judged_by, run_dir))
+        from soakd.sinks.forwarder import ship_backlog
+
+        icfg = judged_by.sinks.influx
+        if not icfg.enabled:
+            raise UsageError("--ship needs [sinks.influx] enabled = true in the config")
+        shipped, refused = asyncio.run(ship_backlog(icfg, run_dir / SPOOL_DIR))
         print(
             f"shipped {shipped} lines to InfluxDB"
             + (f"; it refused {refused} (kept in the run's spool/rejected.lp)" if refused else ""),
             file=sys.stderr,
         )
-    metrics, series = _read_run(args, run_dir, meta, judged_by) if paths or args.from_influx else (None, None)
+    metrics, series = (
+        read_run(run_dir, meta, judged_by, from_influx=args.from_influx)
+        if paths or args.from_influx
+        else (None, None)
+    )
     verdict = judge(
         run_dir,
         str(meta["run_id"]),
@@ -541,51 +551,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
         for line in _hardware_lines(summary):
             print(line)
     return verdict.exit_code
-
-
-def _read_run(args: argparse.Namespace, run_dir: Path, meta: dict[str, Any], cfg: Any) -> tuple[Any, Any]:
-    """The run's metrics and the report's series, from the spool or (--from-influx) InfluxDB."""
-    import time
-
-    from soakd.report.runs import fold_run, fold_spool
-    from soakd.rundir import META_FILE
-
-    if not args.from_influx:
-        return fold_spool(run_dir)
-    from soakd.report.influxql import InfluxReader, run_samples, run_window
-
-    try:
-        start, end = run_window(meta, time.time_ns())
-    except ValueError as err:
-        raise UsageError(str(err), file=run_dir / META_FILE) from None
-    with InfluxReader(cfg.sinks.influx, os.environ) as reader:
-        metrics, series = fold_run(run_samples(reader, str(meta["run_id"]), start, end))
-    if series.points == 0:
-        raise UsageError(
-            f"InfluxDB at {reader.shown_url} (database {reader.database!r}) "
-            f"holds no points of run {meta['run_id']}"
-        )
-    return metrics, series
-
-
-async def _ship(cfg: Any, run_dir: Path) -> tuple[int, int]:
-    """Ship what the spool still holds: (lines InfluxDB took, lines it refused)."""
-    from soakd.rundir import SPOOL_DIR
-    from soakd.sinks.forwarder import Forwarder
-    from soakd.sinks.influx import make_writer
-
-    icfg = cfg.sinks.influx
-    if not icfg.enabled:
-        raise UsageError("--ship needs [sinks.influx] enabled = true in the config")
-    writer = make_writer(icfg, os.environ)
-    try:
-        fwd = Forwarder(run_dir / SPOOL_DIR, writer, icfg.batch_lines)
-        before, refused_before = fwd.lines_shipped, fwd.lines_rejected
-        if not await fwd.drain(icfg.final_drain_timeout):
-            raise SinkError(f"InfluxDB did not take the backlog: {fwd.last_error}")
-        return fwd.lines_shipped - before, fwd.lines_rejected - refused_before
-    finally:
-        await writer.aclose()
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

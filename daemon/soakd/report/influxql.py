@@ -9,15 +9,19 @@ is read again in halves.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from soakd.config import InfluxConfig
-from soakd.errors import SinkError
+from soakd.config import Config, InfluxConfig
+from soakd.errors import SinkError, UsageError
+from soakd.judge.metrics import RunMetrics
 from soakd.metric import FieldValue, Sample
-from soakd.report.runs import READ_FIELDS
+from soakd.report.runs import READ_FIELDS, fold_run, fold_spool
+from soakd.report.series import SeriesBuilder
+from soakd.rundir import META_FILE
 from soakd.sinks.influx import read_secret
 
 WINDOW_NS = 6 * 3600 * 10**9
@@ -170,3 +174,26 @@ def run_samples(reader: InfluxReader, run_id: str, start_ns: int, end_ns: int) -
     """Every point of the run that the report reads (the plots' and the verdict's measurements)."""
     for measurement in READ_FIELDS:
         yield from reader.samples(measurement, run_id, start_ns, end_ns)
+
+
+def read_run(
+    run_dir: Path, meta: dict[str, Any], cfg: Config, *, from_influx: bool
+) -> tuple[RunMetrics, SeriesBuilder]:
+    """A finished run's metrics and the report's series, from its spool or (from_influx) InfluxDB."""
+    import os
+    import time
+
+    if not from_influx:
+        return fold_spool(run_dir)
+    try:
+        start, end = run_window(meta, time.time_ns())
+    except ValueError as err:
+        raise UsageError(str(err), file=run_dir / META_FILE) from None
+    with InfluxReader(cfg.sinks.influx, os.environ) as reader:
+        metrics, series = fold_run(run_samples(reader, str(meta["run_id"]), start, end))
+    if series.points == 0:
+        raise UsageError(
+            f"InfluxDB at {reader.shown_url} (database {reader.database!r}) "
+            f"holds no points of run {meta['run_id']}"
+        )
+    return metrics, series

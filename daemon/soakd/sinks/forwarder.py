@@ -21,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from soakd.config import InfluxConfig
 from soakd.errors import SinkError, SinkRejected
 from soakd.metric import FieldValue
 from soakd.sinks.influx import LineWriter
@@ -453,3 +454,19 @@ def _append_file(path: Path, data: bytes) -> None:
             raise
     finally:
         os.close(fd)
+
+
+async def ship_backlog(icfg: InfluxConfig, spool_dir: Path) -> tuple[int, int]:
+    """Ship what a finished run's spool still holds (`soakd report --ship`): (lines InfluxDB took,
+    lines it refused, kept in the spool's rejected.lp); SinkError when it does not take them in time."""
+    from soakd.sinks.influx import make_writer
+
+    writer = make_writer(icfg, os.environ)
+    try:
+        fwd = Forwarder(spool_dir, writer, icfg.batch_lines)
+        before, refused_before = fwd.lines_shipped, fwd.lines_rejected
+        if not await fwd.drain(icfg.final_drain_timeout):
+            raise SinkError(f"InfluxDB did not take the backlog: {fwd.last_error}")
+        return fwd.lines_shipped - before, fwd.lines_rejected - refused_before
+    finally:
+        await writer.aclose()
