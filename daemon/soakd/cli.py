@@ -90,6 +90,19 @@ def _positive(text: str) -> float:
     return value
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
+    """`--log-level` after the subcommand too (`soakd run --log-level debug`), not only before it; the
+    top level's default stands unless a subcommand is given one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                sub.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS)
+                _log_level_everywhere(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="soakd",
@@ -100,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "internal error)",
     )
     p.add_argument("--version", action="version", version=f"soakd {__version__}")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="replay a trace through the engine and judge the result")
@@ -154,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="validate the config and say what soakd would connect to")
     chk.add_argument("--config", type=Path)
     chk.add_argument("--trace")
+    _set_flag(chk, "engine.kind=openai (what `run --set` would use)")
     chk.add_argument("--json", action="store_true")
 
     _trace_parser(sub)
@@ -194,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     shapes = msub.add_parser("shapes", help="list the known shapes: parameters, weight and KV-cache bytes")
     shapes.add_argument("--json", action="store_true")
+    _log_level_everywhere(p)
     return p
 
 
@@ -620,7 +635,9 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from soakd.checks import run_checks
 
-    overrides = {"trace.path": _trace_arg(args.trace)} if args.trace else {}
+    overrides = dict(args.overrides)
+    if args.trace:
+        overrides["trace.path"] = _trace_arg(args.trace)
     cfg = _load_config(args.config, overrides)
     results = asyncio.run(run_checks(cfg))
     if args.json:

@@ -258,3 +258,31 @@ def test_model_shape_writes_and_probe_says_config(tmp_path: Path, capsys: pytest
     assert code == 0 and "weights from config.json: 0.60B params" in text
     code, _, err = run(["probe", "--model", str(out), "--load-format", "fast"], capsys)
     assert code == 2 and "--load-format" in one_line_error(err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        (["run", "--log-level", "debug"], "debug"),
+        (["--log-level", "warning", "run"], "warning"),
+        (["run"], "info"),
+        (["trace", "inspect", "t.jsonl", "--log-level", "error"], "error"),
+        (["model", "shapes", "--log-level", "debug"], "debug"),
+    ],
+)
+def test_log_level_is_taken_before_and_after_the_subcommand(argv: list[str], level: str) -> None:
+    from soakd.cli import build_parser
+
+    assert build_parser().parse_args(argv).log_level == level
+
+
+def test_check_applies_set_overrides_as_run_would(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sets = ['sinks.influx.url="http://127.0.0.1:9"', "sinks.influx.enabled=true", 'sinks.influx.timeout="1s"']
+    code, out, _ = run(["check", "--json", *(a for s in sets for a in ("--set", s))], capsys)
+    influx = {c["name"]: c for c in json.loads(out)}["influx"]
+    assert code == 1 and not influx["ok"] and "127.0.0.1:9" in influx["detail"]
+    code, _, err = run(["check", "--set", "replay.speed=inf"], capsys)
+    assert code == 2 and "replay.speed" in one_line_error(err)
