@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import os
 import platform
+import re
 import secrets
 import signal
 import socket
@@ -195,8 +196,13 @@ class RunResult:
 ProgressFn = Callable[[float, float, ReplayStats], None]
 
 
+# A Hugging Face repository id as vLLM takes it: ORG/NAME, one slash, no path syntax around it.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
 def resolve_model(cfg: Config) -> str:
-    """The model vLLM loads: a local folder, or `hf:NAME` passed through as a hub name.
+    """The model vLLM loads: a local folder, or a hub id (`hf:NAME`, or a bare ORG/NAME when no such
+    local folder exists: a local folder wins) passed through as vLLM takes it.
 
     For `engine.kind = "openai"` the server has its model already: the URL is what must be given.
     """
@@ -210,10 +216,14 @@ def resolve_model(cfg: Config) -> str:
     if model.startswith("hf:"):
         return model[3:]
     path = cfg.resolve(model)
+    # The default (models/tiny) is the folder the setup builds, never a hub id: missing, it is to be built.
+    default = EngineConfig.model_fields["model"].default
+    if not path.exists() and _HUB_ID.fullmatch(model) and model != default:
+        return model
     if not is_model_dir(path):
         raise ConfigError(
-            f"no model at {path} (build the tiny test model with `soakd model tiny {model}`, "
-            "or use hf:NAME for a hub model)",
+            f"no model at {path} (a hub id such as Qwen/Qwen3-0.6B or hf:NAME, a folder with config.json "
+            f"and weights, `soakd model shape NAME DIR` for a shape, or `soakd model tiny {model}`)",
             file=cfg.source,
             key="engine.model",
         )

@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", type=Path, help="config file (default: built-in defaults)")
     run.add_argument("--trace", help="trace file (overrides trace.path)")
     run.add_argument("--duration", help="how long to replay, e.g. 10m, 8h (overrides run.duration)")
+    _engine_flags(run)
     _set_flag(run, "replay.speed=2")
     run.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -167,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     chk = sub.add_parser("check", help="validate the config and say what soakd would connect to")
     chk.add_argument("--config", type=Path)
     chk.add_argument("--trace")
+    _engine_flags(chk)
     _set_flag(chk, "engine.kind=openai (what `run --set` would use)")
     chk.add_argument("--json", action="store_true")
 
@@ -232,6 +234,25 @@ def _set_flag(p: argparse.ArgumentParser, example: str) -> None:
         metavar="KEY=VALUE",
         help=f"override a config key, e.g. {example}",
     )
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        metavar="URL",
+        help="soak a running OpenAI-compatible server (attach mode: engine.kind = openai, engine.url = URL)",
+    )
+    p.add_argument("--model", help="a hub id (Qwen/Qwen3-0.6B) or a model folder (overrides engine.model)")
+
+
+def _engine_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
+    if args.target:
+        if not args.target.lower().startswith(("http://", "https://")):
+            raise UsageError(f"--target: expected an http:// or https:// URL, got {args.target!r}")
+        overrides["engine.kind"] = "openai"
+        overrides["engine.url"] = args.target
+    if args.model:
+        overrides["engine.model"] = args.model
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:
@@ -359,6 +380,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides["trace.path"] = _trace_arg(args.trace)
     if args.duration:
         overrides["run.duration"] = args.duration
+    _engine_overrides(args, overrides)
     _reading_overrides(args, overrides)
     cfg = _load_config(args.config, overrides)
     # Whatever the daemon or the engine creates is the service user's alone (spool, state, logs; the
@@ -638,6 +660,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     overrides = dict(args.overrides)
     if args.trace:
         overrides["trace.path"] = _trace_arg(args.trace)
+    _engine_overrides(args, overrides)
     cfg = _load_config(args.config, overrides)
     results = asyncio.run(run_checks(cfg))
     if args.json:

@@ -286,3 +286,31 @@ def test_check_applies_set_overrides_as_run_would(
     assert code == 1 and not influx["ok"] and "127.0.0.1:9" in influx["detail"]
     code, _, err = run(["check", "--set", "replay.speed=inf"], capsys)
     assert code == 2 and "replay.speed" in one_line_error(err)
+
+
+def test_a_bare_hub_id_is_a_model_unless_a_local_folder_has_its_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(["check", "--json", "--model", "Qwen/Qwen3-0.6B"], capsys)
+    model = {c["name"]: c for c in json.loads(out)}["model"]
+    assert model == {"name": "model", "ok": True, "detail": "Qwen/Qwen3-0.6B"}
+    (tmp_path / "Qwen" / "Qwen3-0.6B").mkdir(parents=True)  # a local folder wins, and holds no model
+    code, out, _ = run(["check", "--json", "--model", "Qwen/Qwen3-0.6B"], capsys)
+    model = {c["name"]: c for c in json.loads(out)}["model"]
+    assert (
+        code == 1
+        and not model["ok"]
+        and model["detail"].startswith(f"no model at {tmp_path / 'Qwen' / 'Qwen3-0.6B'}")
+    )
+    for not_an_id in ("./Qwen/Qwen3-0.6B", "a/b/c", "models/tiny/"):
+        _, out, _ = run(["check", "--json", "--model", not_an_id], capsys)
+        assert not {c["name"]: c for c in json.loads(out)}["model"]["ok"], not_an_id
+
+
+def test_target_attaches_to_a_running_server() -> None:
+    from soakd.cli import _engine_overrides, build_parser
+
+    overrides: dict[str, object] = {}
+    _engine_overrides(build_parser().parse_args(["run", "--target", "http://gpu-1:8000/v1"]), overrides)
+    assert overrides == {"engine.kind": "openai", "engine.url": "http://gpu-1:8000/v1"}
