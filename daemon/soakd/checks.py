@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from soakd.app import resolve_model
 from soakd.collectors.gpu import probe_nvml
 from soakd.config import Config
-from soakd.errors import ConfigError, SinkError
+from soakd.errors import ConfigError, EngineError, SinkError
 from soakd.redact import redact_text, redact_url
 from soakd.sinks.influx import make_writer
 from soakd.traces.loader import open_trace
@@ -42,7 +42,6 @@ SERVER_CHECK_TIMEOUT_S = 10.0
 async def _check_server(cfg: Config) -> CheckResult:
     """Attach mode: the server answers and serves a model (no local vLLM is needed or looked for)."""
     from soakd.engine.openai_http import OpenAIEngine
-    from soakd.errors import EngineError
 
     engine = OpenAIEngine(cfg.engine.model_copy(update={"start_timeout": SERVER_CHECK_TIMEOUT_S}))
     try:

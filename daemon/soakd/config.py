@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from soakd.errors import ConfigError
-from soakd.files import not_a_regular_file
+from soakd.files import read_input_text
 from soakd.judge.dsl import validate
 from soakd.units import MAX_DURATION_S, parse_duration
 
@@ -35,7 +35,9 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_TOKENS = 1 << 20
 MAX_SEED = (1 << 63) - 1
 MAX_SYNTHETIC_REQUESTS = 10_000_000
-MAX_BLOCK_SIZE = 1 << 16  # = soakd.traces.model.MAX_BLOCK_SIZE (importing soakd.traces would be a cycle)
+MAX_BLOCK_SIZE = 1 << 16
+"""Tokens per prefix block: real caches use 16-512, Mooncake's traces 512. The prompt builder makes and
+caches whole blocks, so this bounds its memory per block (trace headers are held to it too)."""
 MAX_VOCAB = 1 << 22
 """The largest vocabularies in use are ~262k tokens; a prompt is built from a table of this size."""
 MAX_MODEL_LEN = 16 * MAX_TOKENS
@@ -512,19 +514,7 @@ class Config(_Section):
 
 def read_toml(path: Path) -> tuple[str, dict[str, Any]]:
     """A TOML file's text and data; unreadable, not UTF-8 or bad TOML is a ConfigError naming the line."""
-    kind = not_a_regular_file(path)
-    if kind is not None:
-        raise ConfigError(f"cannot read: {kind}", file=path)
-    try:
-        with path.open("rb") as fh:
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"larger than {MAX_CONFIG_BYTES >> 20} MiB: not a soakd config", file=path)
-        text = raw.decode("utf-8")
-    except OSError as err:
-        raise ConfigError(f"cannot read: {err.strerror}", file=path) from None
-    except UnicodeDecodeError:
-        raise ConfigError("not UTF-8 text", file=path) from None
+    text = read_input_text(path, MAX_CONFIG_BYTES, "a soakd config", ConfigError)
     try:
         return text, tomllib.loads(text)
     except RecursionError:  # tomllib recurses per level: [[[[... or {a={b=... thousands deep

@@ -9,9 +9,10 @@ import json
 import math
 import os
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from soakd.errors import InputError
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -80,17 +81,25 @@ def json_text(data: Any, **kwargs: Any) -> str:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON so that a reader sees the old file or the whole new one, never half of it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write strict JSON so that a reader sees the old file or the whole new one, never half of it;
+    0600 and fsynced, as every run file."""
+    write_private(path, (json_text(data, indent=2, sort_keys=True, default=str) + "\n").encode(), fsync=True)
+
+
+def read_input_text(path: Path, max_bytes: int, what: str, error: type[InputError]) -> str:
+    """The UTF-8 text of a small input file read whole (a config, a run's JSON): refused by type before
+    it is opened, and past `max_bytes` before it is held, each refusal an `error` naming the file."""
+    kind = not_a_regular_file(path)
+    if kind is not None:
+        raise error(f"cannot read: {kind}", file=path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json_text(data, indent=2, sort_keys=True, default=str))
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        # mkstemp creates 0600, which run files keep: they sit in the run's 0700 directory and may name
-        # hosts, models and traffic; reviewers read them as the service user.
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with path.open("rb") as fh:
+            raw = fh.read(max_bytes + 1)
+    except OSError as err:
+        raise error(f"cannot read: {err.strerror}", file=path) from None
+    if len(raw) > max_bytes:
+        raise error(f"larger than {max_bytes >> 20} MiB: not {what}", file=path)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error("not UTF-8 text", file=path) from None

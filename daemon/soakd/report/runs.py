@@ -11,7 +11,7 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import UsageError
-from soakd.files import not_a_regular_file, write_json_atomic
+from soakd.files import read_input_text, write_json_atomic
 from soakd.judge.criteria import evaluate, run_context
 from soakd.judge.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
 from soakd.judge.verdict import Verdict, lost_in_flight, make_verdict
@@ -62,20 +62,9 @@ MAX_RUN_JSON_BYTES = 16 << 20
 def read_json(path: Path) -> dict[str, Any]:
     """A run file's JSON object; anything else (a FIFO, a huge or non-UTF-8 file, deep nesting) is a
     one-line UsageError naming the file."""
-    kind = not_a_regular_file(path)
-    if kind:
-        raise UsageError(f"cannot read: {kind}", file=path)
+    text = read_input_text(path, MAX_RUN_JSON_BYTES, "a soakd run file", UsageError)
     try:
-        with path.open("rb") as fh:
-            raw = fh.read(MAX_RUN_JSON_BYTES + 1)
-    except OSError as err:
-        raise UsageError(f"cannot read: {err.strerror}", file=path) from None
-    if len(raw) > MAX_RUN_JSON_BYTES:
-        raise UsageError(f"larger than {MAX_RUN_JSON_BYTES >> 20} MiB: not a soakd run file", file=path)
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise UsageError("not UTF-8 text", file=path) from None
+        data = json.loads(text)
     except RecursionError:
         raise UsageError("JSON nested deeper than the parser goes", file=path) from None
     except json.JSONDecodeError as err:

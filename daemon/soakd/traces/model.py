@@ -25,10 +25,6 @@ MAX_ROW_BYTES = 16 << 20
 """The longest row (line) a trace may have: a native row's `hash_ids` for a 10M-token prompt in blocks of
 16 is ~6 MB. A longer line (a gzip bomb of zeros, a file without newlines) is refused on its line number
 before it is held whole."""
-MAX_BLOCK_SIZE = 1 << 16
-"""Tokens per prefix block: real caches use 16-512, Mooncake's traces 512. The prompt builder makes and
-caches whole blocks, so this bounds its memory per block."""
-
 
 _TOO_LONG = f"line longer than {MAX_ROW_BYTES >> 20} MiB: not a trace row"
 

@@ -43,8 +43,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from soakd.config import MAX_BLOCK_SIZE
 from soakd.errors import TraceError
-from soakd.traces.model import MAX_BLOCK_SIZE, RequestSpec, Row, RowReader, Skip, blocks_needed
+from soakd.traces.model import RequestSpec, Row, RowReader, Skip, blocks_needed
 
 FORMAT_NAME = "soakd-trace"
 VERSION = 1
