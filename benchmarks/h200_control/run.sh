@@ -7,11 +7,7 @@ OUT=${1:?results folder}
 HERE=benchmarks/h200_control
 mkdir -p "$OUT"
 exec >>"$OUT/run.log" 2>&1
-if [[ ! -d /tmp/site/vllm ]]; then
-  mkdir -p /tmp/bundle && cp .gpu_bundle/* /tmp/bundle/ && (cd /tmp/bundle && bash install.sh) || exit 1
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_wheels/*.whl || exit 1
-fi
-export PYTHONPATH=/tmp/site:$PWD/daemon VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+source benchmarks/gpu_env.sh || exit 1
 [[ -d /tmp/qwen3-8b ]] || python3 -m soakd model shape qwen3-8b /tmp/qwen3-8b || exit 1
 nvidia-smi -q -d PERFORMANCE,POWER,CLOCK > "$OUT/smi_before.txt"
 

@@ -1,0 +1,8 @@
+# Sourced from the repository root by the H200 scripts (h200_control/run.sh, pays.sh, h200_mtp/run.sh):
+# installs the GPU bundle (.gpu_bundle/) and soakd's dependency wheels (.gpu_wheels/) into /tmp/site once
+# per machine, and sets the environment soakd runs in there. Returns 1 when the install fails.
+if [[ ! -d /tmp/site/vllm ]]; then
+  mkdir -p /tmp/bundle && cp .gpu_bundle/* /tmp/bundle/ && (cd /tmp/bundle && bash install.sh) || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_wheels/*.whl || return 1
+fi
+export PYTHONPATH=/tmp/site:$PWD/daemon VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
