@@ -72,7 +72,6 @@ from typing import Any
 import numpy as np
 import psutil
 
-from soakd.app import SampleWriter
 from soakd.collectors.replay import ReplayCollector
 from soakd.config import ArrivalConfig, SyntheticTraceConfig
 from soakd.engine.base import EngineInfo, GenerationRequest
@@ -85,6 +84,7 @@ from soakd.replay.pacer import schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, RequestRecord
 from soakd.sinks.spool import Spool, iter_samples
+from soakd.sinks.writer import SampleWriter
 from soakd.traces.model import RequestSpec
 from soakd.traces.synth import synthesize
 

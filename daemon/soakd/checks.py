@@ -6,13 +6,13 @@ import importlib.metadata
 import os
 from dataclasses import dataclass
 
-from soakd.app import resolve_model
 from soakd.collectors.gpu import probe_nvml
 from soakd.config import Config
 from soakd.errors import ConfigError, EngineError, SinkError
 from soakd.redact import redact_text, redact_url
 from soakd.sinks.influx import make_writer
 from soakd.traces.loader import open_trace
+from soakd.wiring import resolve_model
 
 
 @dataclass(frozen=True, slots=True)

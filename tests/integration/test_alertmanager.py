@@ -16,10 +16,10 @@ import pytest
 from aiohttp import web
 from servers import ALERTMANAGER, binary_available, free_port, start_alertmanager
 
-from soakd.app import SampleWriter
 from soakd.config import WebhookConfig
 from soakd.sinks.spool import Spool
 from soakd.sinks.webhook import Alert, WebhookSink, make_sender
+from soakd.sinks.writer import SampleWriter
 
 pytestmark = pytest.mark.integration
 

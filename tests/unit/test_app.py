@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from soakd.app import SampleWriter, Soak
+from soakd.app import Soak
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config, load
 from soakd.engine.base import EngineInfo, GenerationRequest
@@ -21,6 +21,7 @@ from soakd.engine.stats import StepStats
 from soakd.errors import EngineError
 from soakd.metric import Sample
 from soakd.sinks.spool import Spool, iter_samples
+from soakd.sinks.writer import SampleWriter
 
 
 class StubEngine:
@@ -283,9 +284,9 @@ async def test_stop_during_engine_start_leaves_a_verdict_at_once(tmp_path: Path)
 
 
 def test_the_openai_kind_needs_a_url_and_no_local_model(tmp_path: Path) -> None:
-    from soakd.app import make_engine, resolve_model
     from soakd.engine.openai_http import OpenAIEngine
     from soakd.errors import ConfigError
+    from soakd.wiring import make_engine, resolve_model
 
     cfg = load(None, {"engine.kind": "openai", "engine.model": "no/such/dir"})
     with pytest.raises(ConfigError) as info:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_app import StubEngine, config
 
-from soakd.app import SampleWriter, Soak
+from soakd.app import Soak
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config
 from soakd.metric import Sample, parse_line
@@ -31,6 +31,7 @@ from soakd.resume import (
 )
 from soakd.rundir import JOURNAL_FILE
 from soakd.sinks.spool import Spool, iter_samples
+from soakd.sinks.writer import SampleWriter
 from soakd.traces.model import RequestSpec
 
 HERE = Path(__file__).parent
@@ -131,7 +132,8 @@ _SOAK = """
 import asyncio, json, sys
 sys.path.insert(0, {here!r})
 from test_app import StubEngine, config
-from soakd.app import SampleWriter, Soak
+from soakd.app import Soak
+from soakd.sinks.writer import SampleWriter
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config
 
@@ -302,9 +304,9 @@ def test_a_resumed_engine_starts_with_the_changes_already_due(tmp_path: Path) ->
         **{"engine.changes": [{"at": "10s", "max_num_seqs": 4}, {"at": "100s", "max_num_seqs": 2}]},
     )
     soak = Soak(cfg)
-    assert soak._engine_config().max_num_seqs == cfg.engine.max_num_seqs
-    soak._offset_s = 50.0
-    assert soak._engine_config().max_num_seqs == 4
+    assert soak.engine_config().max_num_seqs == cfg.engine.max_num_seqs
+    soak.live.offset_s = 50.0
+    assert soak.engine_config().max_num_seqs == 4
 
 
 def test_meta_json_never_holds_secrets_put_in_the_config() -> None:

@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from soakd.app import SampleWriter
 from soakd.metric import FieldValue, Sample
 from soakd.sinks import spool as spool_mod
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.spool import ESSENTIAL_MEASUREMENTS, Spool, iter_lines, iter_samples, list_segments
+from soakd.sinks.writer import SampleWriter
 from soakd.testing import ManualClock
 
 T0 = 1_700_000_000_000_000_000

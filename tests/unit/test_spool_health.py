@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from soakd.app import SampleWriter
 from soakd.collectors.base import Collector
 from soakd.collectors.runner import CollectorRunner
 from soakd.errors import SinkError
@@ -14,6 +13,7 @@ from soakd.metric import Sample
 from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.health import SinkHealth, SpoolHealth
 from soakd.sinks.spool import STATE_CODES, Spool, iter_samples
+from soakd.sinks.writer import SampleWriter
 
 
 class DownWriter:

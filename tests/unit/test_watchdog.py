@@ -114,14 +114,14 @@ async def test_no_ping_while_collection_has_stalled(tmp_path: Path, notify_socke
 
     def pause() -> None:
         # The loop keeps running; only the collection cycle stops (a wedged collector job).
-        assert soak._scheduler is not None
-        soak._scheduler.pause_job("collect")
+        assert soak.jobs is not None
+        soak.jobs.scheduler.pause_job("collect")
         stalled.append(time.monotonic())
         loop.call_later(1.5, unpause)
 
     def unpause() -> None:
-        assert soak._scheduler is not None
-        soak._scheduler.resume_job("collect")
+        assert soak.jobs is not None
+        soak.jobs.scheduler.resume_job("collect")
         stalled.append(time.monotonic())
 
     after_ready(notify_socket, 1.0, pause)

@@ -24,7 +24,7 @@ from aiohttp import web
 from structlog.testing import capture_logs
 from test_app import StubEngine, config
 
-from soakd.app import SampleWriter, Soak
+from soakd.app import Soak
 from soakd.cli import main
 from soakd.collectors.gpu_throttle import emit_transition
 from soakd.config import WebhookConfig, load
@@ -33,6 +33,7 @@ from soakd.metric import Sample
 from soakd.policies.throttle import ThrottleDetector, ThrottleInput, counters_from_fields
 from soakd.sinks.spool import Spool, iter_samples
 from soakd.sinks.webhook import ALERTS_FILE, REJECTED_FILE, STATE_FILE, WebhookSink, make_sender
+from soakd.sinks.writer import SampleWriter
 from soakd.testing import ManualTime
 
 RECORDING = Path(__file__).parent.parent / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from soakd.errors import CollectorError
 from soakd.metric import FieldValue, Sample
+
+if TYPE_CHECKING:
+    from soakd.engine.base import EngineInfo
 
 RPC_METHOD = "soakd_memory_stats"
 
@@ -62,6 +65,10 @@ class AllocatorCollector:
         self._rpc = rpc
         self.config_id = config_id
         self._latest: dict[int, dict[str, FieldValue]] = {}
+
+    def engine_started(self, info: EngineInfo) -> None:
+        """After a rebuild the series carry the new configuration's id."""
+        self.config_id = info.config_id
 
     async def refresh(self) -> None:
         results: object = await self._rpc()

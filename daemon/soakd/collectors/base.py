@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from soakd.metric import Sample
+
+if TYPE_CHECKING:
+    from soakd.engine.base import EngineInfo
 
 
 class Collector(Protocol):
@@ -33,3 +36,10 @@ class RefreshingCollector(Collector, Protocol):
     """
 
     async def refresh(self) -> None: ...
+
+
+@runtime_checkable
+class EngineListener(Protocol):
+    """A collector that tags or judges by the engine's configuration: told of every (re)start."""
+
+    def engine_started(self, info: EngineInfo) -> None: ...

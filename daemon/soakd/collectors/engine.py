@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from soakd.collectors.ceiling import CeilingTracker, DecodeSteps
 from soakd.collectors.spec import AcceptanceDrift
 from soakd.engine.stats import StepStats
 from soakd.metric import FieldValue, Sample
+
+if TYPE_CHECKING:
+    from soakd.engine.base import EngineInfo
 
 _MODES = ("NONE", "PIECEWISE", "FULL")
 # Distinct tokens-per-step values kept for the run's histogram; a step is at most
@@ -78,8 +82,19 @@ class EngineCollector:
         self.steps_total = 0
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
+        self._engine: EngineInfo | None = None
         self.ceiling: CeilingTracker | None = None
         """When set, each busy point also says the decode steps' memory traffic as % of the bandwidth."""
+
+    def engine_started(self, info: EngineInfo) -> None:
+        """After a (re)build every engine series carries the configuration's id; a draft setting that
+        changed is judged anew against its own first window (other settings accept differently)."""
+        last = self._engine
+        self.config_id = info.config_id
+        self.cudagraphs = info.cudagraphs
+        if last is not None and last.speculative_tokens != info.speculative_tokens and self.drift is not None:
+            self.drift.reset()
+        self._engine = info
 
     def activate(self) -> None:
         """From now on steps are traffic; those before (start-up, warm-up) were dropped by `push`."""

@@ -29,12 +29,16 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from soakd.errors import CollectorError
 from soakd.metric import FieldValue, Sample
+
+if TYPE_CHECKING:
+    from soakd.engine.base import EngineInfo
 
 # Counters: sample name at /metrics -> snapshot key. Summed over every label set (model_name, engine,
 # finished_reason ...), except the per-position acceptance counter (keyed by `position`) and
@@ -210,6 +214,10 @@ class MetricsScraper:
         self.last_parse_s = 0.0
         self.last_bytes = 0
         self.families_seen: frozenset[str] = frozenset()
+
+    def engine_started(self, info: EngineInfo) -> None:
+        """After a rebuild the series carry the new configuration's id."""
+        self.config_id = info.config_id
 
     async def refresh(self) -> None:
         text = await self._fetch()

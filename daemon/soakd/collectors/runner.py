@@ -48,6 +48,10 @@ class CollectorRunner:
         self.health[collector.name] = CollectorHealth()
 
     @property
+    def collectors(self) -> list[Collector]:
+        return list(self._collectors)
+
+    @property
     def names(self) -> list[str]:
         return [c.name for c in self._collectors]
 
@@ -79,11 +83,19 @@ class CollectorRunner:
             )
         self._emit(out)
 
-    async def refresh(self, timeout_s: float, exclude: frozenset[str] = frozenset()) -> None:
+    async def refresh(
+        self,
+        timeout_s: float,
+        exclude: frozenset[str] = frozenset(),
+        only: frozenset[str] | None = None,
+    ) -> None:
         """The slow tier: await each refreshing collector's I/O, one after the other, each bounded by
-        `timeout_s`; a failure or a timeout is counted against that collector like a failed collect."""
+        `timeout_s`; a failure or a timeout is counted against that collector like a failed collect.
+        `only` names the collectors of a tier of their own (the GPU's, at its faster interval)."""
         for collector in self._collectors:
             if not isinstance(collector, RefreshingCollector) or collector.name in exclude:
+                continue
+            if only is not None and collector.name not in only:
                 continue
             try:
                 await asyncio.wait_for(collector.refresh(), timeout_s)

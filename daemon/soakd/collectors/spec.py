@@ -12,8 +12,12 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from soakd.metric import FieldValue, Sample
+
+if TYPE_CHECKING:
+    from soakd.engine.base import EngineInfo
 
 # Output-token positions (the position of a verify step's first draft token), bucketed by their lower
 # bound: fine where outputs are short and acceptance moves fast, coarse in the long tail.
@@ -53,6 +57,10 @@ class SpecProfile:
         self.total_turn: dict[int, _Counts] = {}
         self.requests = 0
         self._interval_requests = 0
+
+    def engine_started(self, info: EngineInfo) -> None:
+        """After a rebuild the series carry the new configuration's id."""
+        self.config_id = info.config_id
 
     def add(self, accepted: Sequence[int], drafted: Sequence[int], turn: int) -> None:
         """One request's verify steps, in order: draft tokens accepted and proposed at each."""

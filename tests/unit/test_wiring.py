@@ -1,0 +1,87 @@
+"""The collector registry and the engine_started hook: what `telemetry.collectors` turns on is what runs,
+and a (re)started engine retags and re-judges the collectors that depend on its configuration."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+from soakd.collectors.base import EngineListener
+from soakd.collectors.engine import EngineCollector
+from soakd.collectors.host import HostCollector
+from soakd.collectors.host_throttle import HostThrottleWatch
+from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
+from soakd.config import CollectorName, Config
+from soakd.engine.base import EngineInfo
+from soakd.engine.supervisor import EngineSupervisor
+from soakd.live import LiveRun
+from soakd.replay.clock import SystemClock
+from soakd.sinks.spool import Spool
+from soakd.sinks.writer import SampleWriter
+from soakd.wiring import REGISTRY, Build, build_collectors, find
+
+
+def _info(config_id: str, spec: int = 0, signals: tuple[str, ...] = ()) -> EngineInfo:
+    return EngineInfo(
+        "stub", "1", "m", config_id, 1000, speculative_tokens=spec, cudagraphs=True, signals=signals
+    )
+
+
+def _build(tmp_path: Path, collectors: list[str]) -> Build:
+    cfg = Config.model_validate({"telemetry": {"collectors": collectors}})
+    writer = SampleWriter(Spool(tmp_path / "spool", 1 << 20, 1.0), {})
+    drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
+
+    def build_engine(_: object) -> typing.Any:
+        raise AssertionError("not started here")
+
+    return Build(
+        cfg,
+        tmp_path,
+        writer,
+        EngineSupervisor(build_engine, cfg.engine, on_event=lambda *a, **k: None),
+        LiveRun(SystemClock(), 60.0),
+        EngineCollector(active=False, drift=drift),
+        SpecProfile(),
+        None,
+    )
+
+
+def test_every_configurable_collector_name_has_a_factory_and_no_factory_is_unreachable() -> None:
+    names = set(typing.get_args(CollectorName))
+    assert {entry.name for entry in REGISTRY} == names
+
+
+def test_only_the_listed_collectors_are_built(tmp_path: Path) -> None:
+    b = _build(tmp_path, ["host"])
+    built = build_collectors(b, "start")
+    assert [type(c) for c in built] == [HostCollector, HostThrottleWatch]
+    assert find(built, HostThrottleWatch) is built[1]
+    assert find(built, EngineCollector) is None
+    b = _build(tmp_path / "2", ["engine"])
+    assert build_collectors(b, "start") == [b.engine_collector]
+
+
+def test_engine_time_collectors_need_their_signal(tmp_path: Path) -> None:
+    b = _build(tmp_path, ["engine", "allocator", "metrics"])
+    b.info = _info("c1", signals=("metrics",))
+    names = [c.name for c in build_collectors(b, "engine")]
+    # The profile comes with `engine`; /metrics is offered; the allocator RPC is not: not built.
+    assert names == ["spec_profile", "vllm_metrics"]
+
+
+def test_a_rebuilt_engine_retags_and_a_new_draft_setting_restarts_drift() -> None:
+    drift = AcceptanceDrift(DriftSettings(1.0, 1.0, 0.1, 1))
+    collector = EngineCollector(active=True, drift=drift)
+    profile = SpecProfile()
+    resets: list[bool] = []
+    drift.reset = lambda: resets.append(True)  # type: ignore[method-assign]
+    for listener in (collector, profile):
+        assert isinstance(listener, EngineListener)
+    collector.engine_started(_info("a", spec=3))
+    profile.engine_started(_info("a", spec=3))
+    assert (collector.config_id, profile.config_id, collector.cudagraphs, resets) == ("a", "a", True, [])
+    collector.engine_started(_info("b", spec=3))  # same draft setting: the same baseline holds
+    assert (collector.config_id, resets) == ("b", [])
+    collector.engine_started(_info("c", spec=1))
+    assert (collector.config_id, resets) == ("c", [True])
