@@ -15,7 +15,7 @@ import platform
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,60 +24,59 @@ from typing import Any
 import structlog
 
 from soakd import __version__
+from soakd.checkpoint import Checkpoint
 from soakd.collectors.base import Collector, EngineListener
 from soakd.collectors.ceiling import CeilingTracker
-from soakd.collectors.engine import EngineCollector, quantile_of_counts
+from soakd.collectors.engine import EngineCollector
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
-from soakd.collectors.host_throttle import HostThrottleWatch
-from soakd.collectors.nvml_events import GpuEventListener
 from soakd.collectors.prom import MetricsScraper
 from soakd.collectors.replay import ReplayCollector
 from soakd.collectors.runner import CollectorRunner
-from soakd.collectors.spec import AcceptanceDrift, SpecProfile
+from soakd.collectors.spec import SpecProfile
 from soakd.config import Config, EngineConfig
 from soakd.control import Controller
-from soakd.engine.base import SIGNALS, Engine, EngineInfo
+from soakd.engine.base import Engine, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import EngineError
 from soakd.files import write_json_atomic
 from soakd.jobs import JobHealth, Jobs, ProgressFn
 from soakd.judge.verdict import Verdict
-from soakd.lifecycle import Part, Stack
+from soakd.lifecycle import Component, Stack
 from soakd.live import LiveRun
 from soakd.logs import bind
 from soakd.loopwatch import LoopWatch
 from soakd.metric import FieldValue, Sample
 from soakd.notify import notify
+from soakd.parts import EngineChanges, EnginePart, collectors_part, controller_part
 from soakd.redact import redacted
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
+from soakd.replay.warmup import warm_up
 from soakd.report.runs import verdict_of
 from soakd.resume import (
-    Checkpoint,
     DueJournal,
-    Interruption,
     ResumeState,
     find_resumable,
     fingerprint,
-    load_state,
     shifted,
+    take_up,
 )
 from soakd.rundir import JOURNAL_FILE, META_FILE, SPOOL_DIR, SUMMARY_FILE, VERDICT_FILE
+from soakd.sinks.forwarder import Forwarder
 from soakd.sinks.health import SinkHealth, SpoolHealth
 from soakd.sinks.influx import LineWriter, make_writer
 from soakd.sinks.parts import ForwarderPart, SpoolPart, WebhookPart
 from soakd.sinks.spool import Spool
-from soakd.sinks.webhook import WebhookHealth, WebhookSender, make_sender
+from soakd.sinks.webhook import WebhookHealth, WebhookSender, WebhookSink, make_sender
 from soakd.sinks.writer import SampleWriter
 from soakd.traces.loader import Trace, open_trace
 from soakd.wiring import (
     Build,
     build_collectors,
     check_writable,
-    each,
     engine_config,
     find,
     make_ceiling,
@@ -91,9 +90,6 @@ from soakd.wiring import (
 )
 
 log = structlog.get_logger(__name__)
-
-# vLLM's shutdown joins its engine-core process and workers; bounded so a stop never hangs on it.
-ENGINE_STOP_TIMEOUT_S = 300.0
 
 
 @dataclass(slots=True)
@@ -109,57 +105,26 @@ class RunResult:
 
 
 @dataclass(slots=True)
-class _Telemetry:
-    """What the run's own code reads of the built parts (the rest is reached through the stacks)."""
+class _Sinks:
+    spool: Spool
+    writer: SampleWriter
+    forwarder: Forwarder | None
+    webhook: WebhookSink | None
+    health: list[Collector]
+    """The sinks' own health collectors, run with the others."""
+    stack: Stack
+
+
+@dataclass(slots=True)
+class _RunParts:
+    """What the run's own code reads of the built parts (the rest is reached through the stack)."""
 
     build: Build
     runner: CollectorRunner
-    drift: AcceptanceDrift
-    ceiling_reason: str
     controller: Controller | None
     jobs: Jobs
-    engine_part: _EnginePart
-
-
-class _EnginePart:
-    """The engine as a stack part: its start is the run's first step (it may fail, which is a verdict,
-    not a crash); its stop is bounded; its summary is what the engine's telemetry covered."""
-
-    name = "engine"
-    stop_timeout_s = ENGINE_STOP_TIMEOUT_S
-
-    def __init__(
-        self, engine: EngineSupervisor, build: Build, drift: AcceptanceDrift, runner: CollectorRunner
-    ) -> None:
-        self.engine = engine
-        self.started = False
-        self.infos: list[EngineInfo] = []
-        self._build = build
-        self._drift = drift
-        self._runner = runner
-
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        if self.started:
-            await self.engine.stop()
-
-    def summary(self) -> Mapping[str, Any]:
-        ec = self._build.engine_collector
-        return {
-            "engine_steps": ec.steps_total,
-            "spec_decode": {"drafts": ec.spec_drafts_total, "accepted": ec.spec_accepted_total},
-            "engine_telemetry": engine_telemetry(
-                self.engine,
-                self.infos,
-                ec,
-                self._build.profile,
-                self._drift,
-                self._runner,
-                self._build.writer,
-            ),
-        }
+    engine_part: EnginePart
+    stack: Stack
 
 
 class Soak:
@@ -202,8 +167,7 @@ class Soak:
         self._journal: DueJournal | None = None
         self._journal_errors = 0
         self._stop_task: asyncio.Task[None] | None = None
-        self._rebuild_task: asyncio.Future[bool] | None = None
-        self._parts: _Telemetry | None = None
+        self._parts: _RunParts | None = None
         self._t_start = time.monotonic()
         # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
         # nothing half-made), then taken out of the environment the engine's processes inherit.
@@ -289,6 +253,48 @@ class Soak:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig.name)
         self._open_run_dir()
+        sinks = self._open_sinks()
+        writer, spool = sinks.writer, sinks.spool
+        parts = self._parts = self._build(sinks)
+        stats = ReplayStats()
+        ran_s = live.offset_s
+        async with sinks.stack:
+            self._start_event(writer)
+            notify(f"STATUS=starting engine ({cfg.engine.kind})")
+            try:
+                async with parts.stack:
+                    stats, ran_s = await self._run_replay(parts)
+                    if not live.stopped_by:
+                        notify("STOPPING=1\nSTATUS=stopping")
+                        # The natural end stops the engine and ships the spool too: ask for time as a
+                        # stop does.
+                        self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
+            finally:
+                verdict = self._finish(writer, stats, ran_s)
+                _guard_sync("spool_flush", lambda: spool.flush(fsync=True))
+        summary_doc = self._summary(verdict, stats, ran_s, writer, parts.stack, sinks.stack)
+        _guard_sync("summary", lambda: write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc))
+        if self._stop_task is not None:
+            self._stop_task.cancel()
+        notify(f"STATUS=done: {verdict.word}" + (f" (error: {live.error})" if live.error else ""))
+        return RunResult(self.run_id, self.run_dir, verdict, summary_doc, live.error, live.stopped_by)
+
+    def _open_run_dir(self) -> None:
+        if self._resume_from is not None:
+            self._begin_resumed(self._resume_from)
+        else:
+            # 0700: the run's files may name hosts, models and traffic; only the service user reads them.
+            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+            checkpoint = Checkpoint(self.run_id, self.fingerprint, self.started_utc, self.cfg.run.duration)
+            checkpoint.write(self.run_dir)
+            self.live.checkpoint = checkpoint
+        self._journal = DueJournal(self.run_dir / JOURNAL_FILE)
+        self._write_meta({})
+
+    def _open_sinks(self) -> _Sinks:
+        """The spool every sample goes to first, the writer in front of it, and the configured sinks
+        that ship from it: the outer stack, stopped after the verdict is written."""
+        cfg, live = self.cfg, self.live
         scfg = cfg.sinks.spool
         spool = Spool(
             self.run_dir / SPOOL_DIR,
@@ -308,71 +314,25 @@ class Soak:
 
         def on_spool(kind: str, fields: dict[str, FieldValue]) -> None:
             what = "degraded" if kind == "spool_degraded" else "recovered"
-            writer.event(
-                kind, f"spool {what}: {fields.get('state', '')} {fields.get('reason', '')}".strip(), **fields
-            )
+            text = f"spool {what}: {fields.get('state', '')} {fields.get('reason', '')}".strip()
+            writer.event(kind, text, **fields)
 
         spool.on_event = on_spool
         forwarder = make_forwarder(cfg, self.run_dir, self._lines, writer)
         webhook = make_webhook(cfg, self.run_dir, self._alerts, writer)
         health: list[Collector] = [SpoolHealth(spool)]
-        sink_parts: list[Any] = [SpoolPart(spool)]
+        parts: list[Component] = [SpoolPart(spool)]
         if forwarder is not None:
             health.append(SinkHealth(forwarder))
-            sink_parts.append(ForwarderPart(forwarder, cfg.sinks.influx.final_drain_timeout))
+            parts.append(ForwarderPart(forwarder, cfg.sinks.influx.final_drain_timeout))
         if webhook is not None:
             health.append(WebhookHealth(webhook))
-            sink_parts.append(WebhookPart(webhook, cfg.sinks.webhook.final_drain_timeout))
-        parts = self._parts = self._build(writer, spool, forwarder, webhook, health)
-        run_stack = Stack(
-            "run",
-            [self._collectors_part(parts), parts.engine_part, parts.jobs, self._controller_part(parts)],
-        )
-        sinks = Stack("sinks", sink_parts)
-        stats = ReplayStats()
-        ran_s = live.offset_s
-        async with sinks:
-            self._start_event(writer)
-            notify(f"STATUS=starting engine ({cfg.engine.kind})")
-            try:
-                async with run_stack:
-                    stats, ran_s = await self._run_replay(parts)
-                    if not live.stopped_by:
-                        notify("STOPPING=1\nSTATUS=stopping")
-                        # The natural end stops the engine and ships the spool too: ask for time as a
-                        # stop does.
-                        self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
-            finally:
-                verdict = self._finish(writer, stats, ran_s)
-                _guard_sync("spool_flush", lambda: spool.flush(fsync=True))
-        summary_doc = self._summary(verdict, stats, ran_s, writer, run_stack, sinks)
-        _guard_sync("summary", lambda: write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc))
-        if self._stop_task is not None:
-            self._stop_task.cancel()
-        notify(f"STATUS=done: {verdict.word}" + (f" (error: {live.error})" if live.error else ""))
-        return RunResult(self.run_id, self.run_dir, verdict, summary_doc, live.error, live.stopped_by)
+            parts.append(WebhookPart(webhook, cfg.sinks.webhook.final_drain_timeout))
+        return _Sinks(spool, writer, forwarder, webhook, health, Stack("sinks", parts))
 
-    def _open_run_dir(self) -> None:
-        if self._resume_from is not None:
-            self._begin_resumed(self._resume_from)
-        else:
-            # 0700: the run's files may name hosts, models and traffic; only the service user reads them.
-            self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=False)
-            checkpoint = Checkpoint(self.run_id, self.fingerprint, self.started_utc, self.cfg.run.duration)
-            checkpoint.write(self.run_dir)
-            self.live.checkpoint = checkpoint
-        self._journal = DueJournal(self.run_dir / JOURNAL_FILE)
-        self._write_meta({})
-
-    def _build(
-        self,
-        writer: SampleWriter,
-        spool: Spool,
-        forwarder: Any,
-        webhook: Any,
-        health: list[Collector],
-    ) -> _Telemetry:
-        cfg, live = self.cfg, self.live
+    def _build(self, sinks: _Sinks) -> _RunParts:
+        """The run stack's parts, built from the config: collectors, engine, scheduler, controller."""
+        cfg, live, writer = self.cfg, self.live, sinks.writer
         drift = make_drift(cfg, writer)
         engine_collector = EngineCollector(active=False, drift=drift)
         ceiling, ceiling_reason = make_ceiling(cfg, self.model)
@@ -392,8 +352,8 @@ class Soak:
         # The replay's own series is always on: it is how a run shows it kept up with the trace.
         collectors: list[Collector] = [ReplayCollector(live.soak_replayer), *build_collectors(b, "start")]
         loopwatch = LoopWatch(writer.event, active=lambda: live.replaying and engine.ready)
-        runner = CollectorRunner([*collectors, loopwatch, *health], writer)
-        engine_part = _EnginePart(engine, b, drift, runner)
+        runner = CollectorRunner([*collectors, loopwatch, *sinks.health], writer)
+        engine_part = EnginePart(engine, b, drift, runner)
         controller = make_controller(
             cfg, self.run_dir, engine, collectors, engine_collector, drift, live, writer
         )
@@ -403,11 +363,11 @@ class Soak:
             live,
             runner,
             writer,
-            spool,
+            sinks.spool,
             engine,
             journal=self._journal,
-            forwarder=forwarder,
-            webhook=webhook,
+            forwarder=sinks.forwarder,
+            webhook=sinks.webhook,
             controller=controller,
             tickers=[*b.tickers, loopwatch.ticker],
             gpu_watch=find(collectors, GpuThrottleWatch),
@@ -415,49 +375,18 @@ class Soak:
             progress=self._progress,
         )
         runner.add(JobHealth(jobs))
-        return _Telemetry(b, runner, drift, ceiling_reason, controller, jobs, engine_part)
+        stack = Stack(
+            "run",
+            [
+                collectors_part(runner, ceiling, ceiling_reason),
+                engine_part,
+                jobs,
+                controller_part(controller, live),
+            ],
+        )
+        return _RunParts(b, runner, controller, jobs, engine_part, stack)
 
-    def _collectors_part(self, parts: _Telemetry) -> Part:
-        runner, b = parts.runner, parts.build
-        collectors = list(runner.collectors)
-
-        async def start() -> None:
-            for listener in each(collectors, GpuEventListener):
-                listener.start()
-
-        def summary() -> dict[str, Any]:
-            gpu_watch, host_watch = find(collectors, GpuThrottleWatch), find(collectors, HostThrottleWatch)
-            events, loopwatch = find(collectors, GpuEventListener), find(collectors, LoopWatch)
-            ceiling = b.ceiling
-            return {
-                "collectors": {name: asdict(h) for name, h in runner.health.items()},
-                "loop": loopwatch.summary() if loopwatch is not None else None,
-                "gpu_throttle": gpu_watch.summary() if gpu_watch is not None else None,
-                "gpu_events": events.summary() if events is not None else None,
-                "host_throttle": host_watch.summary() if host_watch is not None else None,
-                "decode_ceiling": ceiling.summary()
-                if ceiling is not None
-                else {"available": False, "reason": parts.ceiling_reason},
-            }
-
-        # Closed after the engine stops: the last collection already ran in the scheduler's stop.
-        return Part("collectors", start=start, stop=runner.close, summary=summary)
-
-    def _controller_part(self, parts: _Telemetry) -> Part:
-        controller, live = parts.controller, self.live
-        # The controller takes part once the replay began (its start is the replay's first step).
-
-        async def stop() -> None:
-            if controller is not None and live.replay_start is not None:
-                await controller.finish()
-
-        def summary() -> dict[str, Any]:
-            started = controller is not None and live.replay_start is not None
-            return {"control": controller.summary() if started and controller is not None else None}
-
-        return Part("control", stop=stop, summary=summary)
-
-    def _engine_started(self, info: EngineInfo, runner: CollectorRunner, part: _EnginePart) -> None:
+    def _engine_started(self, info: EngineInfo, runner: CollectorRunner, part: EnginePart) -> None:
         """Every (re)start: the collectors that tag or judge by the configuration are told, and meta.json
         says which engines ran."""
         for collector in runner.collectors:
@@ -483,7 +412,7 @@ class Soak:
             planned_s=cfg.run.duration,
         )
 
-    async def _start_engine(self, parts: _Telemetry) -> tuple[EngineInfo, PromptSynth, AdmissionGate] | None:
+    async def _start_engine(self, parts: _RunParts) -> tuple[EngineInfo, PromptSynth, AdmissionGate] | None:
         """Start the engine, add the collectors it makes possible, warm it up. None when it did not start
         or the run was stopped meanwhile (the reason is in `live`)."""
         cfg, live, b = self.cfg, self.live, parts.build
@@ -512,7 +441,24 @@ class Soak:
             parts.runner.add(collector)
         prompts = PromptSynth(info.vocab_size, cfg.run.seed, info.reserved_ids)
         gate = AdmissionGate(cfg.replay.max_concurrency)
-        await self._warm_up(engine, prompts, gate, writer, info.max_model_len)
+        n = cfg.replay.warmup_requests
+        if n > 0:
+
+            def on_replayer(replayer: Replayer) -> None:
+                live.replayer = replayer  # so a stop signal during warm-up ends it
+
+            await warm_up(
+                engine,
+                list(itertools.islice(self.trace, n)),
+                prompts,
+                gate,
+                writer.event,
+                on_replayer,
+                run_tag=self.run_id[-4:] + "w",
+                max_model_len=info.max_model_len,
+                timeout_s=cfg.engine.start_timeout,
+                seed=cfg.run.seed,
+            )
         if parts.controller is not None:
             parts.controller.actuator.gate = gate
         if "engine" in cfg.telemetry.collectors and "per_step" in info.signals:
@@ -525,7 +471,7 @@ class Soak:
             scraper.rebase()
         return info, prompts, gate
 
-    async def _run_replay(self, parts: _Telemetry) -> tuple[ReplayStats, float]:
+    async def _run_replay(self, parts: _RunParts) -> tuple[ReplayStats, float]:
         """The soak itself; returns the replay's stats and the replay time reached across resumes."""
         cfg, live = self.cfg, self.live
         stats = ReplayStats()
@@ -565,13 +511,14 @@ class Soak:
             await controller.start()
             parts.runner.add(controller)
         t0 = live.replay_start = live.clock.monotonic()
-        changes = asyncio.create_task(self._apply_changes(parts.build.engine, t0))
+        changes = EngineChanges(cfg.engine.changes, parts.build.engine, live)
+        changes.start(t0)
         live.replaying = True
         try:
             stats = await replayer.run()
         finally:
             live.replaying = False
-            await self._end_changes(changes)
+            await changes.end()
         ran_s = live.offset_s + (live.clock.monotonic() - t0)
         if replayer.fatal:
             live.error = replayer.fatal
@@ -597,7 +544,7 @@ class Soak:
         first = await asyncio.to_thread(next, rest, None)
         return rest if first is None else itertools.chain([first], rest)
 
-    def _on_record_fn(self, parts: _Telemetry) -> Callable[[RequestRecord], None]:
+    def _on_record_fn(self, parts: _RunParts) -> Callable[[RequestRecord], None]:
         ceiling: CeilingTracker | None = parts.build.ceiling
         controller, writer, clock = parts.controller, parts.build.writer, self.live.clock
 
@@ -706,29 +653,11 @@ class Soak:
     # -- crash-resume -------------------------------------------------------------------------------
 
     def _begin_resumed(self, checkpoint: Checkpoint) -> None:
-        """Take up an unfinished run: its accounting from journal and spool, the crash as an interruption."""
-        state = self.resumed = load_state(self.run_dir, checkpoint)
+        state = self.resumed = take_up(self.run_dir, checkpoint)
         self.live.offset_s = state.offset_s
         self.live.metrics = state.metrics
-        self.started_utc = checkpoint.started_utc
-        down_s = max(0.0, (time.time_ns() - state.last_seen_ns) / 1e9)
-        if state.remaining_s > 0 or state.lost:
-            # A crash after the replay ended with nothing in flight cut nothing short: no interruption.
-            checkpoint.interruptions.append(
-                Interruption(state.offset_s, down_s, len(state.lost), datetime.now(UTC).isoformat())
-            )
-            checkpoint.lost.extend(state.lost)
-        checkpoint.elapsed_s = state.offset_s
         self.live.checkpoint = checkpoint
-        checkpoint.write(self.run_dir)
-        log.warning(
-            "run_resumed",
-            at_s=round(state.offset_s, 3),
-            down_s=round(down_s, 3),
-            finished=state.finished,
-            lost_in_flight=len(state.lost),
-            remaining_s=round(state.remaining_s, 3),
-        )
+        self.started_utc = checkpoint.started_utc
 
     def _journal_due(self, item: Scheduled) -> None:
         """Journal a request that came due, at its place on the whole run's replay clock."""
@@ -755,131 +684,6 @@ class Soak:
         while time.monotonic() < deadline:
             notify(f"EXTEND_TIMEOUT_USEC={int(3 * step_s * 1e6)}")
             await asyncio.sleep(step_s)
-
-    # -- engine changes during the replay -----------------------------------------------------------
-
-    async def _apply_changes(self, engine: EngineSupervisor, t0: float) -> None:
-        """The configured engine changes, each at its time into the replay (a resumed run started with
-        those already due applied, see engine_config, and its clock starts at the crash point)."""
-        live = self.live
-        for change in sorted(self.cfg.engine.changes, key=lambda c: c.at):
-            if change.at <= live.offset_s:
-                continue
-            await live.clock.sleep_until(t0 + change.at - live.offset_s, precise=False)
-            if live.replayer is None or live.interrupted or live.error:
-                return
-            notify(f"STATUS=rebuilding the engine: {change.reason}")
-            # Shielded: the end of the replay waits for a rebuild under way instead of cutting it.
-            self._rebuild_task = asyncio.ensure_future(engine.rebuild(change))
-            await asyncio.shield(self._rebuild_task)
-
-    async def _end_changes(self, task: asyncio.Task[None]) -> None:
-        """Stop waiting for later changes. At the planned end a rebuild under way is finished; when the
-        service is being stopped it is cancelled (the engine being started is stopped with it), so a
-        stop is not held up by an engine start."""
-        if self._rebuild_task is not None and not self._rebuild_task.done():
-            if self.live.interrupted:
-                self._rebuild_task.cancel()
-            await asyncio.wait({self._rebuild_task})
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    async def _warm_up(
-        self,
-        engine: Engine,
-        prompts: PromptSynth,
-        gate: AdmissionGate,
-        writer: SampleWriter,
-        max_model_len: int,
-    ) -> None:
-        """Send the trace's first requests once, unrecorded, so one-off kernel compilation (Triton JIT,
-        first-shape allocations) does not land in the soak's latencies. Its prompts use their own salt,
-        so they warm no prefix the replay will look up."""
-        n = self.cfg.replay.warmup_requests
-        if n <= 0:
-            return
-        first = list(itertools.islice(self.trace, n))
-        records: list[RequestRecord] = []
-        warm = Replayer(
-            engine,
-            [Scheduled(spec=spec, loop=-1, due_s=0.0) for spec in first],
-            prompts,
-            gate,
-            SystemClock(),
-            records.append,
-            run_tag=self.run_id[-4:] + "w",
-            max_pending=len(first),
-            max_model_len=max_model_len,
-            drain_timeout_s=self.cfg.engine.start_timeout,
-            seed=self.cfg.run.seed,
-            sessions="open",  # all at once: warm-up only needs the kernels compiled
-        )
-        self.live.replayer = warm  # so a stop signal during warm-up ends it
-        t0 = time.monotonic()
-        stats = await warm.run()
-        took = time.monotonic() - t0
-        writer.event(
-            "warmup",
-            f"{stats.completed} warm-up requests in {took:.1f} s",
-            requests=len(records),
-            failed=stats.failed,
-            warmup_s=took,
-        )
-
-
-def engine_telemetry(
-    engine: EngineSupervisor,
-    engines: list[EngineInfo],
-    engine_collector: EngineCollector,
-    profile: SpecProfile,
-    drift: AcceptanceDrift,
-    runner: CollectorRunner,
-    writer: SampleWriter,
-) -> dict[str, Any]:
-    """What the engine's own telemetry covered, and what it could not see (for the report)."""
-    info = engines[-1] if engines else None
-    signals = list(info.signals) if info is not None else []
-    doc: dict[str, Any] = {
-        "signals": signals,
-        "missing": [text for name, text in SIGNALS.items() if name not in signals],
-        "cudagraphs": engine_collector.cudagraph_summary(),
-    }
-    points = writer.counts.get("spec_decode", 0)
-    if profile.requests and "spec_per_request" not in signals:
-        # An attached server that reports per-request acceptance (its own --per-request-... flag).
-        doc["missing"].remove(SIGNALS["spec_per_request"])
-    scraper = find(runner.collectors, MetricsScraper)
-    if scraper is not None:
-        doc["metrics_missing"] = scraper.missing()
-    # Known from the engine's own config where soakd sees it, else from what was written.
-    spec_on = any(i.speculative_tokens > 0 for i in engines) if "per_step" in signals else points > 0
-    if not spec_on:
-        doc["spec_decode"] = {
-            "enabled": False,
-            "points": points,
-            "note": "speculative decoding was off: no acceptance series were written",
-        }
-    else:
-        doc["spec_decode"] = {
-            "enabled": True,
-            "points": points,
-            "drafts": engine_collector.spec_drafts_total,
-            "accepted": engine_collector.spec_accepted_total,
-            "drift": drift.summary(),
-            "profile": profile.summary(),
-        }
-    hist = dict(engine_collector.tokens_per_step)
-    if hist:
-        doc["tokens_per_step"] = {
-            "steps": sum(hist.values()),
-            "p50": quantile_of_counts(hist, 0.5),
-            "p90": quantile_of_counts(hist, 0.9),
-            "p99": quantile_of_counts(hist, 0.99),
-            "max": max(hist),
-        }
-    doc.update(engine.telemetry_summary())
-    return doc
 
 
 async def _guard(step: str, coro: Any) -> None:

@@ -394,7 +394,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     if cfg.run.report and result.stopped_by != "SIGTERM":
-        _report_after_run(result.run_dir)
+        from soakd.report.finished import report_after_run
+
+        report_after_run(result.run_dir)
     if args.json:
         doc = {**result.summary, "verdict_detail": result.verdict.to_dict(), "run_dir": str(result.run_dir)}
         print(json_text(doc, indent=2, default=str))
@@ -409,28 +411,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # A service stop is a clean end: drained, flushed, verdict (marked interrupted) written.
         return 0
     return result.verdict.exit_code
-
-
-def _report_after_run(run_dir: Path) -> None:
-    """The sign-off report of a run that just ended, from its spool and the verdict it wrote. The engine
-    is stopped by now; a report that cannot be made is logged and leaves the exit code alone."""
-    import time
-
-    from soakd.report.html import build_doc, write_report
-    from soakd.report.runs import fold_spool, read_json
-    from soakd.rundir import META_FILE, REPORT_HTML, REPORT_JSON, VERDICT_FILE
-
-    t0 = time.monotonic()
-    try:
-        meta = read_json(run_dir / META_FILE)
-        verdict = read_json(run_dir / VERDICT_FILE)
-        _, series = fold_spool(run_dir)
-        doc = build_doc(run_dir, meta, verdict, series.build(meta["config"]), source="spool")
-        write_report(doc, run_dir / REPORT_HTML, run_dir / REPORT_JSON)
-    except Exception as err:  # noqa: BLE001 - the run is judged already; the report is an extra
-        log.error("report_not_written", run_dir=str(run_dir), error=f"{type(err).__name__}: {err}"[:300])
-        return
-    log.info("report_written", path=str(run_dir / REPORT_HTML), seconds=round(time.monotonic() - t0, 2))
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
@@ -518,40 +498,22 @@ def _verify_digest(run_dir: Path, expected: str) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from soakd import config
+    from soakd.report.finished import judge_again, open_run, write_sign_off
     from soakd.report.influxql import read_run
-    from soakd.report.runs import find_run, judge, read_json
-    from soakd.rundir import META_FILE, SPOOL_DIR, SUMMARY_FILE
+    from soakd.report.runs import find_run
+    from soakd.rundir import SPOOL_DIR
 
     base = _load_config(args.config, {}) if args.config else config.load(None)
     run_dir = find_run(args.run, base.resolve(base.run.output_dir))
     if args.verify_digest is not None:
         return _verify_digest(run_dir, args.verify_digest)
     paths = _report_paths(args, run_dir)
-    meta = read_json(run_dir / META_FILE)
-    if not isinstance(meta.get("config"), dict) or "run_id" not in meta:
-        raise UsageError("not a soakd run's metadata (no config or run_id)", file=run_dir / META_FILE)
     # Judge by the criteria the run was started with, unless asked to apply another config's.
-    try:
-        judged_by = base if args.config else config.Config.model_validate(meta["config"])
-    except ValueError as err:  # pydantic's ValidationError: a run from a soakd whose config differed
-        first = str(err).splitlines()[1:3]
-        raise UsageError(
-            f"the run's config does not load in this soakd ({' '.join(first)}): judge it with --config FILE",
-            file=run_dir / META_FILE,
-        ) from None
-    criteria = judged_by.criteria
-    summary_path = run_dir / SUMMARY_FILE
-    summary = read_json(summary_path) if summary_path.exists() else {}
-    planned = float(meta["config"]["run"]["duration"])
-    # A run that never wrote its summary died before the end: judge it as interrupted, at the replay
-    # time its checkpoint reached.
-    from soakd.resume import read_checkpoint
-
-    checkpoint = None if summary else read_checkpoint(run_dir)
+    run = open_run(run_dir, base if args.config else None)
     if args.ship:
         from soakd.sinks.forwarder import ship_backlog
 
-        icfg = judged_by.sinks.influx
+        icfg = run.config.sinks.influx
         if not icfg.enabled:
             raise UsageError("--ship needs [sinks.influx] enabled = true in the config")
         shipped, refused = asyncio.run(ship_backlog(icfg, run_dir / SPOOL_DIR))
@@ -561,31 +523,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     metrics, series = (
-        read_run(run_dir, meta, judged_by, from_influx=args.from_influx)
+        read_run(run_dir, run.meta, run.config, from_influx=args.from_influx)
         if paths or args.from_influx
         else (None, None)
     )
-    verdict = judge(
-        run_dir,
-        str(meta["run_id"]),
-        criteria,
-        ran_s=float(summary.get("ran_s", checkpoint.elapsed_s if checkpoint is not None else 0.0)),
-        planned_s=planned,
-        interrupted=bool(summary.get("interrupted", not summary)),
-        metrics=metrics,
-    )
+    verdict = judge_again(run, metrics)
     if paths is not None and series is not None:
-        from soakd.report.html import build_doc, write_report
-
-        data = series.build(meta["config"])
         source = "influx" if args.from_influx else "spool"
-        write_report(build_doc(run_dir, meta, verdict.to_dict(), data, source=source), *paths)
+        write_sign_off(run, verdict.to_dict(), series, *paths, source=source)
         print(f"report: {' and '.join(str(p) for p in paths if p is not None)}", file=sys.stderr)
     if args.json:
         print(json_text(verdict.to_dict(), indent=2, default=str))
     else:
         print("\n".join(verdict.lines()))
-        for line in _hardware_lines(summary):
+        for line in _hardware_lines(run.summary):
             print(line)
     return verdict.exit_code
 

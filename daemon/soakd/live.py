@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from soakd.checkpoint import Checkpoint
 from soakd.judge.metrics import RunMetrics
 from soakd.replay.clock import Clock
 from soakd.replay.runner import Replayer
-from soakd.resume import Checkpoint
 
 
 @dataclass(slots=True)

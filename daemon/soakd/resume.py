@@ -21,24 +21,22 @@ import json
 import os
 import time
 from collections.abc import Container, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from soakd.files import open_private_append, write_json_atomic
+from soakd.checkpoint import Checkpoint, Interruption, RequestKey, read_checkpoint
+from soakd.files import open_private_append
 from soakd.judge.metrics import METRIC_MEASUREMENTS, RunMetrics
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled
-from soakd.rundir import CHECKPOINT_FILE, JOURNAL_FILE, SPOOL_DIR, SUMMARY_FILE
+from soakd.rundir import JOURNAL_FILE, SPOOL_DIR, SUMMARY_FILE
 from soakd.sinks.spool import iter_lines, list_segments
 
 log = structlog.get_logger(__name__)
-
-
-RequestKey = tuple[int, int, int]
-"""(loop, trace index, rate-scale copy): one scheduled request of a run."""
 
 
 def fingerprint(config: dict[str, Any], trace: dict[str, Any]) -> str:
@@ -46,81 +44,6 @@ def fingerprint(config: dict[str, Any], trace: dict[str, Any]) -> str:
     configuration and trace (anything else would splice two different soaks into one verdict)."""
     doc = json.dumps({"config": config, "trace": trace}, sort_keys=True, default=str)
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
-
-
-@dataclass(slots=True)
-class Interruption:
-    """One crash (or kill) of the daemon that a later start resumed from."""
-
-    at_s: float
-    """Replay time reached before the crash."""
-    down_s: float
-    """From the run's last sign of life to the resumed start."""
-    lost_in_flight: int
-    """Requests that had come due and had not finished when the daemon died."""
-    resumed_utc: str
-
-
-@dataclass(slots=True)
-class Checkpoint:
-    run_id: str
-    fingerprint: str
-    started_utc: str
-    planned_s: float
-    elapsed_s: float = 0.0
-    """Replay time reached (seconds of trace replayed, across resumes)."""
-    wall_ns: int = 0
-    """When this checkpoint was written."""
-    interruptions: list[Interruption] = field(default_factory=list)
-    lost: list[RequestKey] = field(default_factory=list)
-    """Every request counted as lost in flight so far: a later resume must not count them again."""
-    stopped_by: str = ""
-    """Set when the run was stopped on purpose (SIGTERM, SIGINT): such a run is never resumed, even if
-    the stop outlasted the service manager's timeout and was cut short by SIGKILL."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "fingerprint": self.fingerprint,
-            "started_utc": self.started_utc,
-            "planned_s": self.planned_s,
-            "elapsed_s": self.elapsed_s,
-            "wall_ns": self.wall_ns,
-            "stopped_by": self.stopped_by,
-            "lost": [list(k) for k in self.lost],
-            "interruptions": [asdict(i) for i in self.interruptions],
-        }
-
-    def write(self, run_dir: Path) -> None:
-        self.wall_ns = time.time_ns()
-        write_json_atomic(run_dir / CHECKPOINT_FILE, self.to_dict())
-
-
-def read_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The run's checkpoint, or None when it has none or it cannot be read (then it is not resumable)."""
-    try:
-        data = json.loads((run_dir / CHECKPOINT_FILE).read_text(encoding="utf-8"))
-        return Checkpoint(
-            run_id=str(data["run_id"]),
-            fingerprint=str(data["fingerprint"]),
-            started_utc=str(data["started_utc"]),
-            planned_s=float(data["planned_s"]),
-            elapsed_s=float(data["elapsed_s"]),
-            wall_ns=int(data["wall_ns"]),
-            interruptions=[
-                Interruption(
-                    float(i["at_s"]), float(i["down_s"]), int(i["lost_in_flight"]), str(i["resumed_utc"])
-                )
-                for i in data.get("interruptions", [])
-            ],
-            stopped_by=str(data.get("stopped_by", "")),
-            lost=[(int(k[0]), int(k[1]), int(k[2])) for k in data.get("lost", [])],
-        )
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        log.warning("checkpoint_unreadable", run_dir=str(run_dir), error=f"{type(err).__name__}: {err}")
-        return None
 
 
 class DueJournal:
@@ -271,6 +194,30 @@ def load_state(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
         damaged_lines=damaged,
         last_point_ns=newest,
     )
+
+
+def take_up(run_dir: Path, checkpoint: Checkpoint) -> ResumeState:
+    """Take up an unfinished run: its accounting from journal and spool, the crash as an interruption
+    recorded in the checkpoint (written back)."""
+    state = load_state(run_dir, checkpoint)
+    down_s = max(0.0, (time.time_ns() - state.last_seen_ns) / 1e9)
+    if state.remaining_s > 0 or state.lost:
+        # A crash after the replay ended with nothing in flight cut nothing short: no interruption.
+        checkpoint.interruptions.append(
+            Interruption(state.offset_s, down_s, len(state.lost), datetime.now(UTC).isoformat())
+        )
+        checkpoint.lost.extend(state.lost)
+    checkpoint.elapsed_s = state.offset_s
+    checkpoint.write(run_dir)
+    log.warning(
+        "run_resumed",
+        at_s=round(state.offset_s, 3),
+        down_s=round(down_s, 3),
+        finished=state.finished,
+        lost_in_flight=len(state.lost),
+        remaining_s=round(state.remaining_s, 3),
+    )
+    return state
 
 
 def find_resumable(

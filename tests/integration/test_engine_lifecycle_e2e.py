@@ -23,9 +23,10 @@ import pytest
 from conftest import ServerSoak
 from servers import Server, finish_soakd, run_soakd, start_soakd
 
+from soakd.checkpoint import read_checkpoint
 from soakd.engine.live_limit import read_status, status_path
 from soakd.metric import Sample
-from soakd.resume import read_checkpoint, read_journal
+from soakd.resume import read_journal
 from soakd.rundir import JOURNAL_FILE
 from soakd.sinks.spool import iter_samples
 

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "soakd", "soakd.errors", "soakd.units", "soakd.rundir", "soakd.nvml_fields", "soakd.redact",
         "soakd.files", "soakd.logs", "soakd.metric", "soakd.ticker", "soakd.sse", "soakd.notify",
-        "soakd.loopwatch", "soakd.testing", "soakd.lifecycle",
+        "soakd.loopwatch", "soakd.testing", "soakd.lifecycle", "soakd.checkpoint",
     ),
     ("soakd.judge.dsl",),  # the criteria language: the config validates expressions with it
     ("soakd.config",),
@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("soakd.resume",),
     ("soakd.live",),  # the run's live state, read by the parts below
     ("soakd.wiring",),  # builds the parts from the config: the one module naming concrete classes
-    ("soakd.jobs",),
+    ("soakd.jobs", "soakd.parts"),
     ("soakd.app", "soakd.progress", "soakd.matrix", "soakd.checks"),
     ("soakd.cli", "soakd.__main__"),
 ]  # fmt: skip

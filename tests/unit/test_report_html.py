@@ -285,7 +285,7 @@ def test_a_run_whose_config_this_soakd_cannot_load_is_bad_input_naming_meta_json
 
 
 def test_the_report_after_a_run_uses_the_run_s_own_verdict_and_never_fails_the_run(tmp_path: Path) -> None:
-    from soakd.cli import _report_after_run
+    from soakd.report.finished import report_after_run
     from soakd.report.runs import judge
 
     run = control_run(tmp_path)
@@ -293,7 +293,7 @@ def test_the_report_after_a_run_uses_the_run_s_own_verdict_and_never_fails_the_r
     judge(run, meta["run_id"], CriteriaConfig(), ran_s=100.0, planned_s=100.0, interrupted=False)
     written = json.loads((run / "verdict.json").read_text())
     with capture_logs() as logs:
-        _report_after_run(run)
+        report_after_run(run)
     report = json.loads((run / "report.json").read_text())
     assert report["verdict"] == written and "<svg" in (run / "report.html").read_text()
     assert "report_not_written" not in [e["event"] for e in logs]
@@ -301,5 +301,5 @@ def test_the_report_after_a_run_uses_the_run_s_own_verdict_and_never_fails_the_r
     (run / "verdict.json").write_text("{not json")
     (run / "report.html").unlink()
     with capture_logs() as logs:
-        _report_after_run(run)
+        report_after_run(run)
     assert "report_not_written" in [e["event"] for e in logs] and not (run / "report.html").exists()

@@ -16,16 +16,15 @@ import pytest
 from test_app import StubEngine, config
 
 from soakd.app import Soak
+from soakd.checkpoint import Checkpoint, read_checkpoint
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config
 from soakd.metric import Sample, parse_line
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.resume import (
-    Checkpoint,
     DueJournal,
     find_resumable,
     load_state,
-    read_checkpoint,
     read_journal,
     shifted,
 )

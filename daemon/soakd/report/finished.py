@@ -1,0 +1,112 @@
+"""A finished run read back for `soakd report`: the config that judges it, its verdict judged again,
+and the sign-off report written (also right after `soakd run`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from soakd.checkpoint import read_checkpoint
+from soakd.config import Config
+from soakd.errors import UsageError
+from soakd.judge.metrics import RunMetrics
+from soakd.judge.verdict import Verdict
+from soakd.report.html import build_doc, write_report
+from soakd.report.runs import fold_spool, judge, read_json
+from soakd.report.series import SeriesBuilder
+from soakd.rundir import META_FILE, REPORT_HTML, REPORT_JSON, SUMMARY_FILE, VERDICT_FILE
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRun:
+    run_dir: Path
+    meta: dict[str, Any]
+    summary: dict[str, Any]
+    """summary.json; empty for a run that died before writing it."""
+    config: Config
+    """The config that judges it: the one the run was started with, unless another was given."""
+
+    @property
+    def run_id(self) -> str:
+        return str(self.meta["run_id"])
+
+    def ran_s(self) -> float:
+        """Replay time reached: the summary's, else (a run that died) its checkpoint's."""
+        if "ran_s" in self.summary:
+            return float(self.summary["ran_s"])
+        checkpoint = read_checkpoint(self.run_dir)
+        return checkpoint.elapsed_s if checkpoint is not None else 0.0
+
+    @property
+    def interrupted(self) -> bool:
+        # A run that never wrote its summary died before the end: judged as interrupted.
+        return bool(self.summary.get("interrupted", not self.summary))
+
+
+def open_run(run_dir: Path, given: Config | None) -> FinishedRun:
+    """A run folder's metadata and summary, and the config to judge it by; a folder that is not a
+    soakd run's, or whose config this soakd cannot load, is a one-line UsageError."""
+    meta = read_json(run_dir / META_FILE)
+    if not isinstance(meta.get("config"), dict) or "run_id" not in meta:
+        raise UsageError("not a soakd run's metadata (no config or run_id)", file=run_dir / META_FILE)
+    try:
+        config = given if given is not None else Config.model_validate(meta["config"])
+    except ValueError as err:  # pydantic's ValidationError: a run from a soakd whose config differed
+        first = str(err).splitlines()[1:3]
+        raise UsageError(
+            f"the run's config does not load in this soakd ({' '.join(first)}): judge it with --config FILE",
+            file=run_dir / META_FILE,
+        ) from None
+    summary_path = run_dir / SUMMARY_FILE
+    summary = read_json(summary_path) if summary_path.exists() else {}
+    return FinishedRun(run_dir, meta, summary, config)
+
+
+def judge_again(run: FinishedRun, metrics: RunMetrics | None = None) -> Verdict:
+    """The run judged by `run.config`'s criteria over its points (folded from the spool unless given);
+    verdict.json is rewritten."""
+    return judge(
+        run.run_dir,
+        run.run_id,
+        run.config.criteria,
+        ran_s=run.ran_s(),
+        planned_s=float(run.meta["config"]["run"]["duration"]),
+        interrupted=run.interrupted,
+        metrics=metrics,
+    )
+
+
+def write_sign_off(
+    run: FinishedRun,
+    verdict: dict[str, Any],
+    series: SeriesBuilder,
+    html: Path | None,
+    json_path: Path,
+    *,
+    source: str,
+) -> None:
+    """The sign-off report (HTML unless `html` is None, and its JSON) of a verdict and the run's series."""
+    data = series.build(run.meta["config"])
+    write_report(build_doc(run.run_dir, run.meta, verdict, data, source=source), html, json_path)
+
+
+def report_after_run(run_dir: Path) -> None:
+    """The sign-off report of a run that just ended, from its spool and the verdict it wrote. The engine
+    is stopped by now; a report that cannot be made is logged and leaves the exit code alone."""
+    t0 = time.monotonic()
+    try:
+        meta = read_json(run_dir / META_FILE)
+        verdict = read_json(run_dir / VERDICT_FILE)
+        _, series = fold_spool(run_dir)
+        doc = build_doc(run_dir, meta, verdict, series.build(meta["config"]), source="spool")
+        write_report(doc, run_dir / REPORT_HTML, run_dir / REPORT_JSON)
+    except Exception as err:  # noqa: BLE001 - the run is judged already; the report is an extra
+        log.error("report_not_written", run_dir=str(run_dir), error=f"{type(err).__name__}: {err}"[:300])
+        return
+    log.info("report_written", path=str(run_dir / REPORT_HTML), seconds=round(time.monotonic() - t0, 2))
