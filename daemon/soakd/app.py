@@ -25,29 +25,23 @@ import structlog
 
 from soakd import __version__
 from soakd.checkpoint import Checkpoint
-from soakd.collectors.base import Collector, EngineListener
+from soakd.collectors.base import EngineListener
 from soakd.collectors.ceiling import CeilingTracker
 from soakd.collectors.engine import EngineCollector
-from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.prom import MetricsScraper
-from soakd.collectors.replay import ReplayCollector
-from soakd.collectors.runner import CollectorRunner
-from soakd.collectors.spec import SpecProfile
+from soakd.collectors.registry import build_collectors, find
 from soakd.config import Config, EngineConfig
-from soakd.control import Controller
 from soakd.engine.base import Engine, EngineInfo
-from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import EngineError
 from soakd.files import write_json_atomic
-from soakd.jobs import JobHealth, Jobs, ProgressFn
+from soakd.jobs import Jobs, ProgressFn
 from soakd.judge.verdict import Verdict
-from soakd.lifecycle import Component, Stack
+from soakd.lifecycle import Stack
 from soakd.live import LiveRun
 from soakd.logs import bind
-from soakd.loopwatch import LoopWatch
-from soakd.metric import FieldValue, Sample
+from soakd.metric import Sample
 from soakd.notify import notify
-from soakd.parts import EngineChanges, EnginePart, collectors_part, controller_part
+from soakd.parts import EngineChanges
 from soakd.redact import redacted
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.clock import Clock, SystemClock
@@ -64,27 +58,18 @@ from soakd.resume import (
     shifted,
     take_up,
 )
-from soakd.rundir import JOURNAL_FILE, META_FILE, SPOOL_DIR, SUMMARY_FILE, VERDICT_FILE
-from soakd.sinks.forwarder import Forwarder
-from soakd.sinks.health import SinkHealth, SpoolHealth
+from soakd.rundir import JOURNAL_FILE, META_FILE, SUMMARY_FILE, VERDICT_FILE
 from soakd.sinks.influx import LineWriter, make_writer
-from soakd.sinks.parts import ForwarderPart, SpoolPart, WebhookPart
-from soakd.sinks.spool import Spool
-from soakd.sinks.webhook import WebhookHealth, WebhookSender, WebhookSink, make_sender
+from soakd.sinks.webhook import WebhookSender, make_sender
 from soakd.sinks.writer import SampleWriter
 from soakd.traces.loader import Trace, open_trace
 from soakd.wiring import (
-    Build,
-    build_collectors,
+    RunParts,
+    build_run,
+    build_sinks,
     check_writable,
     engine_config,
-    find,
-    make_ceiling,
-    make_controller,
-    make_drift,
     make_engine,
-    make_forwarder,
-    make_webhook,
     new_run_id,
     resolve_model,
 )
@@ -102,29 +87,6 @@ class RunResult:
     """Why the run ended early on its own (engine failure, trace changed); the CLI exits 3."""
     stopped_by: str = ""
     """The signal that stopped the run early (SIGTERM: a service stop), or empty."""
-
-
-@dataclass(slots=True)
-class _Sinks:
-    spool: Spool
-    writer: SampleWriter
-    forwarder: Forwarder | None
-    webhook: WebhookSink | None
-    health: list[Collector]
-    """The sinks' own health collectors, run with the others."""
-    stack: Stack
-
-
-@dataclass(slots=True)
-class _RunParts:
-    """What the run's own code reads of the built parts (the rest is reached through the stack)."""
-
-    build: Build
-    runner: CollectorRunner
-    controller: Controller | None
-    jobs: Jobs
-    engine_part: EnginePart
-    stack: Stack
 
 
 class Soak:
@@ -167,7 +129,7 @@ class Soak:
         self._journal: DueJournal | None = None
         self._journal_errors = 0
         self._stop_task: asyncio.Task[None] | None = None
-        self._parts: _RunParts | None = None
+        self._parts: RunParts | None = None
         self._t_start = time.monotonic()
         # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
         # nothing half-made), then taken out of the environment the engine's processes inherit.
@@ -253,9 +215,30 @@ class Soak:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig.name)
         self._open_run_dir()
-        sinks = self._open_sinks()
+        sinks = build_sinks(
+            cfg,
+            self.run_dir,
+            {"run_id": self.run_id, "host": self.host},
+            live,
+            self.resumed,
+            self._lines,
+            self._alerts,
+        )
         writer, spool = sinks.writer, sinks.spool
-        parts = self._parts = self._build(sinks)
+        parts = self._parts = build_run(
+            cfg,
+            self.run_dir,
+            self.model,
+            live,
+            sinks,
+            self.engine_config(),
+            self._engine_factory,
+            on_engines=lambda infos: self._write_meta(
+                {"engine": asdict(infos[-1]), "engines": [asdict(i) for i in infos]}
+            ),
+            journal=self._journal,
+            progress=self._progress,
+        )
         stats = ReplayStats()
         ran_s = live.offset_s
         async with sinks.stack:
@@ -291,110 +274,6 @@ class Soak:
         self._journal = DueJournal(self.run_dir / JOURNAL_FILE)
         self._write_meta({})
 
-    def _open_sinks(self) -> _Sinks:
-        """The spool every sample goes to first, the writer in front of it, and the configured sinks
-        that ship from it: the outer stack, stopped after the verdict is written."""
-        cfg, live = self.cfg, self.live
-        scfg = cfg.sinks.spool
-        spool = Spool(
-            self.run_dir / SPOOL_DIR,
-            scfg.segment_bytes,
-            scfg.fsync_interval,
-            max_bytes=scfg.max_bytes,
-            min_free_bytes=scfg.min_free_bytes,
-        )
-        writer = SampleWriter(
-            spool,
-            {"run_id": self.run_id, "host": self.host},
-            after_ns=self.resumed.last_point_ns if self.resumed is not None else 0,
-            observe=live.metrics.add,
-        )
-        if self.resumed is not None:
-            writer.counts.update(self.resumed.points)
-
-        def on_spool(kind: str, fields: dict[str, FieldValue]) -> None:
-            what = "degraded" if kind == "spool_degraded" else "recovered"
-            text = f"spool {what}: {fields.get('state', '')} {fields.get('reason', '')}".strip()
-            writer.event(kind, text, **fields)
-
-        spool.on_event = on_spool
-        forwarder = make_forwarder(cfg, self.run_dir, self._lines, writer)
-        webhook = make_webhook(cfg, self.run_dir, self._alerts, writer)
-        health: list[Collector] = [SpoolHealth(spool)]
-        parts: list[Component] = [SpoolPart(spool)]
-        if forwarder is not None:
-            health.append(SinkHealth(forwarder))
-            parts.append(ForwarderPart(forwarder, cfg.sinks.influx.final_drain_timeout))
-        if webhook is not None:
-            health.append(WebhookHealth(webhook))
-            parts.append(WebhookPart(webhook, cfg.sinks.webhook.final_drain_timeout))
-        return _Sinks(spool, writer, forwarder, webhook, health, Stack("sinks", parts))
-
-    def _build(self, sinks: _Sinks) -> _RunParts:
-        """The run stack's parts, built from the config: collectors, engine, scheduler, controller."""
-        cfg, live, writer = self.cfg, self.live, sinks.writer
-        drift = make_drift(cfg, writer)
-        engine_collector = EngineCollector(active=False, drift=drift)
-        ceiling, ceiling_reason = make_ceiling(cfg, self.model)
-        engine_collector.ceiling = ceiling
-        profile = SpecProfile()
-
-        def build_engine(ecfg: EngineConfig) -> Engine:
-            return self._engine_factory(cfg.model_copy(update={"engine": ecfg}), self.model, engine_collector)
-
-        def on_started(info: EngineInfo) -> None:
-            self._engine_started(info, runner, engine_part)
-
-        engine = EngineSupervisor(
-            build_engine, self.engine_config(), on_event=writer.event, on_started=on_started
-        )
-        b = Build(cfg, self.run_dir, writer, engine, live, engine_collector, profile, ceiling)
-        # The replay's own series is always on: it is how a run shows it kept up with the trace.
-        collectors: list[Collector] = [ReplayCollector(live.soak_replayer), *build_collectors(b, "start")]
-        loopwatch = LoopWatch(writer.event, active=lambda: live.replaying and engine.ready)
-        runner = CollectorRunner([*collectors, loopwatch, *sinks.health], writer)
-        engine_part = EnginePart(engine, b, drift, runner)
-        controller = make_controller(
-            cfg, self.run_dir, engine, collectors, engine_collector, drift, live, writer
-        )
-        jobs = Jobs(
-            cfg,
-            self.run_dir,
-            live,
-            runner,
-            writer,
-            sinks.spool,
-            engine,
-            journal=self._journal,
-            forwarder=sinks.forwarder,
-            webhook=sinks.webhook,
-            controller=controller,
-            tickers=[*b.tickers, loopwatch.ticker],
-            gpu_watch=find(collectors, GpuThrottleWatch),
-            ceiling=ceiling,
-            progress=self._progress,
-        )
-        runner.add(JobHealth(jobs))
-        stack = Stack(
-            "run",
-            [
-                collectors_part(runner, ceiling, ceiling_reason),
-                engine_part,
-                jobs,
-                controller_part(controller, live),
-            ],
-        )
-        return _RunParts(b, runner, controller, jobs, engine_part, stack)
-
-    def _engine_started(self, info: EngineInfo, runner: CollectorRunner, part: EnginePart) -> None:
-        """Every (re)start: the collectors that tag or judge by the configuration are told, and meta.json
-        says which engines ran."""
-        for collector in runner.collectors:
-            if isinstance(collector, EngineListener):
-                collector.engine_started(info)
-        part.infos.append(info)
-        self._write_meta({"engine": asdict(info), "engines": [asdict(i) for i in part.infos]})
-
     def _start_event(self, writer: SampleWriter) -> None:
         cfg, live = self.cfg, self.live
         if self.resumed is None:
@@ -412,7 +291,7 @@ class Soak:
             planned_s=cfg.run.duration,
         )
 
-    async def _start_engine(self, parts: _RunParts) -> tuple[EngineInfo, PromptSynth, AdmissionGate] | None:
+    async def _start_engine(self, parts: RunParts) -> tuple[EngineInfo, PromptSynth, AdmissionGate] | None:
         """Start the engine, add the collectors it makes possible, warm it up. None when it did not start
         or the run was stopped meanwhile (the reason is in `live`)."""
         cfg, live, b = self.cfg, self.live, parts.build
@@ -471,7 +350,7 @@ class Soak:
             scraper.rebase()
         return info, prompts, gate
 
-    async def _run_replay(self, parts: _RunParts) -> tuple[ReplayStats, float]:
+    async def _run_replay(self, parts: RunParts) -> tuple[ReplayStats, float]:
         """The soak itself; returns the replay's stats and the replay time reached across resumes."""
         cfg, live = self.cfg, self.live
         stats = ReplayStats()
@@ -544,7 +423,7 @@ class Soak:
         first = await asyncio.to_thread(next, rest, None)
         return rest if first is None else itertools.chain([first], rest)
 
-    def _on_record_fn(self, parts: _RunParts) -> Callable[[RequestRecord], None]:
+    def _on_record_fn(self, parts: RunParts) -> Callable[[RequestRecord], None]:
         ceiling: CeilingTracker | None = parts.build.ceiling
         controller, writer, clock = parts.controller, parts.build.writer, self.live.clock
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from soakd.collectors.base import EngineListener
 from soakd.collectors.ceiling import CeilingTracker
 from soakd.collectors.engine import EngineCollector, quantile_of_counts
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.host_throttle import HostThrottleWatch
 from soakd.collectors.nvml_events import GpuEventListener
 from soakd.collectors.prom import MetricsScraper
+from soakd.collectors.registry import Build, each, find
 from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, SpecProfile
 from soakd.config import EngineChange
@@ -26,7 +28,6 @@ from soakd.live import LiveRun
 from soakd.loopwatch import LoopWatch
 from soakd.notify import notify
 from soakd.sinks.writer import SampleWriter
-from soakd.wiring import Build, each, find
 
 # vLLM's shutdown joins its engine-core process and workers; bounded so a stop never hangs on it.
 ENGINE_STOP_TIMEOUT_S = 300.0
@@ -81,14 +82,30 @@ class EnginePart:
     stop_timeout_s = ENGINE_STOP_TIMEOUT_S
 
     def __init__(
-        self, engine: EngineSupervisor, build: Build, drift: AcceptanceDrift, runner: CollectorRunner
+        self,
+        engine: EngineSupervisor,
+        build: Build,
+        drift: AcceptanceDrift,
+        runner: CollectorRunner,
+        on_engines: Callable[[list[EngineInfo]], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._on_engines = on_engines
         self.started = False
         self.infos: list[EngineInfo] = []
         self._build = build
         self._drift = drift
         self._runner = runner
+
+    def engine_started(self, info: EngineInfo) -> None:
+        """Every (re)start (the supervisor's hook): the collectors that tag or judge by the
+        configuration are told, and `on_engines` hears which engines ran so far (for meta.json)."""
+        for collector in self._runner.collectors:
+            if isinstance(collector, EngineListener):
+                collector.engine_started(info)
+        self.infos.append(info)
+        if self._on_engines is not None:
+            self._on_engines(list(self.infos))
 
     async def start(self) -> None:
         return None

@@ -1,38 +1,26 @@
-"""Build a run's parts from its Config: the one module that names concrete classes.
-
-Collectors are chosen through a registry (node_exporter's pattern): `register(name, factory)` where
-`name` is what `telemetry.collectors` lists. A factory gets the build context and returns collectors;
-`at="engine"` factories run once the engine is up, and only when it offers `signal`. A new collector is
-one module plus one `register` line here (and its name in config's `CollectorName`, the schema users
-see; a test keeps the two in step).
-"""
+"""Build a run's parts from its Config: the model, the engine, the sinks, the controller; the
+collectors through their registry (soakd.collectors.registry)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, TypeVar
 
 import structlog
 
-from soakd.collectors.allocator import AllocatorCollector
 from soakd.collectors.base import Collector
 from soakd.collectors.ceiling import Bandwidth, CeilingTracker
 from soakd.collectors.engine import EngineCollector
-from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
-from soakd.collectors.host import HostCollector
 from soakd.collectors.host_throttle import HostThrottleWatch
-from soakd.collectors.nvml import LiveNvml, NvmlCollector, NvmlSource, RecordedNvml
-from soakd.collectors.nvml_events import GpuEventListener
-from soakd.collectors.prom import MetricsScraper
+from soakd.collectors.registry import Build, build_collectors, find
+from soakd.collectors.replay import ReplayCollector
+from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import Config, EngineConfig
 from soakd.control import ControlInputs, Controller, Slo, input_harm, input_throttled
@@ -40,17 +28,25 @@ from soakd.engine.base import ACTIVE_SEQS_ENV, Engine, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor, apply_change
 from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.errors import ConfigError
+from soakd.jobs import JobHealth, Jobs, ProgressFn
+from soakd.lifecycle import Component, Stack
 from soakd.live import LiveRun
+from soakd.loopwatch import LoopWatch
+from soakd.metric import FieldValue
+from soakd.parts import EnginePart, collectors_part, controller_part
 from soakd.policies.actuator import Actuator
-from soakd.policies.throttle import HarmSettings, ThrottleState
+from soakd.policies.throttle import ThrottleState
 from soakd.probe import hardware_profiles, model_bytes
+from soakd.resume import DueJournal, ResumeState
 from soakd.rundir import LIMIT_FILE, SPOOL_DIR
 from soakd.shapes import effective_load_format
 from soakd.sinks.forwarder import Forwarder
+from soakd.sinks.health import SinkHealth, SpoolHealth
 from soakd.sinks.influx import LineWriter
-from soakd.sinks.webhook import WebhookSender, WebhookSink
+from soakd.sinks.parts import ForwarderPart, SpoolPart, WebhookPart
+from soakd.sinks.spool import Spool
+from soakd.sinks.webhook import WebhookHealth, WebhookSender, WebhookSink
 from soakd.sinks.writer import SampleWriter
-from soakd.ticker import Ticker
 from soakd.tinymodel import is_model_dir
 
 log = structlog.get_logger(__name__)
@@ -135,161 +131,6 @@ def engine_config(cfg: Config, run_dir: Path, offset_s: float) -> EngineConfig:
         os.environ[ACTIVE_SEQS_ENV] = str(run_dir / LIMIT_FILE)
         ecfg = ecfg.model_copy(update={"scheduler_cls": SCHEDULER_CLS})
     return ecfg
-
-
-# -- the collector registry ---------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Build:
-    """What a collector factory may read, and the few things the GPU's factory hands back."""
-
-    cfg: Config
-    run_dir: Path
-    writer: SampleWriter
-    engine: EngineSupervisor
-    live: LiveRun
-    engine_collector: EngineCollector
-    profile: SpecProfile
-    ceiling: CeilingTracker | None
-    info: EngineInfo | None = None
-    """The started engine, for `at="engine"` factories."""
-    tickers: list[Ticker] = field(default_factory=list)
-    """Fixed-rate samplers beside the scheduler (the GPU's fast tier)."""
-    gpu_meta: dict[str, Any] | None = None
-    """Driver, CUDA version and each GPU's static facts, for meta.json."""
-
-
-Factory = Callable[[Build], Sequence[Collector]]
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    name: str
-    factory: Factory
-    at: Literal["start", "engine"]
-    signal: str | None
-
-
-REGISTRY: list[Entry] = []
-
-
-def register(
-    name: str, factory: Factory, *, at: Literal["start", "engine"] = "start", signal: str | None = None
-) -> None:
-    """Add a collector factory under the `telemetry.collectors` name that turns it on."""
-    REGISTRY.append(Entry(name, factory, at, signal))
-
-
-def _host(b: Build) -> Sequence[Collector]:
-    # The throttle detector over the CPUs' clocks, throttle counts and thermal margin: what a CPU-only
-    # soak has instead of NVML.
-    watch = HostThrottleWatch(b.writer.event)
-    return [HostCollector(b.engine.process_ids, b.run_dir, on_read=watch.observe), watch]
-
-
-def _gpu(b: Build) -> Sequence[Collector]:
-    """NVML (or a recording of it), the throttle detector fed by its fast tier, and (live) the listener
-    for XID and ECC events."""
-    tcfg = b.cfg.telemetry
-    source: NvmlSource
-    extra: list[Collector] = []
-    cuda = ""
-    gpu_time: Callable[[], float] = time.monotonic
-    if tcfg.gpu_recording:
-        speed, live = tcfg.gpu_recording_speed, b.live
-
-        def recorded_time() -> float:
-            # The recording plays along with the replay: its first reading until the replay starts
-            # (the engine's start-up is not what was recorded), then at `speed`.
-            start = live.replay_start
-            return 0.0 if start is None else (live.clock.monotonic() - start) * speed
-
-        gpu_time = recorded_time
-        source = RecordedNvml(b.cfg.resolve(tcfg.gpu_recording), recorded_time)
-    else:
-        gpu = probe_nvml()
-        if gpu.count == 0:
-            # Said once, then the soak runs on with host and engine telemetry.
-            log.warning("gpu_telemetry_off", reason=gpu.reason or "no GPU found")
-            return []
-        import pynvml
-
-        source = LiveNvml(pynvml, pids=b.engine.process_ids)
-        with contextlib.suppress(pynvml.NVMLError):
-            version = int(pynvml.nvmlSystemGetCudaDriverVersion())  # 13000 for CUDA 13.0
-            cuda = f"{version // 1000}.{version % 1000 // 10}"
-        extra.append(GpuEventListener(pynvml, range(source.gpu_count()), b.writer.event))
-    b.gpu_meta = {
-        "source": "recording" if tcfg.gpu_recording else "nvml",
-        "driver": source.driver_version(),
-        "cuda_driver": cuda,
-        "devices": [source.static(i).to_dict() for i in range(source.gpu_count())],
-    }
-    h = b.cfg.control.harm
-    watch = GpuThrottleWatch(
-        {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())},
-        on_event=b.writer.event,
-        harm=HarmSettings(
-            window_s=h.window,
-            power_loss=h.power_loss,
-            thermal_loss=h.thermal_loss,
-            enter_s=h.enter,
-            leave_s=h.leave,
-        ),
-    )
-    energy_every = max(1, round(tcfg.gpu_energy_interval / tcfg.gpu_slow_interval))
-    nvml = NvmlCollector(source, on_fast=watch.observe, energy_every=energy_every)
-    if b.ceiling is not None:
-        # GPM's measured DRAM share beside the computed decode share, over the same busy intervals.
-        b.ceiling.measured_dram_pct = nvml.gpm_dram_bw_pct
-    # The 10 Hz tier on a plain loop timer: an APScheduler job per sample costs more than the sample.
-    b.tickers.append(Ticker("gpu_fast", tcfg.gpu_fast_interval, lambda: nvml.sample_fast(gpu_time())))
-    return [nvml, watch, *extra]
-
-
-def _allocator(b: Build) -> Sequence[Collector]:
-    assert b.info is not None
-    return [AllocatorCollector(b.engine.memory_stats, config_id=b.info.config_id)]
-
-
-def _metrics(b: Build) -> Sequence[Collector]:
-    assert b.info is not None
-    per_step = "per_step" in b.info.signals
-    return [MetricsScraper(b.engine.metrics_text, per_step=per_step, config_id=b.info.config_id)]
-
-
-register("host", _host)
-register("engine", lambda b: [b.engine_collector])
-register("gpu", _gpu)
-register("engine", lambda b: [b.profile], at="engine")
-register("allocator", _allocator, at="engine", signal="allocator")
-register("metrics", _metrics, at="engine", signal="metrics")
-
-
-def build_collectors(b: Build, at: Literal["start", "engine"]) -> list[Collector]:
-    """The collectors `telemetry.collectors` turns on, for the start or for a started engine."""
-    names = b.cfg.telemetry.collectors
-    out: list[Collector] = []
-    for entry in REGISTRY:
-        if entry.at != at or entry.name not in names:
-            continue
-        if entry.signal is not None and (b.info is None or entry.signal not in b.info.signals):
-            continue
-        out.extend(entry.factory(b))
-    return out
-
-
-C = TypeVar("C")
-
-
-def find(collectors: Sequence[object], kind: type[C]) -> C | None:
-    """The one collector of a kind among those built (a watch the controller reads), or None."""
-    return next((c for c in collectors if isinstance(c, kind)), None)
-
-
-def each(collectors: Sequence[object], kind: type[C]) -> Iterator[C]:
-    return (c for c in collectors if isinstance(c, kind))
 
 
 def make_drift(cfg: Config, writer: SampleWriter) -> AcceptanceDrift:
@@ -410,3 +251,140 @@ def make_webhook(
         writer.event(kind, f"alert webhook {kind.removeprefix('webhook_')}", **fields)
 
     return WebhookSink(run_dir / SPOOL_DIR, sender, cfg.sinks.webhook, on_event=on_event)
+
+
+@dataclass(slots=True)
+class Sinks:
+    spool: Spool
+    writer: SampleWriter
+    forwarder: Forwarder | None
+    webhook: WebhookSink | None
+    health: list[Collector]
+    """The sinks' own health collectors, run with the others."""
+    stack: Stack
+    """The outer stack: stopped after the verdict is written (the webhook, InfluxDB, then the spool)."""
+
+
+def build_sinks(
+    cfg: Config,
+    run_dir: Path,
+    tags: dict[str, str],
+    live: LiveRun,
+    resumed: ResumeState | None,
+    lines: LineWriter | None,
+    alerts: WebhookSender | None,
+) -> Sinks:
+    """The spool every sample goes to first, the writer in front of it (adding the run's `tags`, folding
+    the verdict's metrics), and the configured sinks that ship from it."""
+    scfg = cfg.sinks.spool
+    spool = Spool(
+        run_dir / SPOOL_DIR,
+        scfg.segment_bytes,
+        scfg.fsync_interval,
+        max_bytes=scfg.max_bytes,
+        min_free_bytes=scfg.min_free_bytes,
+    )
+    writer = SampleWriter(
+        spool,
+        tags,
+        after_ns=resumed.last_point_ns if resumed is not None else 0,
+        observe=live.metrics.add,
+    )
+    if resumed is not None:
+        writer.counts.update(resumed.points)
+
+    def on_spool(kind: str, fields: dict[str, FieldValue]) -> None:
+        what = "degraded" if kind == "spool_degraded" else "recovered"
+        text = f"spool {what}: {fields.get('state', '')} {fields.get('reason', '')}".strip()
+        writer.event(kind, text, **fields)
+
+    spool.on_event = on_spool
+    forwarder = make_forwarder(cfg, run_dir, lines, writer)
+    webhook = make_webhook(cfg, run_dir, alerts, writer)
+    health: list[Collector] = [SpoolHealth(spool)]
+    parts: list[Component] = [SpoolPart(spool)]
+    if forwarder is not None:
+        health.append(SinkHealth(forwarder))
+        parts.append(ForwarderPart(forwarder, cfg.sinks.influx.final_drain_timeout))
+    if webhook is not None:
+        health.append(WebhookHealth(webhook))
+        parts.append(WebhookPart(webhook, cfg.sinks.webhook.final_drain_timeout))
+    return Sinks(spool, writer, forwarder, webhook, health, Stack("sinks", parts))
+
+
+@dataclass(slots=True)
+class RunParts:
+    """What the run's own code reads of the built parts (the rest is reached through the stack)."""
+
+    build: Build
+    runner: CollectorRunner
+    controller: Controller | None
+    jobs: Jobs
+    engine_part: EnginePart
+    stack: Stack
+    """The run stack: collectors, engine, scheduler, controller; stopped in reverse when the replay ends."""
+
+
+EngineFactory = Callable[[Config, str, EngineCollector], Engine]
+
+
+def build_run(
+    cfg: Config,
+    run_dir: Path,
+    model: str,
+    live: LiveRun,
+    sinks: Sinks,
+    ecfg: EngineConfig,
+    engine_factory: EngineFactory,
+    *,
+    on_engines: Callable[[list[EngineInfo]], None],
+    journal: DueJournal | None,
+    progress: ProgressFn | None,
+) -> RunParts:
+    """The run stack's parts: collectors (from the registry), engine, scheduler, controller."""
+    writer = sinks.writer
+    drift = make_drift(cfg, writer)
+    engine_collector = EngineCollector(active=False, drift=drift)
+    ceiling, ceiling_reason = make_ceiling(cfg, model)
+    engine_collector.ceiling = ceiling
+    profile = SpecProfile()
+
+    def build_engine(engine_cfg: EngineConfig) -> Engine:
+        return engine_factory(cfg.model_copy(update={"engine": engine_cfg}), model, engine_collector)
+
+    def on_started(info: EngineInfo) -> None:
+        engine_part.engine_started(info)
+
+    engine = EngineSupervisor(build_engine, ecfg, on_event=writer.event, on_started=on_started)
+    b = Build(cfg, run_dir, writer, engine, live, engine_collector, profile, ceiling)
+    # The replay's own series is always on: it is how a run shows it kept up with the trace.
+    collectors: list[Collector] = [ReplayCollector(live.soak_replayer), *build_collectors(b, "start")]
+    loopwatch = LoopWatch(writer.event, active=lambda: live.replaying and engine.ready)
+    runner = CollectorRunner([*collectors, loopwatch, *sinks.health], writer)
+    engine_part = EnginePart(engine, b, drift, runner, on_engines)
+    controller = make_controller(cfg, run_dir, engine, collectors, engine_collector, drift, live, writer)
+    jobs = Jobs(
+        cfg,
+        run_dir,
+        live,
+        runner,
+        writer,
+        sinks.spool,
+        engine,
+        journal=journal,
+        forwarder=sinks.forwarder,
+        webhook=sinks.webhook,
+        controller=controller,
+        tickers=[*b.tickers, loopwatch.ticker],
+        gpu_watch=find(collectors, GpuThrottleWatch),
+        ceiling=ceiling,
+        progress=progress,
+    )
+    runner.add(JobHealth(jobs))
+    parts: list[Component] = [
+        collectors_part(runner, ceiling, ceiling_reason),
+        engine_part,
+        jobs,
+        controller_part(controller, live),
+    ]
+    return RunParts(b, runner, controller, jobs, engine_part, Stack("run", parts))

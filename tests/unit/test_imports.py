@@ -28,13 +28,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("soakd.sinks",),
     ("soakd.report",),  # a finished run read back: re-judging, the sign-off report, comparisons
     ("soakd.replay",),
+    ("soakd.live",),  # the run's live state, read by the collectors' factories, the jobs, the parts
     ("soakd.policies",),
     ("soakd.collectors",),
     ("soakd.control",),
     ("soakd.resume",),
-    ("soakd.live",),  # the run's live state, read by the parts below
-    ("soakd.wiring",),  # builds the parts from the config: the one module naming concrete classes
     ("soakd.jobs", "soakd.parts"),
+    ("soakd.wiring",),  # builds the run's parts from the config
     ("soakd.app", "soakd.progress", "soakd.matrix", "soakd.checks"),
     ("soakd.cli", "soakd.__main__"),
 ]  # fmt: skip

@@ -10,6 +10,7 @@ from soakd.collectors.base import EngineListener
 from soakd.collectors.engine import EngineCollector
 from soakd.collectors.host import HostCollector
 from soakd.collectors.host_throttle import HostThrottleWatch
+from soakd.collectors.registry import REGISTRY, Build, build_collectors, find
 from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import CollectorName, Config
 from soakd.engine.base import EngineInfo
@@ -18,7 +19,6 @@ from soakd.live import LiveRun
 from soakd.replay.clock import SystemClock
 from soakd.sinks.spool import Spool
 from soakd.sinks.writer import SampleWriter
-from soakd.wiring import REGISTRY, Build, build_collectors, find
 
 
 def _info(config_id: str, spec: int = 0, signals: tuple[str, ...] = ()) -> EngineInfo:
