@@ -59,8 +59,7 @@ from soakd.resume import (
     take_up,
 )
 from soakd.rundir import JOURNAL_FILE, META_FILE, SUMMARY_FILE, VERDICT_FILE
-from soakd.sinks.influx import LineWriter, make_writer
-from soakd.sinks.webhook import WebhookSender, make_sender
+from soakd.sinks.registry import open_sinks
 from soakd.sinks.writer import SampleWriter
 from soakd.traces.loader import Trace, open_trace
 from soakd.wiring import (
@@ -133,11 +132,7 @@ class Soak:
         self._t_start = time.monotonic()
         # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
         # nothing half-made), then taken out of the environment the engine's processes inherit.
-        icfg = cfg.sinks.influx
-        self._lines: LineWriter | None = make_writer(icfg, os.environ) if icfg.enabled else None
-        wcfg = cfg.sinks.webhook
-        self._alerts: WebhookSender | None = make_sender(wcfg, os.environ) if wcfg.enabled else None
-        secret_names = (icfg.token_env, icfg.password_env, wcfg.token_env, wcfg.password_env)
+        self._sinks, secret_names = open_sinks(cfg, os.environ)
         for name in (*secret_names, "CREDENTIALS_DIRECTORY"):
             os.environ.pop(name, None)
 
@@ -221,8 +216,7 @@ class Soak:
             {"run_id": self.run_id, "host": self.host},
             live,
             self.resumed,
-            self._lines,
-            self._alerts,
+            self._sinks,
         )
         writer, spool = sinks.writer, sinks.spool
         parts = self._parts = build_run(

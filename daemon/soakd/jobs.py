@@ -28,9 +28,8 @@ from soakd.notify import notify, watchdog_interval_s
 from soakd.replay.runner import ReplayStats
 from soakd.resume import DueJournal
 from soakd.rundir import SNAPSHOT_FILE
-from soakd.sinks.forwarder import Forwarder
+from soakd.sinks.registry import BuiltSink
 from soakd.sinks.spool import Spool
-from soakd.sinks.webhook import WebhookSink
 from soakd.sinks.writer import SampleWriter
 from soakd.ticker import Ticker
 
@@ -56,8 +55,7 @@ class Jobs:
         engine: EngineSupervisor,
         *,
         journal: DueJournal | None = None,
-        forwarder: Forwarder | None = None,
-        webhook: WebhookSink | None = None,
+        shipping: Sequence[BuiltSink] = (),
         controller: Controller | None = None,
         tickers: Sequence[Ticker] = (),
         gpu_watch: GpuThrottleWatch | None = None,
@@ -72,8 +70,7 @@ class Jobs:
         self._spool = spool
         self._engine = engine
         self._journal = journal
-        self._forwarder = forwarder
-        self._webhook = webhook
+        self._shipping = list(shipping)
         self._controller = controller
         self.tickers = list(tickers)
         self._gpu_watch = gpu_watch
@@ -113,10 +110,8 @@ class Jobs:
         if cfg.criteria.abort_on:
             add(self._check_abort, "interval", seconds=5.0, id="abort_check")
         add(self._flush, "interval", seconds=cfg.sinks.spool.fsync_interval, id="spool_flush")
-        if self._forwarder is not None:
-            add(self._ship, "interval", seconds=cfg.sinks.influx.interval, id="forward")
-        if self._webhook is not None:
-            add(self._alert, "interval", seconds=cfg.sinks.webhook.interval, id="webhook")
+        for sink in self._shipping:
+            add(self._ship, "interval", args=(sink,), seconds=sink.interval_s, id=f"ship_{sink.name}")
         if self._progress is not None:
             add(self.tick_progress, "interval", seconds=1.0, id="progress")
         add(self._status, "interval", seconds=10.0, id="status")
@@ -176,20 +171,11 @@ class Jobs:
             # With the spool: after a power loss the journal knows what the spool's records say.
             self._journal.sync()
 
-    async def _ship(self) -> None:
-        # Ship for most of one interval, then yield to the next tick: a backlog after an outage drains
-        # at the database's pace without the job outliving its interval (a skipped run).
-        assert self._forwarder is not None
+    async def _ship(self, sink: BuiltSink) -> None:
+        # Most of one interval, then yield to the next tick: a backlog after an outage drains at the
+        # receiver's pace without the job outliving its interval (a skipped run).
         self._spool.flush(fsync=False)
-        budget = time.monotonic() + 0.8 * self.cfg.sinks.influx.interval
-        while await self._forwarder.step() > 0 and time.monotonic() < budget:
-            pass
-
-    async def _alert(self) -> None:
-        # As the InfluxDB job: most of one interval, so a backlog never makes the job skip a run.
-        assert self._webhook is not None
-        self._spool.flush(fsync=False)
-        await self._webhook.tick(0.8 * self.cfg.sinks.webhook.interval)
+        await sink.tick(0.8 * sink.interval_s)
 
     async def _check_engine(self) -> None:
         self._engine.check()

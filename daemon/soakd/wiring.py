@@ -40,12 +40,10 @@ from soakd.probe import hardware_profiles, model_bytes
 from soakd.resume import DueJournal, ResumeState
 from soakd.rundir import LIMIT_FILE, SPOOL_DIR
 from soakd.shapes import effective_load_format
-from soakd.sinks.forwarder import Forwarder
-from soakd.sinks.health import SinkHealth, SpoolHealth
-from soakd.sinks.influx import LineWriter
-from soakd.sinks.parts import ForwarderPart, SpoolPart, WebhookPart
+from soakd.sinks.health import SpoolHealth
+from soakd.sinks.parts import SpoolPart
+from soakd.sinks.registry import BuiltSink, Opened
 from soakd.sinks.spool import Spool
-from soakd.sinks.webhook import WebhookHealth, WebhookSender, WebhookSink
 from soakd.sinks.writer import SampleWriter
 from soakd.tinymodel import is_model_dir
 
@@ -229,40 +227,16 @@ def make_controller(
     return Controller(ccfg, cfg.replay.max_concurrency, inputs, actuator, run_dir, slo=slo)
 
 
-def make_forwarder(
-    cfg: Config, run_dir: Path, lines: LineWriter | None, writer: SampleWriter
-) -> Forwarder | None:
-    if lines is None or not cfg.sinks.influx.enabled:
-        return None
-
-    def on_event(kind: str, fields: dict[str, float | int | str]) -> None:
-        writer.event(kind, f"InfluxDB {kind.removeprefix('sink_')}", **fields)
-
-    return Forwarder(run_dir / SPOOL_DIR, lines, cfg.sinks.influx.batch_lines, on_event=on_event)
-
-
-def make_webhook(
-    cfg: Config, run_dir: Path, sender: WebhookSender | None, writer: SampleWriter
-) -> WebhookSink | None:
-    if sender is None:
-        return None
-
-    def on_event(kind: str, fields: dict[str, float | int | str]) -> None:
-        writer.event(kind, f"alert webhook {kind.removeprefix('webhook_')}", **fields)
-
-    return WebhookSink(run_dir / SPOOL_DIR, sender, cfg.sinks.webhook, on_event=on_event)
-
-
 @dataclass(slots=True)
 class Sinks:
     spool: Spool
     writer: SampleWriter
-    forwarder: Forwarder | None
-    webhook: WebhookSink | None
+    shipping: list[BuiltSink]
+    """The configured sinks that ship from the spool (soakd.sinks.registry)."""
     health: list[Collector]
-    """The sinks' own health collectors, run with the others."""
+    """The spool's and the sinks' health collectors, run with the others."""
     stack: Stack
-    """The outer stack: stopped after the verdict is written (the webhook, InfluxDB, then the spool)."""
+    """The outer stack: stopped after the verdict is written (the sinks in reverse, then the spool)."""
 
 
 def build_sinks(
@@ -271,8 +245,7 @@ def build_sinks(
     tags: dict[str, str],
     live: LiveRun,
     resumed: ResumeState | None,
-    lines: LineWriter | None,
-    alerts: WebhookSender | None,
+    opened: Opened,
 ) -> Sinks:
     """The spool every sample goes to first, the writer in front of it (adding the run's `tags`, folding
     the verdict's metrics), and the configured sinks that ship from it."""
@@ -299,17 +272,10 @@ def build_sinks(
         writer.event(kind, text, **fields)
 
     spool.on_event = on_spool
-    forwarder = make_forwarder(cfg, run_dir, lines, writer)
-    webhook = make_webhook(cfg, run_dir, alerts, writer)
-    health: list[Collector] = [SpoolHealth(spool)]
-    parts: list[Component] = [SpoolPart(spool)]
-    if forwarder is not None:
-        health.append(SinkHealth(forwarder))
-        parts.append(ForwarderPart(forwarder, cfg.sinks.influx.final_drain_timeout))
-    if webhook is not None:
-        health.append(WebhookHealth(webhook))
-        parts.append(WebhookPart(webhook, cfg.sinks.webhook.final_drain_timeout))
-    return Sinks(spool, writer, forwarder, webhook, health, Stack("sinks", parts))
+    shipping = opened.build(cfg, run_dir, writer)
+    health: list[Collector] = [SpoolHealth(spool), *(s.health for s in shipping)]
+    parts: list[Component] = [SpoolPart(spool), *(s.part for s in shipping)]
+    return Sinks(spool, writer, shipping, health, Stack("sinks", parts))
 
 
 @dataclass(slots=True)
@@ -372,8 +338,7 @@ def build_run(
         sinks.spool,
         engine,
         journal=journal,
-        forwarder=sinks.forwarder,
-        webhook=sinks.webhook,
+        shipping=sinks.shipping,
         controller=controller,
         tickers=[*b.tickers, loopwatch.ticker],
         gpu_watch=find(collectors, GpuThrottleWatch),
