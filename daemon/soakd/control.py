@@ -108,24 +108,7 @@ class Controller:
         self._wall = wall
         self.slo = slo or Slo()
         self.state_path = run_dir / CONTROL_STATE_FILE
-        b = cfg.batch
-        self.batch = BatchPolicy(
-            BatchSettings(
-                start=start_limit,
-                floor=min(b.floor, start_limit),
-                step=b.step,
-                objective=b.objective,
-                dwell_s=b.dwell,
-                settle_s=b.settle,
-                eval_s=b.eval,
-                min_gain=b.min_gain,
-                min_binding=b.min_binding,
-                recover_s=b.cooldown,
-                sustain_s=b.sustain,
-                retry_s=b.retry,
-                dry_run=cfg.dry_run,
-            )
-        )
+        self.batch = BatchPolicy(BatchSettings.from_config(cfg.batch, start_limit, dry_run=cfg.dry_run))
         self._good_tokens = 0.0
         self._last_energy: float | None = None
         h = cfg.harm

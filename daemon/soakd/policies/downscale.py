@@ -36,6 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from soakd.config import BatchControlConfig
+
 Direction = Literal["downscale", "upscale", "revert"]
 Objective = Literal["goodput", "tokens", "tokens_per_joule"]
 OBJECTIVES: tuple[Objective, ...] = ("goodput", "tokens", "tokens_per_joule")
@@ -46,32 +48,36 @@ OBJECTIVE_UNIT: dict[str, str] = {
 }
 
 
+# Defaults are written once, in the config's [control.batch]; the policy takes them from there.
+_CONFIG = BatchControlConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class BatchSettings:
     """Thresholds of the batch policy; times in seconds of the callers' clock."""
 
     start: int
     """The configured ceiling (replay.max_concurrency): never exceeded."""
-    floor: int = 1
+    floor: int = _CONFIG.floor
     """Never below this."""
-    step: float = 0.25
+    step: float = _CONFIG.step
     """Each action moves the ceiling by this fraction of the current one (at least one sequence)."""
-    objective: Objective = "goodput"
-    dwell_s: float = 10.0
+    objective: Objective = _CONFIG.objective
+    dwell_s: float = _CONFIG.dwell
     """Harm held this long without a break before a downscale is tried."""
-    settle_s: float = 10.0
+    settle_s: float = _CONFIG.settle
     """After an action, this long before the objective is measured (running requests finish)."""
-    eval_s: float = 20.0
+    eval_s: float = _CONFIG.eval
     """The objective is measured over this long before and after an action."""
-    min_gain: float = 0.03
+    min_gain: float = _CONFIG.min_gain
     """A downscale is kept only when the objective gained at least this share."""
-    min_binding: float = 0.5
+    min_binding: float = _CONFIG.min_binding
     """Share of the before-window in which requests waited for admission (the ceiling bound)."""
-    recover_s: float = 30.0
+    recover_s: float = _CONFIG.cooldown
     """No harm for this long before an upscale."""
-    sustain_s: float = 600.0
+    sustain_s: float = _CONFIG.sustain
     """A ceiling held this long without harm is the sustained operating point."""
-    retry_s: float = 3600.0
+    retry_s: float = _CONFIG.retry
     """A level that did not pay (or that brought harm back) is not tried again for this long."""
     dry_run: bool = False
     """Advise, do not act: nothing is verified, figures stay with the level in force (start)."""
@@ -88,6 +94,25 @@ class BatchSettings:
             raise ValueError("times must be finite and >= 0, eval_s > 0")
         if not (0 <= self.min_gain < 10 and 0 <= self.min_binding <= 1):
             raise ValueError("need 0 <= min_gain < 10 and 0 <= min_binding <= 1")
+
+    @classmethod
+    def from_config(cls, b: BatchControlConfig, start: int, dry_run: bool = False) -> BatchSettings:
+        """[control.batch] with the replay's ceiling as `start` (the floor never above it)."""
+        return cls(
+            start=start,
+            floor=min(b.floor, start),
+            step=b.step,
+            objective=b.objective,
+            dwell_s=b.dwell,
+            settle_s=b.settle,
+            eval_s=b.eval,
+            min_gain=b.min_gain,
+            min_binding=b.min_binding,
+            recover_s=b.cooldown,
+            sustain_s=b.sustain,
+            retry_s=b.retry,
+            dry_run=dry_run,
+        )
 
 
 @dataclass(frozen=True, slots=True)
