@@ -3,6 +3,9 @@
 The parts are built by `wiring`, scheduled by `jobs`, and started and stopped by `lifecycle.Stack`:
 the sinks stack outermost (stopped last, after the verdict is in the spool), inside it the run stack
 (collectors, engine, scheduler, controller: stopped in reverse once the replay ends).
+
+Over 500 lines because the run's sequence (start, engine, warm-up, replay, stop, verdict, summary) and its
+signal and resume handling read in order here; the parts are built elsewhere (wiring).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Exit codes: 0 PASS (or success), 1 FAIL (or a check that did not answer), 2 bad input, 3 aborted: the run
 ended early on its own (engine failure, an `abort_on` criterion, a changed trace) or an internal error.
+
+Over 500 lines because it holds the parser of every subcommand and their printing, one function each; the
+work lives in the modules they call.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Each component owns one section. Validation happens once, at start, so a bad value fails before the
 run begins, never in the loop. Relative paths are resolved against the config file's folder.
+
+Over 500 lines because every section and its bounds are here, one class each: the one schema a user reads.
 """
 
 from __future__ import annotations

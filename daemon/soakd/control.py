@@ -6,6 +6,9 @@ GPU energy, the run's tokens-per-step histogram, the acceptance-drift state), so
 plain functions and the app wires the real collectors. Finished requests come in through
 `observe_request`, which counts the goodput (tokens of requests within the [criteria] TTFT/TPOT limits).
 Times are wall-clock seconds, so the saved state means the same to a daemon restarted on the same run.
+
+Over 500 lines because the loop wires every policy's inputs and actions and writes the control point; the
+policies themselves are in soakd.policies.
 """
 
 from __future__ import annotations

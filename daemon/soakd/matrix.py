@@ -6,6 +6,9 @@ the other, each in its own process with its own engine, run directory and run id
 hardware the engine does not have (CUDA graphs on the CPU build) is a row that says so and is not run.
 The result is the field notes' table, with each row's run linked and its deltas against the baseline,
 written as matrix.md and matrix.json to the matrix directory and rewritten after every row.
+
+Over 500 lines because planning, running each variant in its own process and the comparison table share one
+variant record.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ the model's bytes per token.
 The model's weight bytes are summed from the safetensors headers (an 8-byte little-endian length, then
 a JSON table of tensors with their byte offsets), so nothing is loaded; for dummy weights (a shape folder
 without weights) they are the parameters counted from config.json (soakd.shapes.param_count).
+
+Over 500 lines because the hardware profile, the model's bytes and the decode ceiling are one calculation
+with its sources (NVML, config.json, safetensors headers).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ spool while systemd's stop timeout runs), `soakd report` (fed from the spool) an
 the spool before it continues). Memory is bounded: request latencies go into `Quantiles`; everything
 else into 10-second buckets (8 h is 2,880 buckets of a few sums each), from which windows of any
 multiple of 10 s are built: `min(spec_acceptance, window=5m)`, `sustained_ratio(tokens_per_s, ...)`.
+
+Over 500 lines because every run-level metric's fold is listed here, one per measurement, as the criteria
+name them.
 """
 
 from __future__ import annotations

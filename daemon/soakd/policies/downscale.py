@@ -26,6 +26,9 @@ actually in force.
 Objectives: `goodput` (output tokens/s of requests that met the TTFT and TPOT limits of [criteria],
 DistServe's goodput in tokens), `tokens` (output tokens/s), `tokens_per_joule` (output tokens per joule of
 GPU energy). No I/O and no clock of its own: every call carries its time.
+
+Over 500 lines because the trial, verification, revert and recovery steps are one state machine over one
+objective window.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ sustained SM-clock loss against the clock the device runs at unthrottled, with t
 reasons held to a stricter loss than the SW power cap. An H200 serving alone touches its power cap in
 1-2 % of 100 ms samples at 340-430 W without losing clock; running at the cap is normal operation on a
 datacenter GPU, and a brief touch is not a reason to give up batch.
+
+Over 500 lines because detection (counters, reasons, clocks, harm) is one state machine whose four signals
+are judged together; each signal's rule sits beside the others.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Requests are sent open loop at their due times, except the later turns of a mult
 the trace recorded between the two turns' arrivals (scaled by the replay speed), as a user answers
 after reading the reply. Sessions therefore stretch when the engine is slow instead of piling up
 turns whose context does not exist yet, and open loop still holds across sessions.
+
+Over 500 lines because admission, session turns, the drain and the per-request record are one request's
+lifecycle; their timing rules interlock.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ bucket and value before any sum is taken, so the result does not depend on the o
 in (the spool's write order, InfluxDB's series order). Numbers are read as floats (InfluxDB's JSON gives
 1.0 back as 1). An 8 h run at 1 s points is ~30k points per series; the plots get at most `max_buckets`
 buckets of min/mean/max per series instead.
+
+Over 500 lines because the field table, the bucket fold and the panel list of the report are one mapping
+from measurements to plots.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ read them while they are written.
 The spool is bounded and never raises on a full disk; it degrades instead (state "ok" -> "essential" ->
 "full", see `Spool`), counts every line it drops per measurement, and says so through `on_event` and
 the log.
+
+Over 500 lines because the writer, the segment readers and the degrade/recover states share one on-disk
+format that must change in one place.
 """
 
 from __future__ import annotations

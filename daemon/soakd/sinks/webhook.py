@@ -23,6 +23,9 @@ failed, sends the batch's alerts again. Payloads depend only on the spool's line
 repeat is the same bytes: Alertmanager merges it (same labels, same startsAt), and a webhook receiver
 can drop it by (fingerprint, status, startsAt, endsAt). A payload the receiver refuses with 400 or 422
 (a retry cannot fix it) is kept in REJECTED_FILE and the cursor moves on; any other failure is retried.
+
+Over 500 lines because episode tracking, the Alertmanager payload and the sender are one delivery contract
+(resolve what was fired, never twice).
 """
 
 from __future__ import annotations

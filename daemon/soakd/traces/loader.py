@@ -9,6 +9,9 @@ Pipeline, the same for every format: the format's reader yields Rows (or a Trace
 -> bad rows raise, or are counted with `skip_bad_rows` -> arrival order is checked (or sorted on
 request) -> times become seconds from the first request, turns of a session without block ids get the
 previous turn's blocks as their prefix, requests are numbered -> the window and rate-scale transforms.
+
+Over 500 lines because format detection, whole-file validation, transforms and the summary are one pass over
+the file.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ request that arrived before it has finished, so the file reads back with `t` nev
 record is flushed as it is written, so a crash loses only requests still in flight or waiting behind
 one. Requests the server refuses or that break off are passed on to the client, counted and logged,
 and not recorded: a trace describes traffic the server served. Prompt text and headers are never logged.
+
+Over 500 lines because the proxy, the stream relay and the record writer share one request's state; split,
+each half would need the other's internals.
 """
 
 from __future__ import annotations
