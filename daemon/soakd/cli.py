@@ -118,7 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"soakd {__version__}")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _run_parser(sub)
+    _report_parser(sub)
+    _compare_parser(sub)
+    _matrix_parser(sub)
+    _check_parser(sub)
+    _trace_parser(sub)
+    _tools_parsers(sub)
+    _log_level_everywhere(p)
+    return p
 
+
+def _run_parser(sub: Any) -> None:
     run = sub.add_parser("run", help="replay a trace through the engine and judge the result")
     run.add_argument("--config", type=Path, help="config file (default: built-in defaults)")
     run.add_argument("--trace", help="trace file (overrides trace.path)")
@@ -134,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _trace_reading_flags(run)
 
+
+def _report_parser(sub: Any) -> None:
     rep = sub.add_parser("report", help="re-judge a finished run and write its sign-off report")
     rep.add_argument("run", help="run directory or run id")
     rep.add_argument(
@@ -165,9 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="only check the run's data digest against HEX (from a signed report): exit 0 same, 1 changed",
     )
 
-    _compare_parser(sub)
-    _matrix_parser(sub)
 
+def _check_parser(sub: Any) -> None:
     chk = sub.add_parser("check", help="validate the config and say what soakd would connect to")
     chk.add_argument("--config", type=Path)
     chk.add_argument("--trace")
@@ -175,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     _set_flag(chk, "engine.kind=openai (what `run --set` would use)")
     chk.add_argument("--json", action="store_true")
 
-    _trace_parser(sub)
 
+def _tools_parsers(sub: Any) -> None:
+    """telemetry, probe, model: the tools around a soak."""
     tel = sub.add_parser("telemetry", help="GPU telemetry without a soak")
     telsub = tel.add_subparsers(dest="telemetry_command", required=True, parser_class=_Parser)
     trec = telsub.add_parser(
@@ -213,8 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     shapes = msub.add_parser("shapes", help="list the known shapes: parameters, weight and KV-cache bytes")
     shapes.add_argument("--json", action="store_true")
-    _log_level_everywhere(p)
-    return p
 
 
 _FORMATS = ["auto", "native", "mooncake", "bailian", "azure", "burstgpt", "sharegpt"]

@@ -201,15 +201,7 @@ class VllmLocalEngine:
             raise EngineError(f"vLLM failed to start: {type(err).__name__}: {err}") from err
         start_s = time.monotonic() - t0
         vcfg = self._llm.vllm_config
-        tokenizer = self._llm.get_tokenizer()
-        if asyncio.iscoroutine(tokenizer):
-            tokenizer = await tokenizer
-        special = tuple(sorted(int(i) for i in getattr(tokenizer, "all_special_ids", []) or []))
-        vocab = int(vcfg.model_config.get_vocab_size())
-        # Models pad their embedding past the tokenizer's vocabulary (Qwen: 151936 vs 151665); ids in
-        # the padding are not real tokens and some releases reject them.
-        with contextlib.suppress(TypeError):
-            vocab = min(vocab, len(tokenizer))
+        vocab, special = await self._vocabulary(int(vcfg.model_config.get_vocab_size()))
         spec = vcfg.speculative_config
         comp = vcfg.compilation_config
         cg_mode = str(getattr(comp, "cudagraph_mode", "NONE"))
@@ -250,6 +242,20 @@ class VllmLocalEngine:
             },
         )
         log.info("engine_started", start_s=round(start_s, 2), config_id=self._info.config_id)
+
+    async def _vocabulary(self, model_vocab: int) -> tuple[int, tuple[int, ...]]:
+        """The token ids prompts may use: the vocabulary size and the special ids to leave out."""
+        assert self._llm is not None
+        tokenizer = self._llm.get_tokenizer()
+        if asyncio.iscoroutine(tokenizer):
+            tokenizer = await tokenizer
+        special = tuple(sorted(int(i) for i in getattr(tokenizer, "all_special_ids", []) or []))
+        vocab = model_vocab
+        # Models pad their embedding past the tokenizer's vocabulary (Qwen: 151936 vs 151665); ids in
+        # the padding are not real tokens and some releases reject them.
+        with contextlib.suppress(TypeError):
+            vocab = min(vocab, len(tokenizer))
+        return vocab, special
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
         from vllm import SamplingParams, TokensPrompt

@@ -72,23 +72,10 @@ def _get(d: Mapping[str, Any], path: str) -> Any:
     return node
 
 
-def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """What the run ran on, from meta.json (and the GPU series where meta.json does not say)."""
-    cfg = meta.get("config") if isinstance(meta.get("config"), Mapping) else {}
-    engine = meta.get("engine") if isinstance(meta.get("engine"), Mapping) else {}
-    trace = meta.get("trace") if isinstance(meta.get("trace"), Mapping) else {}
-    assert isinstance(cfg, Mapping) and isinstance(engine, Mapping) and isinstance(trace, Mapping)
-
-    run = [
-        ("run id", meta.get("run_id")),
-        ("host", meta.get("host")),
-        ("started (UTC)", meta.get("started_utc")),
-        ("planned duration (s)", _get(cfg, "run.duration")),
-        ("resumed after crashes", meta.get("resumes")),
-        ("config file", meta.get("config_source")),
-        ("soakd version", meta.get("soakd_version")),
-        ("Python", meta.get("python")),
-    ]
+def _gpu_rows(
+    meta: Mapping[str, Any], cfg: Mapping[str, Any], data: Mapping[str, Any]
+) -> list[tuple[str, Any]]:
+    """The GPUs: meta.json's facts (driver, each device), then what the GPU series say."""
     gpu_meta = meta.get("gpu") if isinstance(meta.get("gpu"), Mapping) else None
     gpu: list[tuple[str, Any]] = []
     if gpu_meta is not None:
@@ -118,6 +105,45 @@ def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[s
         gpu.append((f"GPU {g['index']} (from its series)", ", ".join(facts) or "seen"))
     if not data.get("gpus"):
         gpu.append(("GPU series", "none in this run"))
+    return gpu
+
+
+def _engine_history(engines: Any) -> list[tuple[str, Any]]:
+    """Each engine configuration of a run that rebuilt its engine: its start and CUDA-graph sizes."""
+    eng: list[tuple[str, Any]] = []
+    if isinstance(engines, list) and len(engines) > 1:
+        ids = [str(e.get("config_id")) for e in engines if isinstance(e, Mapping)]
+        eng.append(("engine configs over the run", " -> ".join(ids)))
+        # Each configuration's start and CUDA-graph sizes: a re-capture or a rebuild changes them.
+        for n, e in enumerate(x for x in engines if isinstance(x, Mapping)):
+            start = e.get("start_s")
+            text = (
+                f"started in {float(start):.1f} s" if isinstance(start, int | float) else "start not recorded"
+            )
+            if e.get("cudagraphs"):
+                text += f"; capture sizes {', '.join(str(x) for x in e.get('capture_sizes') or [])}"
+            eng.append((f"engine {n + 1} ({e.get('config_id')})", text))
+    return eng
+
+
+def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What the run ran on, from meta.json (and the GPU series where meta.json does not say)."""
+    cfg = meta.get("config") if isinstance(meta.get("config"), Mapping) else {}
+    engine = meta.get("engine") if isinstance(meta.get("engine"), Mapping) else {}
+    trace = meta.get("trace") if isinstance(meta.get("trace"), Mapping) else {}
+    assert isinstance(cfg, Mapping) and isinstance(engine, Mapping) and isinstance(trace, Mapping)
+
+    run = [
+        ("run id", meta.get("run_id")),
+        ("host", meta.get("host")),
+        ("started (UTC)", meta.get("started_utc")),
+        ("planned duration (s)", _get(cfg, "run.duration")),
+        ("resumed after crashes", meta.get("resumes")),
+        ("config file", meta.get("config_source")),
+        ("soakd version", meta.get("soakd_version")),
+        ("Python", meta.get("python")),
+    ]
+    gpu = _gpu_rows(meta, cfg, data)
 
     spec = _get(cfg, "engine.speculative") or {}
     details = engine.get("details") if isinstance(engine.get("details"), Mapping) else {}
@@ -144,19 +170,7 @@ def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[s
         ("extra engine args", _get(cfg, "engine.extra_args")),
         ("engine start (s)", engine.get("start_s")),
     ]
-    engines = meta.get("engines")
-    if isinstance(engines, list) and len(engines) > 1:
-        ids = [str(e.get("config_id")) for e in engines if isinstance(e, Mapping)]
-        eng.append(("engine configs over the run", " -> ".join(ids)))
-        # Each configuration's start and CUDA-graph sizes: a re-capture or a rebuild changes them.
-        for n, e in enumerate(x for x in engines if isinstance(x, Mapping)):
-            start = e.get("start_s")
-            text = (
-                f"started in {float(start):.1f} s" if isinstance(start, int | float) else "start not recorded"
-            )
-            if e.get("cudagraphs"):
-                text += f"; capture sizes {', '.join(str(x) for x in e.get('capture_sizes') or [])}"
-            eng.append((f"engine {n + 1} ({e.get('config_id')})", text))
+    eng += _engine_history(meta.get("engines"))
     tr = [
         ("path", trace.get("path") or _get(cfg, "trace.path")),
         ("sha256", trace.get("sha256")),

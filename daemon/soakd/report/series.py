@@ -483,44 +483,21 @@ def _empty_panels(cfg: Mapping[str, Any], b: SeriesBuilder) -> dict[str, Any]:
 
 def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
     b = f.b
-    gpus = b.groups("gpu")
-    many = len(gpus) > 1
-
-    def label(g: str) -> str:
-        return f"GPU {g}" if many else "GPU"
-
-    limits = []
-    for g in gpus:
-        lim = f.reduce(("gpu", g, "power_limit_w"), "max")
-        if lim:
-            limits.append({"name": f"{label(g)} power limit", "value": _r(max(lim.values()))})
-    temps: list[dict[str, Any] | None] = []
-    for g in gpus:
-        temps.append(f.level("gpu", g, "temp_c_max", "temp_c_max", "temp_c_max", f"{label(g)} core"))
-        temps.append(
-            f.level("gpu", g, "hbm_temp_c_max", "hbm_temp_c_max", "hbm_temp_c_max", f"{label(g)} HBM")
-        )
+    panels = _gpu_panels(f, cfg)
     spec_pos = sorted(
         {fld.split("#")[0] for fld in b.fields_of("spec_decode") if fld.startswith("pos") and "#" in fld},
         key=lambda p: int(p[3:]),
     )
     threshold = _get(cfg, "telemetry.spec_drift.threshold")
     ceiling = f.level("control", "", "ceiling", "ceiling", "ceiling", "concurrency ceiling")
+    failed = (
+        f.count("requests", "error", "lateness_s", "failed requests"),
+        f.count("requests", "shed", "lateness_s", "shed requests"),
+    )
     return {
-        "sm_clock": _panel(
-            "sm_clock",
-            [f.level("gpu", g, "sm_mhz_min", "sm_mhz_mean", "sm_mhz_max", label(g)) for g in gpus],
-            cfg,
-            b,
-        ),
-        "power": _panel(
-            "power",
-            [f.level("gpu", g, "power_w_mean", "power_w_mean", "power_w_max", label(g)) for g in gpus],
-            cfg,
-            b,
-            refs=limits,
-        ),
-        "temperature": _panel("temperature", temps, cfg, b),
+        "sm_clock": panels["sm_clock"],
+        "power": panels["power"],
+        "temperature": panels["temperature"],
         "throughput": _panel(
             "throughput",
             [
@@ -529,14 +506,7 @@ def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
             ],
             cfg,
             b,
-            counts=[
-                s
-                for s in (
-                    f.count("requests", "error", "lateness_s", "failed requests"),
-                    f.count("requests", "shed", "lateness_s", "shed requests"),
-                )
-                if s is not None
-            ],
+            counts=[s for s in failed if s is not None],
         ),
         "ttft": _panel("ttft", f.percentiles("requests", "ok", "ttft_s", (50, 99), 1000.0), cfg, b),
         "tpot": _panel("tpot", f.percentiles("requests", "ok", "tpot_s", (50, 99), 1000.0), cfg, b),
@@ -557,27 +527,7 @@ def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
             else [],
         ),
         "cudagraph": _panel("cudagraph", [f.ratio("engine", "", "cg_hit", "hit rate")], cfg, b),
-        "bandwidth": _panel(
-            "bandwidth",
-            [
-                f.level(
-                    "engine", "", "decode_bw_pct", "decode_bw_pct", "decode_bw_pct", "decode reads (computed)"
-                )
-            ]
-            + [
-                f.level(
-                    "gpu",
-                    g,
-                    "gpm_dram_bw_pct",
-                    "gpm_dram_bw_pct",
-                    "gpm_dram_bw_pct",
-                    f"{label(g)} DRAM (GPM)",
-                )
-                for g in gpus
-            ],
-            cfg,
-            b,
-        ),
+        "bandwidth": panels["bandwidth"],
         "fragmentation": _panel(
             "fragmentation",
             [
@@ -593,6 +543,52 @@ def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
             "why": None,
             "refs": [],
         },
+    }
+
+
+def _gpu_panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Clock, power, temperature and memory bandwidth, one series per GPU."""
+    b = f.b
+    gpus = b.groups("gpu")
+    many = len(gpus) > 1
+
+    def label(g: str) -> str:
+        return f"GPU {g}" if many else "GPU"
+
+    limits = []
+    for g in gpus:
+        lim = f.reduce(("gpu", g, "power_limit_w"), "max")
+        if lim:
+            limits.append({"name": f"{label(g)} power limit", "value": _r(max(lim.values()))})
+    temps: list[dict[str, Any] | None] = []
+    for g in gpus:
+        temps.append(f.level("gpu", g, "temp_c_max", "temp_c_max", "temp_c_max", f"{label(g)} core"))
+        temps.append(
+            f.level("gpu", g, "hbm_temp_c_max", "hbm_temp_c_max", "hbm_temp_c_max", f"{label(g)} HBM")
+        )
+    decode = f.level(
+        "engine", "", "decode_bw_pct", "decode_bw_pct", "decode_bw_pct", "decode reads (computed)"
+    )
+    dram = [
+        f.level("gpu", g, "gpm_dram_bw_pct", "gpm_dram_bw_pct", "gpm_dram_bw_pct", f"{label(g)} DRAM (GPM)")
+        for g in gpus
+    ]
+    return {
+        "sm_clock": _panel(
+            "sm_clock",
+            [f.level("gpu", g, "sm_mhz_min", "sm_mhz_mean", "sm_mhz_max", label(g)) for g in gpus],
+            cfg,
+            b,
+        ),
+        "power": _panel(
+            "power",
+            [f.level("gpu", g, "power_w_mean", "power_w_mean", "power_w_max", label(g)) for g in gpus],
+            cfg,
+            b,
+            refs=limits,
+        ),
+        "temperature": _panel("temperature", temps, cfg, b),
+        "bandwidth": _panel("bandwidth", [decode, *dram], cfg, b),
     }
 
 

@@ -54,7 +54,7 @@ from yarl import URL
 from soakd.engine.openai_http import base_url
 from soakd.errors import InputError, UsageError
 from soakd.redact import redact_url
-from soakd.sse import EventSplitter
+from soakd.sse import Event, EventSplitter
 from soakd.traces.native import FORMAT_NAME, VERSION
 
 log = structlog.get_logger(__name__)
@@ -473,75 +473,21 @@ class Recorder:
     ) -> tuple[web.StreamResponse, bool]:
         """Pass the event stream on as it comes; (the response, whether it ended well with usage seen).
 
-        With `injected`, the usage the proxy asked for is taken out again: the usage-only chunk is
-        dropped, and chunks that finish a choice wait for it, to carry its `system_fingerprint` as
-        the server would have put it there without usage.
+        With `injected`, the usage the proxy asked for is taken out again (see _Relay).
         """
         response = web.StreamResponse(status=upstream.status, headers=_forward_headers(upstream.headers))
-        splitter = EventSplitter()
-        held: list[dict[str, Any]] = []
-        done = False
-        broken = ""
-
-        async def send(data: bytes) -> None:
-            try:
-                await response.write(data)
-            except ConnectionError as err:
-                raise _ClientGone from err
-
-        async def release_held(fingerprint: object = None) -> None:
-            for obj in held:
-                if fingerprint is not None and obj.get("system_fingerprint") is None:
-                    obj["system_fingerprint"] = fingerprint
-                await send(_sse(obj))
-            held.clear()
-
+        relay = _Relay(response, call, injected)
         try:
             try:
                 await response.prepare(request)
             except ConnectionError as err:
                 raise _ClientGone from err
             async for chunk in upstream.content.iter_any():
-                for event in splitter.feed(chunk):
-                    data = event.data.strip() if event.data is not None else b""
-                    if data == b"[DONE]":
-                        done = True
-                        await release_held()
-                        await send(event.raw)
-                        continue
-                    obj: dict[str, Any] | None = None
-                    if b'"usage"' in data or b'"error"' in data or (injected and _maybe_finishing(data)):
-                        with contextlib.suppress(ValueError):
-                            parsed = json.loads(data)
-                            obj = parsed if isinstance(parsed, dict) else None
-                    if obj is None:
-                        await release_held()
-                        await send(event.raw)
-                        continue
-                    if "error" in obj:
-                        broken = "stream error"
-                    usage = _usage(obj)
-                    if usage is not None:
-                        call.usage = usage
-                    if injected and usage is not None and obj.get("choices") == []:
-                        await release_held(obj.get("system_fingerprint"))
-                        continue  # the usage chunk only the proxy asked for
-                    if injected and "usage" in obj:
-                        del obj["usage"]
-                        if _finishing(obj):
-                            held.append(obj)
-                            continue
-                        await release_held()
-                        await send(_sse(obj))
-                        continue
-                    if injected and _finishing(obj):
-                        held.append(obj)
-                        continue
-                    await release_held()
-                    await send(event.raw)
-            for event in splitter.close():
-                await send(event.raw)
-            await release_held()
+                for event in relay.splitter.feed(chunk):
+                    await relay.event(event)
+            for event in relay.splitter.close():
+                await relay.send(event.raw)
+            await relay.release_held()
         except _ClientGone:
             self.stats.client_gone += 1
             log.info("client_disconnected", api=call.api)
@@ -551,9 +497,8 @@ class Recorder:
             upstream.close()
             return response, False
         except aiohttp.ClientError as err:
-            broken = f"stream broken: {type(err).__name__}"
-        if not broken and not done:
-            broken = "stream ended without [DONE]"
+            relay.broken = f"stream broken: {type(err).__name__}"
+        broken = relay.broken or ("" if relay.done else "stream ended without [DONE]")
         if broken:
             self._failed(call, broken)
         with contextlib.suppress(ConnectionError):
@@ -798,3 +743,65 @@ def run_recorder(
         )
 
     return asyncio.run(main())
+
+
+class _Relay:
+    """One streamed answer passed on event by event. With `injected`, the usage-only chunk the proxy
+    asked for is dropped, and chunks that finish a choice wait for it, to carry its `system_fingerprint`
+    as the server would have put it there without usage."""
+
+    def __init__(self, response: web.StreamResponse, call: _Call, injected: bool) -> None:
+        self.response = response
+        self.call = call
+        self.injected = injected
+        self.splitter = EventSplitter()
+        self.held: list[dict[str, Any]] = []
+        self.done = False
+        self.broken = ""
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self.response.write(data)
+        except ConnectionError as err:
+            raise _ClientGone from err
+
+    async def release_held(self, fingerprint: object = None) -> None:
+        for obj in self.held:
+            if fingerprint is not None and obj.get("system_fingerprint") is None:
+                obj["system_fingerprint"] = fingerprint
+            await self.send(_sse(obj))
+        self.held.clear()
+
+    async def event(self, event: Event) -> None:
+        injected = self.injected
+        data = event.data.strip() if event.data is not None else b""
+        if data == b"[DONE]":
+            self.done = True
+            await self.release_held()
+            await self.send(event.raw)
+            return
+        obj: dict[str, Any] | None = None
+        if b'"usage"' in data or b'"error"' in data or (injected and _maybe_finishing(data)):
+            with contextlib.suppress(ValueError):
+                parsed = json.loads(data)
+                obj = parsed if isinstance(parsed, dict) else None
+        if obj is None:
+            await self.release_held()
+            await self.send(event.raw)
+            return
+        if "error" in obj:
+            self.broken = "stream error"
+        usage = _usage(obj)
+        if usage is not None:
+            self.call.usage = usage
+        if injected and usage is not None and obj.get("choices") == []:
+            await self.release_held(obj.get("system_fingerprint"))
+            return  # the usage chunk only the proxy asked for
+        rewritten = injected and "usage" in obj
+        if rewritten:
+            del obj["usage"]
+        if injected and _finishing(obj):
+            self.held.append(obj)
+            return
+        await self.release_held()
+        await self.send(_sse(obj) if rewritten else event.raw)
