@@ -94,15 +94,17 @@ def _positive(text: str) -> float:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "console", "json", "journald")
 
 
 def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
-    """`--log-level` after the subcommand too (`soakd run --log-level debug`), not only before it; the
-    top level's default stands unless a subcommand is given one."""
+    """`--log-level` and `--log-format` after the subcommand too (`soakd run --log-level debug`), not
+    only before it; the top level's default stands unless a subcommand is given one."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in dict.fromkeys(action.choices.values()):
                 sub.add_argument("--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS)
+                sub.add_argument("--log-format", choices=LOG_FORMATS, default=argparse.SUPPRESS)
                 _log_level_everywhere(sub)
 
 
@@ -117,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"soakd {__version__}")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument(
+        "--log-format",
+        default="auto",
+        choices=LOG_FORMATS,
+        help="auto: readable lines on a terminal, journal fields under journald, JSON lines otherwise",
+    )
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _run_parser(sub)
     _report_parser(sub)
@@ -869,7 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
-        configure(args.log_level, journald_prefix="JOURNAL_STREAM" in os.environ)
+        configure(args.log_level, fmt=args.log_format)
         handlers = {
             "run": _cmd_run,
             "report": _cmd_report,
