@@ -1,7 +1,9 @@
 """argv -> command. Parses arguments, loads the config, calls the component, maps errors to exit codes.
 
 Exit codes: 0 PASS (or success), 1 FAIL (or a check that did not answer), 2 bad input, 3 aborted: the run
-ended early on its own (engine failure, an `abort_on` criterion, a changed trace) or an internal error.
+ended early on its own (engine failure, an `abort_on` criterion, a changed trace) or an internal error,
+4 stopped by a signal before its end (SIGTERM, SIGINT; drained, verdict written and marked interrupted;
+the systemd unit passes `--stopped-exit-code 0`, a service stop being a clean end).
 
 Over 500 lines because it holds the parser of every subcommand and their printing, one function each; the
 work lives in the modules they call.
@@ -32,6 +34,7 @@ EXIT_OK = 0
 EXIT_FAIL = 1
 EXIT_INPUT = 2
 EXIT_ERROR = 3
+EXIT_STOPPED = 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="soakd",
         description="Endurance and telemetry daemon for LLM inference.",
-        epilog="exit codes: 0 PASS (or stopped by SIGTERM, drained and judged); 1 FAIL (a criterion did not "
-        "hold); 2 bad input (config, trace, arguments: one line naming file, line and key); 3 aborted "
-        "(the run ended early on its own: engine failure, an abort_on criterion, a changed trace; or an "
-        "internal error)",
+        epilog="exit codes: 0 PASS; 1 FAIL (a criterion did not hold); 2 bad input (config, trace, "
+        "arguments: one line naming file, line and key); 3 aborted (the run ended early on its own: engine "
+        "failure, an abort_on criterion, a changed trace; or an internal error); 4 stopped by SIGTERM or "
+        "SIGINT before its end (drained, verdict written; see run --stopped-exit-code)",
     )
     p.add_argument("--version", action="version", version=f"soakd {__version__}")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -147,6 +150,13 @@ def _run_parser(sub: Any) -> None:
     run.add_argument("--json", action="store_true", help="print the final summary as JSON on stdout")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument(
+        "--stopped-exit-code",
+        type=_int_in(0, 255),
+        default=EXIT_STOPPED,
+        metavar="CODE",
+        help=f"exit code of a run stopped by SIGTERM/SIGINT (default {EXIT_STOPPED}; the systemd unit: 0)",
+    )
+    run.add_argument(
         "--resume",
         action="store_true",
         help="continue the newest unfinished run of this config (after a crash) instead of a new one",
@@ -155,11 +165,20 @@ def _run_parser(sub: Any) -> None:
 
 
 def _report_parser(sub: Any) -> None:
-    rep = sub.add_parser("report", help="re-judge a finished run and write its sign-off report")
+    rep = sub.add_parser("report", help="a finished run's verdict and its sign-off report")
     rep.add_argument("run", help="run directory or run id")
     rep.add_argument(
-        "--config", type=Path, help="judge against this config's criteria (default: the run's own)"
+        "--config",
+        type=Path,
+        help="config for the runs folder and InfluxDB; with --rejudge, its criteria (default: the run's)",
     )
+    rep.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="judge the run again and rewrite verdict.json (its data digest changes); default: the "
+        "verdict the run wrote",
+    )
+    rep.add_argument("--exit-code", action="store_true", help="exit 1 when the verdict is FAIL (default 0)")
     rep.add_argument("--ship", action="store_true", help="also ship what the spool still holds to InfluxDB")
     rep.add_argument("--json", action="store_true", help="print the verdict as JSON on stdout")
     rep.add_argument(
@@ -171,9 +190,7 @@ def _report_parser(sub: Any) -> None:
         metavar="PATH",
         help="write the report's JSON twin here (default RUN/report.json)",
     )
-    rep.add_argument(
-        "--no-report", action="store_true", help="re-judge only: write no report.html/report.json"
-    )
+    rep.add_argument("--no-report", action="store_true", help="write no report.html/report.json")
     rep.add_argument("--no-html", action="store_true", help="write report.json only (no plots drawn)")
     rep.add_argument(
         "--from-influx",
@@ -429,9 +446,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # The verdict is written (FAIL), but the run did not end normally: not a plain FAIL.
         print(f"soakd: run ended early: {result.error}", file=sys.stderr)
         return EXIT_ERROR
-    if result.stopped_by == "SIGTERM":
-        # A service stop is a clean end: drained, flushed, verdict (marked interrupted) written.
-        return 0
+    if result.stopped_by:
+        # Drained, flushed, verdict (marked interrupted) written: for a service a clean end (the unit
+        # asks for 0), for CI a cancelled job that must not look green (4).
+        return int(args.stopped_exit_code)
     return result.verdict.exit_code
 
 
@@ -520,6 +538,7 @@ def _verify_digest(run_dir: Path, expected: str) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from soakd import config
+    from soakd.judge.verdict import verdict_lines
     from soakd.report.finished import judge_again, open_run, write_sign_off
     from soakd.report.influxql import read_run
     from soakd.report.runs import find_run
@@ -544,23 +563,33 @@ def _cmd_report(args: argparse.Namespace) -> int:
             + (f"; it refused {refused} (kept in the run's spool/rejected.lp)" if refused else ""),
             file=sys.stderr,
         )
-    metrics, series = (
-        read_run(run_dir, run.meta, run.config, from_influx=args.from_influx)
-        if paths or args.from_influx
-        else (None, None)
-    )
-    verdict = judge_again(run, metrics)
+    recorded = None if args.rejudge else run.recorded_verdict()
+    series = None
+    if recorded is None:
+        metrics, series = (
+            read_run(run_dir, run.meta, run.config, from_influx=args.from_influx)
+            if paths or args.from_influx
+            else (None, None)
+        )
+        if not args.rejudge:
+            print("no verdict was recorded (the run ended before writing one): judged now", file=sys.stderr)
+        doc = judge_again(run, metrics).to_dict()
+    else:
+        doc = recorded
+        if paths is not None or args.from_influx:
+            _, series = read_run(run_dir, run.meta, run.config, from_influx=args.from_influx)
     if paths is not None and series is not None:
         source = "influx" if args.from_influx else "spool"
-        write_sign_off(run, verdict.to_dict(), series, *paths, source=source)
+        write_sign_off(run, doc, series, *paths, source=source)
         print(f"report: {' and '.join(str(p) for p in paths if p is not None)}", file=sys.stderr)
     if args.json:
-        print(json_text(verdict.to_dict(), indent=2, default=str))
+        print(json_text(doc, indent=2, default=str))
     else:
-        print("\n".join(verdict.lines()))
+        print("\n".join(verdict_lines(doc)))
         for line in _hardware_lines(run.summary):
             print(line)
-    return verdict.exit_code
+    failed = doc.get("verdict") != "PASS"
+    return EXIT_FAIL if args.exit_code and failed else EXIT_OK
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

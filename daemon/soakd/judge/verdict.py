@@ -49,18 +49,25 @@ class Verdict:
 
     def lines(self) -> list[str]:
         """Human-readable verdict, one criterion per line."""
-        out = [f"{self.word}  run {self.run_id}"]
-        for c in self.criteria:
-            value = "no data" if c.value is None else f"{c.value:.4g}"
-            mark = "ok  " if c.passed else "FAIL"
-            extra = f"  ({c.detail})" if c.detail else ""
-            out.append(f"  {mark} {c.name} = {value} (must be {c.op} {c.threshold:g}){extra}")
-        for i in self.interruptions:
-            out.append(
-                f"  resumed after a crash at {float(i['at_s']):.0f} s of replay: down "
-                f"{float(i['down_s']):.1f} s, {int(i['lost_in_flight'])} requests lost in flight"
-            )
-        return out
+        return verdict_lines(self.to_dict())
+
+
+def verdict_lines(doc: Mapping[str, Any]) -> list[str]:
+    """A verdict (verdict.json's object) for people: the word, then one criterion per line."""
+    out = [f"{doc.get('verdict', '?')}  run {doc.get('run_id', '?')}"]
+    for c in doc.get("criteria") or []:
+        value = "no data" if c.get("value") is None else f"{c['value']:.4g}"
+        mark = "ok  " if c.get("passed") else "FAIL"
+        extra = f"  ({c['detail']})" if c.get("detail") else ""
+        out.append(
+            f"  {mark} {c.get('name')} = {value} (must be {c.get('op')} {c.get('threshold', 0):g}){extra}"
+        )
+    for i in doc.get("interruptions") or []:
+        out.append(
+            f"  resumed after a crash at {float(i['at_s']):.0f} s of replay: down "
+            f"{float(i['down_s']):.1f} s, {int(i['lost_in_flight'])} requests lost in flight"
+        )
+    return out
 
 
 def lost_in_flight(interruptions: Iterable[Mapping[str, Any]]) -> int:

@@ -43,6 +43,11 @@ class FinishedRun:
         checkpoint = read_checkpoint(self.run_dir)
         return checkpoint.elapsed_s if checkpoint is not None else 0.0
 
+    def recorded_verdict(self) -> dict[str, Any] | None:
+        """verdict.json as the run wrote it (or a --rejudge rewrote it); None when it has none."""
+        path = self.run_dir / VERDICT_FILE
+        return read_json(path) if path.exists() else None
+
     @property
     def interrupted(self) -> bool:
         # A run that never wrote its summary died before the end: judged as interrupted.
