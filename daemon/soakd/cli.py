@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -46,16 +45,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _override(text: str) -> tuple[str, Any]:
     """`--set key=value`, the value read as TOML (so 8, 0.5, true, "x", [1,2] all work)."""
+    from soakd.config import parse_value
+
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except RecursionError:  # tomllib recurses per nesting level
-        raise argparse.ArgumentTypeError(f"{key.strip()}: value nested deeper than the parser goes") from None
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word is taken as a string
-    return key.strip(), value
+        return key.strip(), parse_value(raw)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{key.strip()}: {err}") from None
 
 
 def _int_in(low: int, high: int) -> Callable[[str], int]:
@@ -407,7 +405,7 @@ def _load_config(path: Path | None, overrides: dict[str, Any]) -> Any:
 
     if path is None and os.environ.get("SOAKD_CONFIG"):
         path = Path(os.environ["SOAKD_CONFIG"])
-    return config.load(path, overrides)
+    return config.load(path, overrides, env=os.environ)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -544,7 +542,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from soakd.report.runs import find_run
     from soakd.rundir import SPOOL_DIR
 
-    base = _load_config(args.config, {}) if args.config else config.load(None)
+    base = _load_config(args.config, {}) if args.config else config.load(None, env=os.environ)
     run_dir = find_run(args.run, base.resolve(base.run.output_dir))
     if args.verify_digest is not None:
         return _verify_digest(run_dir, args.verify_digest)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
@@ -527,10 +527,50 @@ def read_toml(path: Path) -> tuple[str, dict[str, Any]]:
         raise ConfigError(f"TOML syntax: {reason}", file=path, line=line) from None
 
 
-def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read and validate a config file (None: the built-in defaults), then apply dotted overrides.
+ENV_PREFIX = "SOAKD_"
 
-    `overrides` maps dotted keys ("run.duration") to values from the command line.
+
+def parse_value(raw: str) -> Any:
+    """A value given outside the file (`--set`, the environment), read as TOML so 8, 0.5, true, "x" and
+    [1, 2] all work; a bare word is a string. Raises ValueError for nesting deeper than the parser goes."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except RecursionError:  # tomllib recurses per nesting level
+        raise ValueError("value nested deeper than the parser goes") from None
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Overrides from the environment, pydantic-settings' style: `SOAKD_RUN__DURATION=8h` sets
+    run.duration, `SOAKD_SINKS__INFLUX__URL=...` sets sinks.influx.url (double underscores between levels,
+    single ones kept). Names without a double underscore (SOAKD_CONFIG, secrets) are not overrides.
+    Returns dotted key -> (value, the variable's name)."""
+    out: dict[str, tuple[Any, str]] = {}
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        keys = name[len(ENV_PREFIX) :].lower().split("__")
+        origin = f"environment {name}"
+        if not all(keys):
+            raise ConfigError("expected SOAKD_SECTION__KEY (an empty level)", file=origin)
+        try:
+            out[".".join(keys)] = (parse_value(env[name]), origin)
+        except ValueError as err:
+            raise ConfigError(str(err), file=origin, key=".".join(keys)) from None
+    return out
+
+
+def load(
+    path: str | Path | None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Read and validate a config file (None: the built-in defaults), then apply dotted overrides: those
+    of `env` (SOAKD_SECTION__KEY variables), then `overrides` (the command line's, which win).
+
+    `overrides` maps dotted keys ("run.duration") to values.
     """
     data: dict[str, Any] = {}
     text = ""
@@ -541,15 +581,16 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
         source = str(p)
         text, data = read_toml(p)
         base_dir = p.resolve().parent
-    overridden: list[tuple[str, ...]] = []
-    for dotted, value in (overrides or {}).items():
+    overridden: dict[tuple[str, ...], str | None] = {}
+    given = {**env_overrides(env or {}), **{k: (v, None) for k, v in (overrides or {}).items()}}
+    for dotted, (value, origin) in given.items():
         keys = dotted.split(".")
         clash = _set_dotted(data, keys, value)
         if clash is not None:
             file, line = _blame(source, text, clash, overridden)
             key = ".".join(clash)
-            raise ConfigError(f"expected a table (to set {dotted})", file=file, line=line, key=key)
-        overridden.append(tuple(keys))
+            raise ConfigError(f"expected a table (to set {dotted})", file=origin or file, line=line, key=key)
+        overridden[tuple(keys)] = origin
     try:
         cfg = Config.model_validate(data)
     except ValidationError as err:
@@ -576,13 +617,14 @@ def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Co
 
 
 def _blame(
-    source: str, text: str, loc: Sequence[str], overridden: Sequence[tuple[str, ...]]
+    source: str, text: str, loc: Sequence[str], overridden: Mapping[tuple[str, ...], str | None]
 ) -> tuple[str | None, int | None]:
-    """(file, line) to name for a bad value at `loc`: none for a value from the command line, which the
-    file's own line for that key would misattribute."""
+    """(file, line) to name for a bad value at `loc`: for a value from outside the file, its origin (the
+    environment variable; nothing for the command line), not the file's own line for that key."""
     key = tuple(loc)
-    if key and any(key[: len(k)] == k or k[: len(key)] == key for k in overridden):
-        return None, None
+    for k, origin in overridden.items():
+        if key and (key[: len(k)] == k or k[: len(key)] == key):
+            return origin, None
     return source, _find_line(text, loc) if text else None
 
 

@@ -203,7 +203,7 @@ def plan(
 ) -> list[Planned]:
     """Each variant's overrides (shared --set, the base, its own), each checked by loading the config."""
     out = []
-    base_name = config.load(config_path, overrides).run.name
+    base_name = config.load(config_path, overrides, env=os.environ).run.name
     for i, v in enumerate(spec.variant):
         own = flatten(v.set)
         if any(k == "trace" or k.startswith("trace.") for k in own):
@@ -219,7 +219,7 @@ def plan(
                 raise ConfigError(f"{key}: not a string, number, boolean or array of them", file=matrix_file)
         full["run.name"] = _run_name(base_name, v.name)
         try:
-            cfg = config.load(config_path, full)
+            cfg = config.load(config_path, full, env=os.environ)
         except ConfigError as err:
             if err.file is not None or matrix_file is None:
                 raise
