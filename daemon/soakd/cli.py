@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 
 import structlog
 
-from soakd import __version__
+from soakd import __version__, console
 from soakd.errors import EngineError, InputError, SinkError, UsageError
 from soakd.files import json_text
 
@@ -423,6 +423,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Whatever the daemon or the engine creates is the service user's alone (spool, state, logs; the
     # run files are also created 0600 explicitly); systemd's UMask= applies the same outside soakd.
     os.umask(0o077)
+    # The engine's output (vLLM, torch, their children) goes to the run's engine log, not the console.
+    console.detach()
     show = not args.no_progress and sys.stderr.isatty()
     progress = Progress(enabled=show)
     soak = Soak(cfg, progress=progress.update, resume=args.resume)
@@ -430,6 +432,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         result = asyncio.run(soak.run())
     finally:
         progress.close()
+        console.restore()
     if cfg.run.report and result.stopped_by != "SIGTERM":
         from soakd.report.finished import report_after_run
 
@@ -896,8 +899,9 @@ def _model_shapes(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     # vLLM's own INFO lines would drown soakd's; its warnings still show.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    # stdout carries results (--json); vLLM logs to stdout by default.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # stdout carries results (--json); vLLM logs to stdout by default. The original stderr, not soakd's:
+    # during a run that is the engine log (soakd.console).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.__stderr__")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from soakd.logs import configure

@@ -99,7 +99,7 @@ def make_engine(cfg: Config, model: str, collector: EngineCollector, log_dir: Pa
         return VllmServerEngine(cfg.engine, model, collector.push, log_dir or cfg.resolve("."))
     from soakd.engine.vllm_local import VllmLocalEngine
 
-    return VllmLocalEngine(cfg.engine, model, collector.push)
+    return VllmLocalEngine(cfg.engine, model, collector.push, log_dir)
 
 
 def check_writable(out_dir: Path, source: str) -> None:

@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
+import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
 import structlog
 
+from soakd import console
 from soakd.config import EngineConfig
 from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.live_limit import reported_live
 from soakd.engine.stats import RecordCost, StepStats, copy_spec_steps, step_from_vllm
 from soakd.errors import EngineError
+from soakd.rundir import ENGINE_OUTPUT_FILE
 from soakd.shapes import engine_overrides
 
 log = structlog.get_logger(__name__)
@@ -147,7 +153,12 @@ MULTIPROC_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 class VllmLocalEngine:
     """vLLM's AsyncLLM in this process (engine core and workers in child processes)."""
 
-    def __init__(self, cfg: EngineConfig, model_path: str, step_sink: StepSink) -> None:
+    def __init__(
+        self, cfg: EngineConfig, model_path: str, step_sink: StepSink, log_dir: Path | None = None
+    ) -> None:
+        self._log_dir = log_dir
+        """Where the engine's own output goes (rundir.ENGINE_OUTPUT_FILE), when soakd's console was
+        detached (soakd.console); None: it shares soakd's stdout and stderr."""
         self._cfg = cfg
         self._model_path = model_path
         self._sink = step_sink
@@ -174,6 +185,14 @@ class VllmLocalEngine:
         # and the forked child then deadlocks in its first NVML call (seen on an H200: an engine start
         # stuck for minutes in nvmlShutdown). A spawned child inherits no locks.
         os.environ.setdefault(MULTIPROC_ENV, "spawn")
+        if self._log_dir is not None and console.route_engine_output(self._log_dir / ENGINE_OUTPUT_FILE):
+            # Routed before vLLM is imported and its children start (they inherit descriptors 1 and 2).
+            # What vLLM logs while importing, before it configures its own handler (Triton's notice),
+            # goes there too instead of up to soakd's handler.
+            vllm_log = logging.getLogger("vllm")
+            if not vllm_log.handlers:
+                vllm_log.addHandler(logging.StreamHandler(sys.__stderr__))
+                vllm_log.propagate = False
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -324,6 +343,19 @@ class VllmLocalEngine:
         return {"stat_logger": self.record_cost.summary()}
 
     async def stop(self) -> None:
-        if self._llm is not None:
-            llm, self._llm = self._llm, None
-            await asyncio.to_thread(llm.shutdown)
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        # AsyncLLM.shutdown stops the engine core first and cancels its output handler after: the
+        # handler, still awaiting outputs on this loop, meets a dead engine and logs "output_handler
+        # failed" with an EngineDeadError traceback at every clean stop. Cancelled first, it does not.
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await handler
+        await asyncio.to_thread(llm.shutdown)
+        # Collected now, while the interpreter is whole: AsyncLLM.__del__ shuts down again, and at
+        # interpreter exit that raised a TypeError from half torn-down modules.
+        del llm
+        gc.collect()
