@@ -40,3 +40,12 @@ def parse_duration(value: object) -> float:
     if total > MAX_DURATION_S:
         raise ValueError(f"a duration is at most {MAX_DURATION_S / 86400:.0f} days")
     return total
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as people write it in a config: 1h, 5m, 90s (the largest unit that divides it)."""
+    if seconds > 0 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g}h"
+    if seconds > 0 and seconds % 60 == 0:
+        return f"{seconds / 60:g}m"
+    return f"{seconds:g}s"

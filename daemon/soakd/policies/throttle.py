@@ -191,6 +191,7 @@ class _Entry:
     has_reasons: bool
     ratio: float | None
     margin: float | None
+    ref_mhz: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,12 +201,19 @@ class _Signals:
     margin: float | None
     grown: tuple[str, ...]
     bits: int
+    ref_mhz: float | None = None
 
     def describe(self) -> str:
         parts = []
         if self.share is not None:
             parts.append(f"reason_share={self.share:.2f}")
-        if self.ratio is not None:
+        if self.ratio is not None and self.ref_mhz:
+            # In MHz, as the report's SM-clock plot draws it, and the ratio against what it was taken
+            # from (the GPU's max clock, or the clock seen early in the run), so the two agree.
+            parts.append(
+                f"sm_clock={self.ratio * self.ref_mhz:.0f}MHz ({self.ratio:.3f} of {self.ref_mhz:.0f}MHz)"
+            )
+        elif self.ratio is not None:
             parts.append(f"clock_ratio={self.ratio:.3f}")
         if self.margin is not None:
             parts.append(f"thermal_margin_c={self.margin:g}")
@@ -384,6 +392,7 @@ class ThrottleDetector:
                 ref = self.baseline_mhz
             if ref:
                 ratio = float(inp.sm_mhz) / ref
+                return _Entry(inp.t_s, bits, raw is not None, ratio, inp.thermal_margin_c, float(ref))
         return _Entry(inp.t_s, bits, raw is not None, ratio, inp.thermal_margin_c)
 
     def _signals(self, t: float) -> _Signals:
@@ -401,7 +410,9 @@ class ThrottleDetector:
         margins = [e.margin for e in self._window if e.margin is not None]
         margin = min(margins) if margins else None
         grown = tuple(sorted(n for n, at in self._grown_at.items() if at > t - s.window_s))
-        return _Signals(share, ratio, margin, grown, bits)
+        refs = [e.ref_mhz for e in self._window if e.ref_mhz is not None]
+        ref = statistics.median(refs) if refs else None
+        return _Signals(share, ratio, margin, grown, bits, ref)
 
     def _is_signal(self, sig: _Signals, *, leaving: bool) -> bool:
         s = self.settings

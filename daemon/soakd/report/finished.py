@@ -98,7 +98,8 @@ def write_sign_off(
 ) -> None:
     """The sign-off report (HTML unless `html` is None, and its JSON) of a verdict and the run's series."""
     data = series.build(run.meta["config"])
-    write_report(build_doc(run.run_dir, run.meta, verdict, data, source=source), html, json_path)
+    doc = build_doc(run.run_dir, run.meta, verdict, data, source=source, summary=run.summary)
+    write_report(doc, html, json_path)
 
 
 def report_after_run(run_dir: Path) -> None:
@@ -108,8 +109,10 @@ def report_after_run(run_dir: Path) -> None:
     try:
         meta = read_json(run_dir / META_FILE)
         verdict = read_json(run_dir / VERDICT_FILE)
+        summary = read_json(run_dir / SUMMARY_FILE) if (run_dir / SUMMARY_FILE).exists() else {}
         _, series = fold_spool(run_dir)
-        doc = build_doc(run_dir, meta, verdict, series.build(meta["config"]), source="spool")
+        data = series.build(meta["config"])
+        doc = build_doc(run_dir, meta, verdict, data, source="spool", summary=summary)
         write_report(doc, run_dir / REPORT_HTML, run_dir / REPORT_JSON)
     except Exception as err:  # noqa: BLE001 - the run is judged already; the report is an extra
         log.error("report_not_written", run_dir=str(run_dir), error=f"{type(err).__name__}: {err}"[:300])

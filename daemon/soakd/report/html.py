@@ -14,6 +14,7 @@ import io
 import itertools
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,9 +22,11 @@ from typing import Any
 
 from soakd import __version__
 from soakd.files import json_text, write_private
+from soakd.report.headline import headline, human
 from soakd.report.series import ACTION_KINDS
 from soakd.rundir import DIGEST_FILES, SPOOL_DIR
 from soakd.sinks.spool import list_segments, open_segment
+from soakd.units import format_duration
 
 SCHEMA = 1
 _EVENT_ROWS = 400  # the HTML lists at most this many events; the JSON has them all
@@ -194,6 +197,7 @@ def build_doc(
     *,
     source: str,
     now: datetime | None = None,
+    summary: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report (the JSON twin). Everything but `generated` is the same whichever source the series
     came from."""
@@ -201,6 +205,7 @@ def build_doc(
         "schema": SCHEMA,
         "run_id": verdict.get("run_id") or meta.get("run_id"),
         "verdict": dict(verdict),
+        "headline": headline(verdict, summary or {}),
         "environment": environment(meta, data),
         "digest": data_digest(run_dir),
         "data": dict(data),
@@ -275,10 +280,36 @@ class _Plotter:
         for ax in axes:
             ax.set_xlim(0, self.span_s / self.scale)
             ax.grid(True, alpha=0.3, linewidth=0.5)
-        axes[-1].set_xlabel(f"time since the run's first point ({self.unit})")
+        self._wall_clock(axes[-1])
         return fig, list(axes)
 
+    def _wall_clock(self, ax: Any) -> None:
+        """Ticks in UTC wall-clock time (what a person matches against other logs), each with the run's
+        own time under it."""
+        from matplotlib.ticker import FuncFormatter
+
+        t0 = self.data.get("t0_ns")
+        if not isinstance(t0, int):
+            ax.set_xlabel(f"time since the run's first point ({self.unit})")
+            return
+        seconds = self.span_s <= 900
+
+        def label(x: float, _pos: object) -> str:
+            at = datetime.fromtimestamp(t0 / 1e9 + x * self.scale, UTC)
+            clock = at.strftime("%H:%M:%S" if seconds else "%H:%M")
+            return f"{clock}\n+{x:g} {self.unit}"
+
+        ax.xaxis.set_major_formatter(FuncFormatter(label))
+        start = datetime.fromtimestamp(t0 / 1e9, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        ax.set_xlabel(f"UTC (run time below; first point {start} UTC)")
+
     def _shade(self, ax: Any) -> None:
+        # The engine was down (a rebuild or a restart): no traffic then, on every plot.
+        for e in self.data.get("events", []):
+            down = (e.get("fields") or {}).get("downtime_s")
+            if isinstance(down, int | float) and down > 0:
+                start = (e["t_s"] - float(down)) / self.scale
+                ax.axvspan(start, e["t_s"] / self.scale, color="0.5", alpha=0.18, linewidth=0, hatch="//")
         for ep in self.data.get("episodes", []):
             color = _HOST_SHADE if ep["scope"] == "host CPUs" else _GPU_SHADE
             start, end = ep["start_s"] / self.scale, ep["end_s"] / self.scale
@@ -319,7 +350,15 @@ class _Plotter:
                 twin.bar(t, s["mid"], width=width / self.scale, color="#d62728", alpha=0.5, label=s["name"])
             twin.set_ylabel("requests per bucket")
         if panel.get("log"):
+            from matplotlib.ticker import FuncFormatter, NullFormatter
+
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: human(v)))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        elif name in _FROM_ZERO:
+            # From zero (shares up to one): a 0.1 % wobble is drawn as one, not as a cliff.
+            high = ax.get_ylim()[1]
+            ax.set_ylim(0.0, max(high, 1.0) if name in _SHARES else high * 1.05)
         ax.set_ylabel(panel.get("unit", ""))
         self._shade(ax)
         if panel["series"] or panel.get("refs"):
@@ -355,6 +394,12 @@ class _Plotter:
         return self._svg(fig)
 
 
+# Panels drawn from zero (levels whose change matters relative to their size), and shares drawn to 1.
+_FROM_ZERO = frozenset(
+    {"sm_clock", "power", "throughput", "spec_acceptance", "cudagraph", "bandwidth", "fragmentation"}
+)
+_SHARES = frozenset({"spec_acceptance", "cudagraph"})
+
 PANEL_ORDER = (
     "sm_clock",
     "power",
@@ -376,13 +421,16 @@ def _fmt_time(seconds: float) -> str:
 
 
 def _fmt_num(value: Any) -> str:
-    if value is None:
-        return "no data"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, int | float):
-        return f"{value:.4g}"
-    return str(value)
+    return human(value)
+
+
+_WINDOW = re.compile(r"\b(window|last|first)=(\d+(?:\.\d+)?)s\b")
+
+
+def _fmt_metric(name: Any) -> str:
+    """A criterion's canonical name with its durations as people write them (window=5m, not 300s); the
+    name in verdict.json stays canonical."""
+    return _WINDOW.sub(lambda m: f"{m.group(1)}={format_duration(float(m.group(2)))}", str(name))
 
 
 def render_html(doc: Mapping[str, Any]) -> str:
@@ -414,6 +462,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
     )
     env.filters["t"] = _fmt_time
     env.filters["num"] = _fmt_num
+    env.filters["metric"] = _fmt_metric
     template = env.get_template("report.html.j2")
     verdict = doc["verdict"]
     return template.render(

@@ -1,0 +1,123 @@
+"""The report's first answers, above the criteria: what the run delivered and whether to trust it; and
+numbers written for people (4,216,881 tok; 0.000095; 3.55 M), the same in every table and plot."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+
+def human(value: Any, unit: str = "") -> str:
+    """A number as a person reads it: thousands separated, about three significant digits, no exponent
+    down to a millionth, M and G for the very large; None is "no data"."""
+    if value is None:
+        return "no data"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if not isinstance(value, int | float):
+        return str(value)
+    x = float(value)
+    if math.isnan(x):
+        return "no data"
+    if math.isinf(x):
+        return "∞" if x > 0 else "-∞"
+    suffix = f" {unit}" if unit else ""
+    a = abs(x)
+    if a >= 1e9:
+        return f"{x / 1e9:.3g} G{unit}" if unit else f"{x / 1e9:.3g} G"
+    if a >= 1e7:
+        return f"{x / 1e6:.3g} M{unit}" if unit else f"{x / 1e6:.3g} M"
+    if a >= 1000 or (isinstance(value, int) and not isinstance(value, bool)):
+        return f"{x:,.0f}{suffix}"
+    if a == 0:
+        return f"0{suffix}"
+    if a < 1e-6:
+        return f"≈0{suffix}"
+    digits = max(0, 2 - math.floor(math.log10(a)))
+    text = f"{x:.{digits}f}"
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return f"{text}{suffix}"
+
+
+def pct(share: Any) -> str:
+    """A share (0..1) as a percentage."""
+    if not isinstance(share, int | float) or isinstance(share, bool) or math.isnan(float(share)):
+        return "no data"
+    return human(100.0 * float(share)) + " %"
+
+
+# A replay that sent its requests this late (p99) against the trace did not offer the trace's load.
+LATE_P99_MS = 100.0
+
+
+def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The figures a reader needs first: label, value, and what it means (or a warning), in order."""
+    m = verdict.get("metrics") or {}
+    out: list[dict[str, str]] = []
+
+    def add(label: str, value: str, note: str = "", warn: bool = False) -> None:
+        out.append({"label": label, "value": value, "note": note, "warn": "1" if warn else ""})
+
+    add("output tokens/s", human(m.get("tokens_per_s")), f"{human(m.get('output_tokens'))} tokens in all")
+    control = summary.get("control") if isinstance(summary.get("control"), Mapping) else None
+    good = _goodput(control)
+    if good is not None:
+        add("goodput", human(good), "tokens/s of requests within the TTFT and TPOT limits")
+    else:
+        add("goodput", "not measured", "measured by the control loop ([control] enabled)")
+    if control is not None:
+        sustained = control.get("sustained")
+        start = control.get("start")
+        if isinstance(sustained, int | float):
+            add("sustained operating point", f"concurrency {sustained:g}", f"of {start} configured")
+        else:
+            last = control.get("ceiling")
+            add(
+                "sustained operating point",
+                "not reached",
+                f"no ceiling held without harm for [control.batch] sustain; ended at {last} of {start}",
+            )
+    throttle = m.get("throttle_time_pct")
+    host = m.get("host_throttle_time_pct")
+    if isinstance(throttle, int | float):
+        episodes = f"{human(m.get('throttle_episodes'))} episodes"
+        add("GPU throttled", f"{human(throttle)} % of the time", episodes)
+    elif isinstance(host, int | float):
+        add("host CPUs throttled", f"{human(host)} % of the time", "no GPU series in this run")
+    found = summary.get("decode_ceiling")
+    ceiling: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+    if ceiling.get("available"):
+        add(
+            "decode ceiling share",
+            pct(float(ceiling.get("pct_of_ceiling") or 0.0) / 100.0),
+            f"of {human(ceiling.get('ceiling_tps'))} tok/s that {human(ceiling.get('bandwidth_gbs'))} GB/s "
+            "allows for these weights and contexts",
+        )
+    late = m.get("p99(lateness_ms)")
+    saturated = m.get("harness_saturated_s")
+    behind = isinstance(late, int | float) and late > LATE_P99_MS
+    if behind or (isinstance(saturated, int | float) and saturated > 0):
+        add(
+            "replay lateness",
+            f"p99 {human(late)} ms",
+            "requests went out this late against the trace's schedule (held back by replay.max_pending, "
+            f"or soakd's loop busy {human(saturated or 0.0)} s): the load was lighter than the trace's",
+            warn=True,
+        )
+    return out
+
+
+def _goodput(control: Mapping[str, Any] | None) -> float | None:
+    """The run's goodput: each level's, weighted by the time the ceiling held it."""
+    levels = control.get("levels") if control is not None else None
+    if not isinstance(levels, Mapping):
+        return None
+    total = weighted = 0.0
+    for level in levels.values():
+        if isinstance(level, Mapping) and isinstance(level.get("goodput_tps"), int | float):
+            seconds = float(level.get("seconds") or 0.0)
+            total += seconds
+            weighted += seconds * float(level["goodput_tps"])
+    return weighted / total if total > 0 else None
