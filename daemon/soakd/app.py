@@ -465,6 +465,10 @@ class Soak:
             # Stopped on purpose (SIGTERM: a service stop): the FAIL is expected, and an alert on it
             # is a warning, not a page.
             "stopped": int(bool(live.stopped_by)),
+            # The run's span in epoch ms (its first start, across resumes, to now): the dashboard's
+            # runs table links each run to its own time range.
+            "start_ms": int(datetime.fromisoformat(self.started_utc).timestamp() * 1000),
+            "end_ms": live.clock.wall_ns() // 1_000_000,
         }
         _guard_sync("run_point", lambda: writer([Sample("run", point, live.clock.wall_ns())]))
         return verdict

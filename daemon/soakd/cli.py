@@ -279,7 +279,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="soak a running OpenAI-compatible server (attach mode: engine.kind = openai, engine.url = URL)",
     )
-    p.add_argument("--model", help="a hub id (Qwen/Qwen3-0.6B) or a model folder (overrides engine.model)")
+    p.add_argument(
+        "--model",
+        help="a hub id (Qwen/Qwen3-0.6B) or a model folder (engine.model); with --target, the served model's "
+        "name (engine.served_model)",
+    )
 
 
 def _engine_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> None:
@@ -289,7 +293,8 @@ def _engine_overrides(args: argparse.Namespace, overrides: dict[str, Any]) -> No
         overrides["engine.kind"] = "openai"
         overrides["engine.url"] = args.target
     if args.model:
-        overrides["engine.model"] = args.model
+        # Attached to a server, the model is the one it serves under that name (vllm bench serve's --model).
+        overrides["engine.served_model" if args.target else "engine.model"] = args.model
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:

@@ -185,14 +185,7 @@ class VllmLocalEngine:
         # and the forked child then deadlocks in its first NVML call (seen on an H200: an engine start
         # stuck for minutes in nvmlShutdown). A spawned child inherits no locks.
         os.environ.setdefault(MULTIPROC_ENV, "spawn")
-        if self._log_dir is not None and console.route_engine_output(self._log_dir / ENGINE_OUTPUT_FILE):
-            # Routed before vLLM is imported and its children start (they inherit descriptors 1 and 2).
-            # What vLLM logs while importing, before it configures its own handler (Triton's notice),
-            # goes there too instead of up to soakd's handler.
-            vllm_log = logging.getLogger("vllm")
-            if not vllm_log.handlers:
-                vllm_log.addHandler(logging.StreamHandler(sys.__stderr__))
-                vllm_log.propagate = False
+        self._route_output()
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -261,6 +254,17 @@ class VllmLocalEngine:
             },
         )
         log.info("engine_started", start_s=round(start_s, 2), config_id=self._info.config_id)
+
+    def _route_output(self) -> None:
+        """The engine's output to the run's engine log, before vLLM is imported and its children start
+        (they inherit descriptors 1 and 2). What vLLM logs while importing, before it configures its own
+        handler (Triton's notice), goes there too instead of up to soakd's handler."""
+        if self._log_dir is None or not console.route_engine_output(self._log_dir / ENGINE_OUTPUT_FILE):
+            return
+        vllm_log = logging.getLogger("vllm")
+        if not vllm_log.handlers:
+            vllm_log.addHandler(logging.StreamHandler(sys.__stderr__))
+            vllm_log.propagate = False
 
     async def _vocabulary(self, model_vocab: int) -> tuple[int, tuple[int, ...]]:
         """The token ids prompts may use: the vocabulary size and the special ids to leave out."""
