@@ -3,7 +3,7 @@
 About 240 requests over 120 s (Poisson, ~2 req/s), prompts of 64-900 tokens, answers of 16-128 tokens,
 512-token blocks, ~60% of the requests opening with one of 4 shared "system prompt" blocks: small enough
 for a tiny CPU model, with enough prefix reuse for the prefix cache to show. Deterministic: running it
-again writes the same bytes (tests/unit/test_traces.py checks that the bundled file is current).
+again writes the same bytes (tests/unit/traces/test_traces.py checks that the bundled file is current).
 
     .venv/bin/python scripts/make_demo_trace.py [--out PATH]
 """

@@ -6,7 +6,7 @@ history (so later turns hit the prefix cache), 16-token blocks (vLLM's), answers
 1,536) so that requests stay in the engine long enough for the batch ceiling to bind on a fast GPU. The
 quiet minute is the lull that real traffic has and that `[control.recapture]` waits for. About 20
 requests a second: scale it with `replay.rate_scale` (e.g. 0.05 for a CPU engine). Deterministic: the
-same bytes every time (tests/unit/test_traces.py checks that the bundled file is current).
+same bytes every time (tests/unit/traces/test_traces.py checks that the bundled file is current).
 
     .venv/bin/python scripts/make_multiturn_trace.py [--out PATH]
 """

@@ -143,6 +143,7 @@ def interpolate(query: str, run: Run, min_interval: str) -> str:
         query.replace("$run_id", re.escape(run.run_id))
         .replace("$host", ".*")
         .replace("$gpu", ".*")
+        .replace("$kind", ".*")
         .replace("$timeFilter", f"time >= {start_ms}ms and time <= {end_ms}ms")
         .replace("$__interval_ms", str(int(interval_s * 1000)))
         .replace("$__interval", f"{interval_s:g}s")
@@ -286,19 +287,19 @@ def test_the_soak_had_a_throttle_episode_the_control_loop_acted_on(server_soak: 
     )
 
 
-def test_power_cap_alert_fires_on_the_throttled_soak_not_on_a_clean_gpu(
+def test_throttle_harm_alert_fires_on_the_throttled_soak_not_on_a_clean_gpu(
     server_soak: ServerSoak, soak_run: Run, clean_gpu: tuple[str, int], influxdb: Server
 ) -> None:
     rules = {r["uid"]: r for r in alert_rules()}
     url = server_soak.influx_url
     # Grafana evaluates every minute over the last 5: at the run's end the whole run is in the range.
     at_end = soak_run.last_ns // 10**6 + 1000
-    fired = evaluate(rules["soakd-gpu-power-cap"], url, soak_run.database, at_end)
+    fired = evaluate(rules["soakd-gpu-throttle-harm"], url, soak_run.database, at_end)
     assert list(fired.values()) == [True], fired
     ((labels, _),) = fired.items()
     assert dict(labels)["gpu"] == "0" and dict(labels)["host"]
     host, clean_end = clean_gpu
-    for uid in ("soakd-gpu-power-cap", "soakd-gpu-thermal", "soakd-gpu-hw-slowdown"):
+    for uid in ("soakd-gpu-throttle-harm", "soakd-gpu-thermal", "soakd-gpu-hw-slowdown"):
         clean = evaluate(rules[uid], influxdb.url, CLEAN_DB, clean_end + 1000)
         assert clean == {(("gpu", "0"), ("host", host)): False}, (uid, clean)
     # The soak's throttle was a power cap: the thermal and HW-slowdown rules stay quiet on it.
@@ -374,16 +375,18 @@ def test_every_panel_query_works_on_the_h200_soak(influxdb: Server, h200_soak: R
     )
 
 
-def test_alerts_on_the_h200_soak_fire_in_the_power_cap_and_before_the_recapture(
+def test_alerts_on_the_h200_soak_stay_quiet_in_the_power_cap_and_fire_before_the_recapture(
     influxdb: Server, h200_soak: Run
 ) -> None:
     rules = {r["uid"]: r for r in alert_rules()}
     times = json.loads((H200_SOAK / "times.json").read_text())
     burn_start_ms, burn_end_ms = int(times["burn_start"] * 1000), int(times["burn_end"] * 1000)
     url = influxdb.url
-    # The 60 s bf16 matmul load held the card at its 700 W cap: over 30 s of it in the last 5 minutes.
-    assert list(evaluate(rules["soakd-gpu-power-cap"], url, H200_SOAK_DB, burn_end_ms).values()) == [True]
-    assert list(evaluate(rules["soakd-gpu-power-cap"], url, H200_SOAK_DB, burn_start_ms).values()) == [False]
+    # The 60 s bf16 matmul load held the card at its 700 W cap: a power cap is not thermal or a hardware
+    # slowdown. (This recording predates the harm judge: its throttle-harm rule has no series, which is
+    # no data, OK; the harm rule is checked on the throttled soak above.)
+    assert evaluate(rules["soakd-gpu-throttle-harm"], url, H200_SOAK_DB, burn_end_ms) == {}
+    assert burn_start_ms < burn_end_ms
     for uid in ("soakd-gpu-thermal", "soakd-gpu-hw-slowdown"):
         assert set(evaluate(rules[uid], url, H200_SOAK_DB, burn_end_ms).values()) == {False}, uid
     # Capture sizes [1, 2, 4, 8, 16] against steps of ~50-400 tokens: the hit-rate alert fired before

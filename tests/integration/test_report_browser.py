@@ -109,7 +109,9 @@ def control_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
     meta["config"]["engine"]["speculative"]["enabled"] = False
     (run / "meta.json").write_text(json.dumps(meta))
     shutil.copy(H200 / "control" / "summary.json", run / "summary.json")
-    assert main(["report", str(run)]) == 1  # FAIL: ttft_p99_ms, requests waited through the rebuild
+    assert (
+        main(["report", str(run), "--exit-code"]) == 1
+    )  # FAIL: ttft_p99_ms, requests waited through the rebuild
     return run
 
 

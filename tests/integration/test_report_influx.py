@@ -76,7 +76,8 @@ def _from_spool_and_influx(run: Path, cfg: Path, stem: Path, code: int) -> list[
     reports = []
     for extra in ([], ["--from-influx"]):
         out = stem.with_name(f"{stem.name}{len(extra)}.json")
-        argv = ["report", str(run), "--config", str(cfg), "--no-html", "--report-json", str(out)]
+        argv = ["report", str(run), "--config", str(cfg), "--rejudge", "--exit-code", "--no-html"]
+        argv += ["--report-json", str(out)]
         assert main([*argv, *extra]) == code
         reports.append(json.loads(out.read_text()))
         reports[-1].pop("generated")
@@ -88,15 +89,27 @@ def test_the_report_from_influxdb_is_the_report_from_the_spool(
 ) -> None:
     run = _soak_run(tmp_path)
     cfg = _config(tmp_path / "influx.toml", influxdb, "report_equal")
-    assert main(["report", str(run), "--config", str(cfg), "--ship", "--no-report"]) == 0
+    assert main(["report", str(run), "--config", str(cfg), "--ship", "--no-report", "--exit-code"]) == 0
     assert "shipped 1010 lines" in capsys.readouterr().err
 
     spool_json, influx_json, influx_html = tmp_path / "s.json", tmp_path / "i.json", tmp_path / "i.html"
     assert (
-        main(["report", str(run), "--config", str(cfg), "--no-html", "--report-json", str(spool_json)]) == 0
+        main(
+            [
+                "report",
+                str(run),
+                "--config",
+                str(cfg),
+                "--rejudge",
+                "--no-html",
+                "--report-json",
+                str(spool_json),
+            ]
+        )
+        == 0
     )
     spool_verdict = (run / "verdict.json").read_bytes()
-    argv = ["report", str(run), "--config", str(cfg), "--from-influx"]
+    argv = ["report", str(run), "--config", str(cfg), "--from-influx", "--rejudge"]
     assert main([*argv, "--report-json", str(influx_json), "--html", str(influx_html)]) == 0
     va, vb = json.loads((run / "verdict.json").read_bytes())["metrics"], json.loads(spool_verdict)["metrics"]
     assert {k: (va[k], vb.get(k)) for k in va if va[k] != vb.get(k)} == {}
@@ -115,7 +128,7 @@ def test_the_report_from_influxdb_is_the_report_from_the_spool(
 
     # A second run in the same database: GPU series, the throttle episode, events of every kind.
     control = _control_run(tmp_path)
-    assert main(["report", str(control), "--config", str(cfg), "--ship", "--no-report"]) == 1
+    assert main(["report", str(control), "--config", str(cfg), "--ship", "--no-report", "--exit-code"]) == 1
     reports = _from_spool_and_influx(control, cfg, tmp_path / "control", code=1)
     assert reports[0] == reports[1]
     assert len(reports[0]["data"]["episodes"]) == 1 and reports[0]["data"]["panels"]["sm_clock"]["series"]
@@ -151,7 +164,7 @@ def test_the_ten_minute_h200_soak_shipped_to_influxdb_reports_the_same_from_ther
     lines = (run / "spool" / "seg-00000001.lp").read_bytes().count(b"\n")
     cfg = _config(tmp_path / "influx.toml", influxdb, "h200_soak10m")
     # Judged by that config's criteria (the defaults): the run's own graph-hit-rate check is not in it.
-    assert main(["report", str(run), "--config", str(cfg), "--ship", "--no-report"]) == 0
+    assert main(["report", str(run), "--config", str(cfg), "--ship", "--no-report", "--exit-code"]) == 0
     assert f"shipped {lines} lines" in capsys.readouterr().err
     reports = _from_spool_and_influx(run, cfg, tmp_path / "r", code=0)
     assert reports[0] == reports[1]

@@ -33,7 +33,7 @@ from servers import Server, finish_soakd, start_soakd
 
 from soakd.metric import parse_line
 from soakd.resume import read_journal
-from soakd.rundir import JOURNAL_FILE
+from soakd.rundir import ENGINE_OUTPUT_FILE, JOURNAL_FILE
 from soakd.sinks.spool import iter_samples
 
 pytestmark = pytest.mark.integration
@@ -103,6 +103,14 @@ def _wait(pred: Any, what: str, proc: Any, timeout_s: float = 240.0) -> None:
 def _process_tree(pid: int) -> list[psutil.Process]:
     root = psutil.Process(pid)
     return [root, *root.children(recursive=True)]
+
+
+def _soakd_line(line: str) -> bool:
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and "event" in doc and "level" in doc
 
 
 def test_soak_through_a_database_outage_and_a_daemon_crash(
@@ -196,6 +204,14 @@ max_interruptions = 1
     assert code in (0, 1), err[-3000:]
     summary = json.loads(out)
     assert summary["run_id"] == run_dir.name and Path(summary["run_dir"]) == run_dir
+    # The console is soakd's: every line on stderr is one of its own log lines (no vLLM warning, no
+    # torch FutureWarning, no traceback from the engine's clean shutdown); the engine's output is in
+    # the run's engine log, both processes' of it.
+    for text in (first_err, err):
+        foreign = [line for line in text.splitlines() if line.strip() and not _soakd_line(line)]
+        assert not foreign, foreign[:10]
+    engine_log = (run_dir / ENGINE_OUTPUT_FILE).read_text(errors="replace")
+    assert "WARNING" in engine_log and "output_handler failed" not in engine_log
 
     # Every scheduled request: recorded once, or lost in flight at the kill (and counted as such).
     want = expected_requests(times, DURATION_S)
@@ -274,7 +290,7 @@ max_interruptions = 1
 
     # `soakd report` re-judges from the spool alone and reaches the same verdict, interruption included.
     rep = subprocess.run(
-        [sys.executable, "-m", "soakd", "report", str(run_dir), "--json"],
+        [sys.executable, "-m", "soakd", "report", str(run_dir), "--json", "--rejudge", "--exit-code"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -254,6 +254,18 @@ def _exercise(machine: Machine, influx: Server, password: str, timings: dict[str
     assert password not in machine.journal("soakd.service")
     assert password not in machine.systemctl("show", "soakd.service", "--property=Environment")
 
+    # Under journald every log line's keys are journal fields: `journalctl RUN_ID=...` is one run, both
+    # processes (the killed one and the resumed one), with its events by kind.
+    listed = machine.run("journalctl", "--no-pager", "-o", "json", f"RUN_ID={verdict['run_id']}").stdout
+    entries = [json.loads(line) for line in listed.splitlines() if line.strip()]
+    events = {e.get("EVENT") for e in entries}
+    assert {"run_resumed", "signal_received", "event"} <= events, sorted(str(e) for e in events)
+    assert len({e.get("_PID") for e in entries}) == 2 and all(
+        e["SYSLOG_IDENTIFIER"] == "soakd" for e in entries
+    )
+    assert {"run_start", "run_resume", "run_end"} <= {e.get("KIND") for e in entries}
+    assert any(e["EVENT"] == "signal_received" and e["PRIORITY"] == "4" for e in entries)
+
     # The hardening, as systemd rates it for the unit that just ran.
     security = machine.run("systemd-analyze", "security", "--no-pager", "soakd.service", check=False).stdout
     match = re.search(r"Overall exposure level for soakd\.service: (\d+\.\d+)", security)

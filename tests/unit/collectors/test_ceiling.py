@@ -17,7 +17,7 @@ MODEL = ModelBytes(model_dir="m", weight_bytes=1_000_000_000, kv_bytes_per_token
 # Qwen3-8B's shape as measured on the H200: 16.4 GB of bf16 weights, 36 layers x 8 KV heads x 128 x 2 B x K,V.
 QWEN3_8B = ModelBytes(model_dir="q", weight_bytes=16_400_000_000, kv_bytes_per_token=36 * 2 * 8 * 128 * 2)
 H200 = Bandwidth(4800.0, "theoretical")
-DATA = Path(__file__).resolve().parents[1] / "data" / "h200"
+DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
 
 
 def test_interval_share_is_steps_times_bytes_per_step_over_the_bandwidth() -> None:

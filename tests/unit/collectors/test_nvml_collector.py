@@ -26,9 +26,9 @@ from soakd.collectors.nvml import (
 )
 from soakd.collectors.nvml_record import record
 from soakd.metric import Sample
-from soakd.testing import ManualClock
+from soakd.testing import H200_MEMORY, H200_UUID, FakeNvml, ManualClock
 
-RECORDING = Path(__file__).resolve().parents[1] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+RECORDING = Path(__file__).resolve().parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
 FIELD_74_GROWTH_NS = 25_349_273_696  # last slow line's field 74 minus the first's (0)
 
 
@@ -130,134 +130,15 @@ async def test_refresh_reads_the_slow_tier() -> None:
     assert float(p.fields["throttle_power_s"]) > 1.0
 
 
-# -- a fake pynvml ---------------------------------------------------------------------------------
-
-
-class NVMLError(Exception):
-    def __init__(self, value: int) -> None:
-        super().__init__(f"NVML error {value}")
-        self.value = value
-
-
-@dataclass
-class FakeNvml:
-    """The pynvml functions LiveNvml calls, for one GPU, with scriptable readings."""
-
-    NVMLError = NVMLError
-    NVML_ERROR_NOT_SUPPORTED = 3
-    NVML_CLOCK_SM = 1
-    NVML_CLOCK_MEM = 2
-    NVML_TEMPERATURE_GPU = 0
-    NVML_VOLATILE_ECC = 0
-    nvmlMemory_v2 = 0x02000028
-
-    reasons: list[int] = field(default_factory=lambda: [0])
-    counters: list[dict[int, int]] = field(default_factory=lambda: [{}])
-    unsupported: set[str] = field(default_factory=set)
-    calls: list[str] = field(default_factory=list)
-    field_calls: list[list[int]] = field(default_factory=list)
-
-    def _fail(self, what: str) -> None:
-        if what in self.unsupported:
-            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
-
-    def nvmlInit(self) -> None:
-        pass
-
-    def nvmlShutdown(self) -> None:
-        self.calls.append("shutdown")
-
-    def nvmlDeviceGetCount(self) -> int:
-        return 1
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> str:
-        return f"h{i}"
-
-    def nvmlSystemGetDriverVersion(self) -> str:
-        return "470.1"
-
-    def nvmlDeviceGetName(self, h: str) -> str:
-        return "Fake GPU"
-
-    def nvmlDeviceGetUUID(self, h: str) -> str:
-        return "GPU-0000"
-
-    def nvmlDeviceGetMaxClockInfo(self, h: str, kind: int) -> int:
-        return 2000 if kind == self.NVML_CLOCK_SM else 3000
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, h: str) -> int:
-        return 300_000
-
-    def nvmlDeviceGetMemoryInfo(self, h: str, version: int = 1) -> Any:
-        return SimpleNamespace(total=80 << 30, used=1 << 30, free=79 << 30, reserved=0)
-
-    def nvmlDeviceGetUtilizationRates(self, h: str) -> Any:
-        return SimpleNamespace(gpu=50, memory=20)
-
-    def nvmlDeviceGetClockInfo(self, h: str, kind: int) -> int:
-        return 1500 if kind == self.NVML_CLOCK_SM else 3000
-
-    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: str) -> int:
-        self.calls.append("throttle_reasons")
-        return self.reasons.pop(0) if len(self.reasons) > 1 else self.reasons[0]
-
-    def nvmlDeviceGetPowerUsage(self, h: str) -> int:
-        self._fail("power")
-        return 250_000
-
-    def nvmlDeviceGetTemperature(self, h: str, sensor: int) -> int:
-        return 60
-
-    def nvmlDeviceGetPerformanceState(self, h: str) -> int:
-        return 0
-
-    def nvmlDeviceGetTotalEnergyConsumption(self, h: str) -> int:
-        self.calls.append("energy")
-        self._fail("energy")
-        return 1_000_000
-
-    def nvmlDeviceGetMarginTemperature(self, h: str) -> int:
-        return 30
-
-    def nvmlDeviceGetTotalEccErrors(self, h: str, kind: int, counter: int) -> int:
-        self._fail("ecc")
-        return 0
-
-    def nvmlDeviceGetRemappedRows(self, h: str) -> tuple[int, int, int, int]:
-        return (0, 0, 0, 0)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h: str) -> list[Any]:
-        return [SimpleNamespace(pid=42, usedGpuMemory=5 << 30), SimpleNamespace(pid=7, usedGpuMemory=1)]
-
-    def nvmlDeviceGetFieldValues(self, h: str, ids: list[int]) -> list[Any]:
-        self.field_calls.append(list(ids))
-        current = self.counters.pop(0) if len(self.counters) > 1 else self.counters[0]
-        out = []
-        for fid in ids:
-            if fid == 82:
-                out.append(_field(fid, 1, 55))  # unsigned int
-            elif fid == 83 and "energy_field" not in self.unsupported:
-                # 1 J more on every read of the counter
-                out.append(_field(fid, 3, 2_000_000 + 1000 * sum(83 in c for c in self.field_calls[:-1])))
-            elif fid in current:
-                out.append(_field(fid, 3, current[fid]))  # unsigned long long
-            else:
-                out.append(_field(fid, 3, 0, ret=self.NVML_ERROR_NOT_SUPPORTED))
-        return out
+# -- the live source over a fake pynvml (soakd.testing.FakeNvml) ------------------------------------
 
 
 class NewFakeNvml(FakeNvml):
+    """A binding and driver with the clock-event reasons call (FakeNvml has only the old throttle one)."""
+
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: str) -> int:
         self.calls.append("event_reasons")
         return self.reasons.pop(0) if len(self.reasons) > 1 else self.reasons[0]
-
-
-def _field(fid: int, value_type: int, value: int, ret: int = 0) -> Any:
-    # A C union: the 32-bit members hold the low bits of the 64-bit one.
-    union = SimpleNamespace(
-        ullVal=value, uiVal=value & 0xFFFFFFFF, ulVal=value, sllVal=value, siVal=value & 0x7FFFFFFF, usVal=0
-    )
-    return SimpleNamespace(fieldId=fid, nvmlReturn=ret, valueType=value_type, value=union, dVal=0.0)
 
 
 def test_not_supported_reading_is_absent_and_logged_once() -> None:
@@ -272,9 +153,9 @@ def test_not_supported_reading_is_absent_and_logged_once() -> None:
     assert src.fast(0)["power_mw"] is None
     assert "power_w_mean" not in p.fields and "power_w_max" not in p.fields
     assert "ecc_corrected" not in p.fields and "ecc_uncorrected" not in p.fields
-    assert p.fields["sm_mhz_mean"] == 1500.0 and p.fields["sm_clock_ratio"] == 0.75
+    assert p.fields["sm_mhz_mean"] == 1485.0 and p.fields["sm_clock_ratio"] == 0.75
     assert p.fields["hbm_temp_c_max"] == 55 and p.fields["thermal_margin_c"] == 30.0
-    assert p.fields["mem_total_bytes"] == 80 << 30 and p.fields["power_limit_w"] == 300.0
+    assert p.fields["mem_total_bytes"] == H200_MEMORY and p.fields["power_limit_w"] == 700.0
     assert all(v is not None for v in p.fields.values())
     power = [e for e in logs if e.get("reading") == "power"]
     assert len(power) == 1 and power[0]["not_supported"] is True and power[0]["gpu"] == 0
@@ -295,7 +176,7 @@ def test_new_binding_over_old_library_falls_back_too() -> None:
     class MissingSymbol(NewFakeNvml):
         def nvmlDeviceGetCurrentClocksEventReasons(self, h: str) -> int:
             self.calls.append("event_reasons")
-            raise NVMLError(13)  # NVML_ERROR_FUNCTION_NOT_FOUND
+            raise FakeNvml.NVMLError(13)  # NVML_ERROR_FUNCTION_NOT_FOUND
 
     nv = MissingSymbol(reasons=[1])
     src = LiveNvml(nv)
@@ -437,7 +318,7 @@ def test_watched_process_memory_and_close() -> None:
     nv = NewFakeNvml()
     src = LiveNvml(nv, pids=lambda: [42])
     assert src.slow(0)["proc_mem"] == {"42": 5 << 30}
-    assert src.static(0) == GpuStatic("Fake GPU", "GPU-0000", 2000, 3000, 300_000, 80 << 30)
+    assert src.static(0) == GpuStatic("NVIDIA H200", H200_UUID, 1980, 3201, 700_000, H200_MEMORY)
     col = NvmlCollector(src)
     col.sample_slow()
     (p,) = col.collect(1)
@@ -467,7 +348,7 @@ class GpmFakeNvml(NewFakeNvml):
     def nvmlGpmQueryDeviceSupport(self, h: str) -> Any:
         self.calls.append("gpm_support")
         if self.gpm_error is not None and self.gpm_ok_samples < 0:
-            raise NVMLError(self.gpm_error)
+            raise FakeNvml.NVMLError(self.gpm_error)
         return SimpleNamespace(version=1, isSupportedDevice=int(self.gpm_supported))
 
     def nvmlGpmSampleAlloc(self) -> str:
@@ -479,7 +360,7 @@ class GpmFakeNvml(NewFakeNvml):
 
     def nvmlGpmSampleGet(self, h: str, sample: str) -> str:
         if self.gpm_error is not None and self.taken >= self.gpm_ok_samples:
-            raise NVMLError(self.gpm_error)
+            raise FakeNvml.NVMLError(self.gpm_error)
         self.taken += 1
         self.calls.append(f"gpm_sample {sample}")
         return sample
@@ -549,7 +430,7 @@ def test_gpm_not_supported_is_said_once_and_the_collector_carries_on() -> None:
     off = [e for e in logs if e["event"] == "nvml_gpm_unavailable"]
     assert len(off) == 1 and "not supported" in off[0]["reason"] and off[0]["gpu"] == 0
     assert nv.calls.count("gpm_support") == 1 and nv.samples == []
-    assert not any(k.startswith("gpm_") for k in p.fields) and p.fields["sm_mhz_mean"] == 1500.0
+    assert not any(k.startswith("gpm_") for k in p.fields) and p.fields["sm_mhz_mean"] == 1485.0
     assert col.gpm_dram_bw_pct() is None
 
 

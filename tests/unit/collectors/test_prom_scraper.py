@@ -28,7 +28,7 @@ from soakd.errors import CollectorError
 from soakd.metric import Sample
 from soakd.testing import serving
 
-DATA = Path(__file__).parents[1] / "data" / "vllm_metrics"
+DATA = Path(__file__).parents[2] / "data" / "vllm_metrics"
 BEFORE = (DATA / "before.txt").read_text(encoding="utf-8")
 AFTER = (DATA / "after.txt").read_text(encoding="utf-8")
 

@@ -28,7 +28,9 @@ def test_a_long_module_says_why_at_its_top() -> None:
         doc = ast.get_docstring(ast.parse(text)) or ""
         if "Over 500 lines because" not in doc:
             unexplained.append(f"{path.relative_to(PACKAGE)} ({text.count(chr(10))} lines)")
-    assert not unexplained, f"modules over {MAX_MODULE_LINES} lines without a reason at the top: {unexplained}"
+    assert not unexplained, (
+        f"modules over {MAX_MODULE_LINES} lines without a reason at the top: {unexplained}"
+    )
 
 
 def test_no_function_is_longer_than_the_limit() -> None:

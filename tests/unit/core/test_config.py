@@ -9,7 +9,7 @@ import pytest
 from soakd import config
 from soakd.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -128,3 +128,40 @@ def test_replay_window_end_must_follow_start(tmp_path: Path) -> None:
         f"{path}:3: replay.end: must be after replay.start (600 s), or 0 for the end of the trace"
     )
     assert config.load(path, {"replay.end": "20m"}).replay.end == 1200.0
+
+
+def test_environment_overrides_in_the_settings_style(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[run]\nduration = "2m"\n[sinks.influx]\nurl = "http://file:8086"\n')
+    env = {
+        "SOAKD_RUN__DURATION": "8h",
+        "SOAKD_SINKS__INFLUX__URL": "http://db:8086",
+        "SOAKD_ENGINE__MAX_NUM_SEQS": "32",
+        "SOAKD_CONFIG": "/etc/soakd/config.toml",  # not an override: no double underscore
+        "SOAKD_INFLUX_TOKEN": "secret",
+        "OTHER__RUN__DURATION": "1s",
+    }
+    cfg = config.load(path, env=env)
+    assert (cfg.run.duration, cfg.sinks.influx.url, cfg.engine.max_num_seqs) == (
+        28800.0,
+        "http://db:8086",
+        32,
+    )
+    # The command line wins over the environment, which wins over the file.
+    assert config.load(path, {"run.duration": "1h"}, env=env).run.duration == 3600.0
+    assert config.load(path).run.duration == 120.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("SOAKD_RUN__DURATON", "8h", "environment SOAKD_RUN__DURATON: run.duraton"),
+        ("SOAKD_RUN__DURATION", "-5s", "environment SOAKD_RUN__DURATION: run.duration"),
+        ("SOAKD_RUN____X", "1", "environment SOAKD_RUN____X: expected SOAKD_SECTION__KEY"),
+        ("SOAKD_RUN__DURATION__X", "1", "environment SOAKD_RUN__DURATION__X: run.duration"),
+    ],
+)
+def test_a_bad_environment_override_names_its_variable(name: str, value: str, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config.load(None, env={name: value})
+    assert str(info.value).startswith(says), str(info.value)

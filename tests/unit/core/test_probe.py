@@ -22,91 +22,7 @@ from soakd.probe import (
     theoretical_bandwidth_gbs,
     tokens_per_s_ceiling,
 )
-
-H200_UUID = "GPU-11111111-2222-3333-4444-555555555555"
-
-
-class NVMLError(Exception):
-    def __init__(self, value: int) -> None:
-        super().__init__(f"nvml error {value}")
-        self.value = value
-
-
-class FakeNvml:
-    """The pynvml calls the probe makes, for one H200-like GPU; `unsupported` names raise NotSupported."""
-
-    NVMLError = NVMLError
-    NVML_CLOCK_SM = 1
-    NVML_CLOCK_MEM = 2
-
-    def __init__(self, unsupported: set[str] | None = None, count: int = 1, init_error: int | None = None):
-        self.unsupported = unsupported or set()
-        self.count = count
-        self.init_error = init_error
-        self.shutdown = False
-
-    def _check(self, name: str) -> None:
-        if name in self.unsupported:
-            raise NVMLError(3)
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise NVMLError(self.init_error)
-
-    def nvmlShutdown(self) -> None:
-        self.shutdown = True
-
-    def nvmlSystemGetDriverVersion(self) -> str:
-        return "580.159.04"
-
-    def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return 13000
-
-    def nvmlDeviceGetCount(self) -> int:
-        return self.count
-
-    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
-        return i
-
-    def nvmlDeviceGetName(self, h: int) -> bytes:
-        return b"NVIDIA H200"  # old bindings return bytes
-
-    def nvmlDeviceGetUUID(self, h: int) -> str:
-        return H200_UUID
-
-    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
-        return SimpleNamespace(total=150_754_820_096, used=0, free=150_754_820_096)
-
-    def nvmlDeviceGetMemoryBusWidth(self, h: int) -> int:
-        self._check("bus")
-        return 5120
-
-    def nvmlDeviceGetMaxClockInfo(self, h: int, kind: int) -> int:
-        self._check("max_clock")
-        return {1: 1980, 2: 3201}[kind]
-
-    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
-        self._check("pcie")
-        return 5
-
-    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
-        self._check("pcie")
-        return 16
-
-    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: int) -> int:
-        self._check("pcie")
-        return 5
-
-    def nvmlDeviceGetMaxPcieLinkWidth(self, h: int) -> int:
-        self._check("pcie")
-        return 16
-
-    def nvmlDeviceGetEnforcedPowerLimit(self, h: int) -> int:
-        self._check("power")
-        return 700_000
-
-    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
-        return (9, 0)
+from soakd.testing import H200_UUID, FakeNvml
 
 
 class FakeTorch:
@@ -141,7 +57,7 @@ class OldBindingNvml(FakeNvml):
 
 
 def test_profile_fields_from_nvml_and_torch() -> None:
-    nv = FakeNvml()
+    nv = FakeNvml(name_bytes=True)  # old bindings return bytes
     profiles, status = hardware_profiles(nv, FakeTorch(), measure_copy=False)
     assert status["nvml_available"] and status["reason"] is None and nv.shutdown
     assert status["driver_version"] == "580.159.04" and status["cuda_driver_version"] == 13000
@@ -159,7 +75,7 @@ def test_profile_fields_from_nvml_and_torch() -> None:
 
 
 def test_unsupported_readings_are_none() -> None:
-    nv = OldBindingNvml(unsupported={"bus", "pcie", "power"})
+    nv = OldBindingNvml(unsupported={"bus", "pcie", "power_limit"})
     (p,), _ = hardware_profiles(nv, FakeTorch(available=False), measure_copy=True)
     assert p.memory_bus_width_bits is None and p.theoretical_bandwidth_gbs is None
     assert p.pcie_gen_current is None and p.pcie_width_max is None and p.power_limit_w is None
@@ -290,7 +206,8 @@ def test_ceiling_formula() -> None:
 
 def test_probe_document_with_gpu_and_model(tmp_path: Path) -> None:
     model = _fake_model(tmp_path)
-    doc = probe(FakeNvml(), FakeTorch(), model, measure_copy=False, batches=(1, 4), context_tokens=(0, 100))
+    nv = FakeNvml(name_bytes=True)
+    doc = probe(nv, FakeTorch(), model, measure_copy=False, batches=(1, 4), context_tokens=(0, 100))
     assert len(doc["ceilings"]) == 4
     first = doc["ceilings"][0]
     assert first["gpu"] == 0 and first["bandwidth_source"] == "theoretical"

@@ -13,7 +13,7 @@ import pytest
 from soakd.metric import Sample, parse_line
 from soakd.policies.recapture import padding_stats
 
-DATA = Path(__file__).parents[1] / "data" / "h200" / "control"
+DATA = Path(__file__).parents[2] / "data" / "h200" / "control"
 
 
 @pytest.fixture(scope="module")

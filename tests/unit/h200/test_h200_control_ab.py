@@ -22,9 +22,9 @@ from soakd.control import Slo
 from soakd.policies.downscale import ActionResult, BatchAction, BatchPolicy, BatchSettings, Tick
 from soakd.policies.throttle import ThroughputJudge
 
-DATA = Path(__file__).parents[1] / "data" / "h200" / "control_ab"
-PAYS = Path(__file__).parents[1] / "data" / "h200" / "control_pays"
-FIGURES = Path(__file__).parents[2] / "benchmarks" / "h200_control" / "figures.py"
+DATA = Path(__file__).parents[2] / "data" / "h200" / "control_ab"
+PAYS = Path(__file__).parents[2] / "data" / "h200" / "control_pays"
+FIGURES = Path(__file__).parents[3] / "benchmarks" / "h200_control" / "figures.py"
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from soakd.metric import Sample, parse_line
 
-DATA = Path(__file__).parents[1] / "data" / "h200" / "rebuild"
+DATA = Path(__file__).parents[2] / "data" / "h200" / "rebuild"
 SERVER = DATA.parent / "server"
 
 

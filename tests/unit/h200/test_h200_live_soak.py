@@ -11,7 +11,7 @@ import pytest
 
 from soakd.metric import Sample, parse_line
 
-DATA = Path(__file__).parents[1] / "data" / "h200" / "live_soak"
+DATA = Path(__file__).parents[2] / "data" / "h200" / "live_soak"
 
 
 @pytest.fixture(scope="module")

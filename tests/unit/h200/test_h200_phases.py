@@ -11,7 +11,7 @@ from pathlib import Path
 from soakd.collectors.nvml import NvmlCollector, RecordedNvml
 from soakd.policies.throttle import ThrottleDetector, ThrottleInput, ThrottleState, counters_from_fields
 
-DATA = Path(__file__).parents[1] / "data" / "h200" / "phases"
+DATA = Path(__file__).parents[2] / "data" / "h200" / "phases"
 
 
 def smi_power_capping_us(name: str) -> int:

@@ -16,7 +16,7 @@ from soakd.config import CriteriaConfig
 from soakd.metric import parse_line
 from soakd.report.runs import judge
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "h200"
+DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
 
 
 @pytest.fixture

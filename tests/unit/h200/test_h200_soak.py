@@ -19,7 +19,7 @@ import pytest
 
 from soakd.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 H200 = ROOT / "tests" / "data" / "h200"
 
 
@@ -38,7 +38,7 @@ def unpack(name: str, root: Path) -> Path:
 @pytest.fixture(scope="module")
 def recapture_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     run = unpack("soak_recapture", tmp_path_factory.mktemp("h200"))
-    return run, main(["report", str(run)])
+    return run, main(["report", str(run), "--exit-code"])
 
 
 def _criteria(verdict: dict[str, Any]) -> dict[str, tuple[bool, float | None]]:
@@ -48,7 +48,7 @@ def _criteria(verdict: dict[str, Any]) -> dict[str, tuple[bool, float | None]]:
 @pytest.mark.parametrize("name", ["soak_recapture", "soak10m"])
 def test_the_report_reaches_the_verdict_the_gpu_machine_reached(name: str, tmp_path: Path) -> None:
     run = unpack(name, tmp_path)
-    code = main(["report", str(run), "--no-html"])
+    code = main(["report", str(run), "--no-html", "--exit-code"])
     there = json.loads((H200 / name / "verdict.json").read_text())
     here = json.loads((run / "verdict.json").read_text())
     assert here["verdict"] == there["verdict"] and code == there["exit_code"]

@@ -22,7 +22,7 @@ from soakd.judge.metrics import SERIES, RunMetrics
 from soakd.metric import Sample, parse_line
 from soakd.report.runs import judge, load_metrics
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "h200"
+DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
 T0 = 1_800_000_000 * 10**9
 
 

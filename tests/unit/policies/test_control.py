@@ -22,7 +22,7 @@ from soakd.rundir import CONTROL_STATE_FILE, LIMIT_FILE
 
 
 @dataclass
-class StubEngine:
+class RebuildStub:
     """What the actuator uses of the supervisor: info and rebuild."""
 
     info: EngineInfo
@@ -79,11 +79,11 @@ def control_cfg(tmp_path: Path, text: str) -> ControlConfig:
 
 
 def make(
-    tmp_path: Path, text: str = "", *, engine: StubEngine | None = None, start: int = 16
-) -> tuple[Controller, World, list[tuple[str, str, dict[str, Any]]], StubEngine, list[float]]:
+    tmp_path: Path, text: str = "", *, engine: RebuildStub | None = None, start: int = 16
+) -> tuple[Controller, World, list[tuple[str, str, dict[str, Any]]], RebuildStub, list[float]]:
     world = World()
     events: list[tuple[str, str, dict[str, Any]]] = []
-    eng = engine or StubEngine(info())
+    eng = engine or RebuildStub(info())
     clock = [1000.0]
     cfg = control_cfg(tmp_path, text)
     actuator = Actuator(
@@ -248,7 +248,7 @@ def test_recapture_when_idle_after_traffic_the_sizes_miss(tmp_path: Path) -> Non
 
 
 def test_no_recapture_without_graphs_unless_asked(tmp_path: Path) -> None:
-    eng = StubEngine(info(cudagraphs=False, capture_sizes=()))
+    eng = RebuildStub(info(cudagraphs=False, capture_sizes=()))
     ctrl, world, _, _, clock = make(tmp_path, RECAPTURE, engine=eng)
     world.hist.update({6: 300})
     run_for(ctrl, world, clock, 10, in_flight=0)
@@ -257,7 +257,7 @@ def test_no_recapture_without_graphs_unless_asked(tmp_path: Path) -> None:
     ctrl2, world2, _, eng2, clock2 = make(
         tmp_path / "b",
         RECAPTURE + "without_graphs = true\n",
-        engine=StubEngine(info(cudagraphs=False, capture_sizes=())),
+        engine=RebuildStub(info(cudagraphs=False, capture_sizes=())),
     )
     world2.hist.update({6: 300})
     run_for(ctrl2, world2, clock2, 10, in_flight=0)
@@ -341,7 +341,7 @@ def test_light_traffic_between_ticks_is_not_idle(tmp_path: Path) -> None:
 def test_batch_policy_keeps_acting_while_a_recapture_rebuild_runs(tmp_path: Path) -> None:
     release = asyncio.Event()
 
-    class SlowEngine(StubEngine):
+    class SlowEngine(RebuildStub):
         async def rebuild(self, change: EngineChange) -> bool:
             await release.wait()  # a GPU rebuild takes a minute
             return await super().rebuild(change)
@@ -380,7 +380,7 @@ def test_a_downscale_while_the_engine_is_between_lives_goes_to_the_next_engine(t
     supervisor's `info` raised and the control job failed with a traceback. The limit now goes to the
     file the next engine's scheduler reads as it starts."""
 
-    class Rebuilding(StubEngine):
+    class Rebuilding(RebuildStub):
         @property  # type: ignore[override]
         def info(self) -> EngineInfo:
             raise EngineError("engine not started")

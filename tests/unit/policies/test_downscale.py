@@ -22,7 +22,7 @@ from soakd.policies.downscale import (
     objective_value,
 )
 
-PHASES = Path(__file__).parents[1] / "data" / "h200" / "phases" / "nvml_phases.jsonl.gz"
+PHASES = Path(__file__).parents[2] / "data" / "h200" / "phases" / "nvml_phases.jsonl.gz"
 
 Out = list[BatchAction | ActionResult]
 

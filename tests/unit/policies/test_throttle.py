@@ -20,7 +20,7 @@ from soakd.policies.throttle import (
     reason_names,
 )
 
-RECORDING = Path(__file__).parent.parent / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+RECORDING = Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
 OK, THROTTLED, RECOVERING = ThrottleState.OK, ThrottleState.THROTTLED, ThrottleState.RECOVERING
 
 

@@ -3,7 +3,6 @@ the same synthetic trace, and the demo-trace soak, which replayed a different tr
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 from pathlib import Path
@@ -12,31 +11,15 @@ import pytest
 
 from soakd.cli import main
 from soakd.report.compare import compare_metrics, compare_runs, direction, lines
+from soakd.testing import recorded_run_dir
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "h200"
-
-
-def _run_dir(root: Path, name: str) -> Path:
-    """A run directory as soakd leaves it, from a recorded run's files."""
-    out = root / name
-    (out / "spool").mkdir(parents=True)
-    if name == "soak":
-        for f in ("meta", "summary", "verdict"):
-            shutil.copy(DATA / f"soak_{f}.json", out / f"{f}.json")
-        spool = DATA / "soak_spool.lp.gz"
-    else:
-        for f in ("meta", "summary", "verdict"):
-            shutil.copy(DATA / name / f"{f}.json", out / f"{f}.json")
-        spool = DATA / name / "spool.lp.gz"
-    with gzip.open(spool, "rb") as src:
-        (out / "spool" / "seg-00000001.lp").write_bytes(src.read())
-    return out
+DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
-    return {n: _run_dir(root, n) for n in ("server", "rebuild", "soak")}
+    return {n: recorded_run_dir(root, n, data=DATA) for n in ("server", "rebuild", "soak")}
 
 
 def test_same_trace_runs_side_by_side_with_directions(runs: dict[str, Path]) -> None:

@@ -21,7 +21,7 @@ from soakd.metric import Sample, parse_line
 from soakd.report.html import build_doc, render_html
 from soakd.report.series import SeriesBuilder, nice_bucket
 
-H200 = Path(__file__).parents[1] / "data" / "h200"
+H200 = Path(__file__).parents[2] / "data" / "h200"
 
 
 def _lines(name: str) -> bytes:
@@ -144,7 +144,7 @@ def test_report_json_of_the_control_run_and_its_digest_checked_later(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = control_run(tmp_path)
-    code = main(["report", str(run), "--no-html"])
+    code = main(["report", str(run), "--no-html", "--exit-code"])
     out, err = capsys.readouterr()
     assert code == 1 and out.startswith("FAIL")  # ttft_p99_ms: requests waited through the rebuild
     assert "report: " in err and not (run / "report.html").exists()
@@ -303,3 +303,28 @@ def test_the_report_after_a_run_uses_the_run_s_own_verdict_and_never_fails_the_r
     with capture_logs() as logs:
         report_after_run(run)
     assert "report_not_written" in [e["event"] for e in logs] and not (run / "report.html").exists()
+
+
+def test_report_shows_the_recorded_verdict_and_judges_again_only_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from soakd.report.runs import judge
+
+    run = control_run(tmp_path)
+    meta = json.loads((run / "meta.json").read_text())
+    lenient = CriteriaConfig(ttft_p99_ms=False, tpot_p99_ms=False, max_error_rate=1.0, min_completed_ratio=0)
+    judge(run, meta["run_id"], lenient, ran_s=100.0, planned_s=100.0, interrupted=False)
+    recorded = (run / "verdict.json").read_bytes()
+    assert json.loads(recorded)["verdict"] == "PASS"
+    # The run's own verdict, shown as written; verdict.json (under the signed digest) is not touched.
+    assert main(["report", str(run), "--no-html", "--exit-code"]) == 0
+    assert (run / "verdict.json").read_bytes() == recorded and "PASS  run" in capsys.readouterr().out
+    # Judged again by a stricter config's criteria: FAIL, rewritten; the exit code only when asked.
+    strict = tmp_path / "strict.toml"
+    strict.write_text(f'[run]\noutput_dir = "{tmp_path}"\n[criteria]\nchecks = ["requests > 1e9"]\n')
+    assert main(["report", str(run), "--config", str(strict), "--rejudge", "--no-report"]) == 0
+    rejudged = json.loads((run / "verdict.json").read_text())
+    assert rejudged["verdict"] == "FAIL" and any(c["expr"] == "requests > 1e9" for c in rejudged["criteria"])
+    assert main(["report", str(run), "--no-report", "--exit-code"]) == 1  # the verdict now on record
+    out = capsys.readouterr().out
+    assert out.count("FAIL  run") == 2

@@ -9,107 +9,18 @@ import signal
 import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from soakd.app import Soak
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config, load
-from soakd.engine.base import EngineInfo, GenerationRequest
-from soakd.engine.stats import StepStats
-from soakd.errors import EngineError
+from soakd.engine.base import GenerationRequest
 from soakd.metric import Sample
 from soakd.sinks.spool import Spool, iter_samples
 from soakd.sinks.writer import SampleWriter
-
-
-class StubEngine:
-    """Streams tokens and reports one step per delta to the engine collector, like the stat logger."""
-
-    def __init__(self, collector: EngineCollector) -> None:
-        self.collector = collector
-        self.started = False
-        self.stopped = False
-        self.seen: list[str] = []
-
-    @property
-    def info(self) -> EngineInfo:
-        return EngineInfo(
-            "stub",
-            "1",
-            "m",
-            "cfg1",
-            vocab_size=300,
-            reserved_ids=(0,),
-            max_model_len=4096,
-            signals=("per_step", "spec_per_pos"),
-        )
-
-    async def start(self) -> None:
-        self.collector.push(StepStats(time_ns=1, has_iteration=True, generation_tokens=99))  # warm-up noise
-        self.started = True
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
-        self.seen.append(request.request_id)
-        left = request.max_tokens
-        while left:
-            await asyncio.sleep(0.001)
-            n = min(4, left)
-            left -= n
-            self.collector.push(
-                StepStats(
-                    time_ns=1,
-                    has_iteration=True,
-                    generation_tokens=n,
-                    has_spec=True,
-                    spec_drafts=1,
-                    spec_draft_tokens=3,
-                    spec_accepted=n - 1,
-                    spec_accepted_per_pos=(1, 1, 0),
-                    spec_draft_tokens_per_pos=(1, 1, 1),
-                )
-            )
-            yield n
-
-    def process_ids(self) -> list[int]:
-        return [os.getpid()]
-
-    def alive(self) -> bool:
-        return self.started and not self.stopped
-
-    async def memory_stats(self) -> list[Any]:
-        raise EngineError("no worker extension")
-
-    async def metrics_text(self) -> str:
-        raise EngineError("no /metrics")
-
-    def telemetry_summary(self) -> dict[str, object]:
-        return {}
-
-    async def stop(self) -> None:
-        self.stopped = True
-
-
-def config(tmp_path: Path, **over: object) -> Config:
-    (tmp_path / "model").mkdir(exist_ok=True)
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "model" / "w.safetensors").write_text("")
-    base: dict[str, object] = {
-        "run.duration": "3s",
-        "run.output_dir": str(tmp_path / "runs"),
-        "trace.format": "synthetic",
-        "trace.arrivals.rate_rps": 20.0,
-        "trace.synthetic.duration": "2s",
-        "trace.synthetic.output_tokens_mean": 8,
-        "trace.synthetic.output_tokens_max": 16,
-        "engine.model": str(tmp_path / "model"),
-        "replay.warmup_requests": 3,
-        "telemetry.interval": "0.5s",
-        "telemetry.collectors": ["host", "engine"],
-    }
-    base.update(over)
-    return load(None, base)
+from soakd.testing import StubEngine
+from soakd.testing import stub_config as config
 
 
 async def test_a_soak_with_a_fake_engine(tmp_path: Path) -> None:
@@ -364,7 +275,7 @@ async def test_a_scheduled_rebuild_swaps_the_engine_with_exact_accounting(tmp_pa
 async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_path: Path) -> None:
     """The GPU is a real H200 recording (idle, a soak, 25 s of matmul at the 700 W cap) played 40x
     faster: gpu points, the throttle state per interval and its transitions as events."""
-    recording = Path(__file__).parents[1] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+    recording = Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
     over = {
         "run.duration": "6s",
         "telemetry.collectors": ["host", "engine", "gpu"],

@@ -24,7 +24,7 @@ import pytest
 
 from soakd.cli import EXIT_INPUT, main
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "bad_input"
+CORPUS = Path(__file__).resolve().parents[2] / "data" / "bad_input"
 PREFIX = "soakd: error: "
 
 

@@ -213,7 +213,7 @@ def test_report_reads_a_damaged_spool_up_to_what_is_whole_and_says_where(
     (run / "spool" / "seg-00000001.lp").write_text(seg1)
     # The crash tore the last line of the newest segment.
     (run / "spool" / "seg-00000002.lp").write_text(ok.format(i=3, t=400) + "requests,status=ok index=4i,lo")
-    code = main(["report", str(run), "--json"])
+    code = main(["report", str(run), "--json", "--exit-code"])
     out, err = capsys.readouterr()
     verdict = json.loads(out)
     assert code == 1 and verdict["verdict"] == "FAIL"  # no summary: it did not finish
@@ -314,3 +314,8 @@ def test_target_attaches_to_a_running_server() -> None:
     overrides: dict[str, object] = {}
     _engine_overrides(build_parser().parse_args(["run", "--target", "http://gpu-1:8000/v1"]), overrides)
     assert overrides == {"engine.kind": "openai", "engine.url": "http://gpu-1:8000/v1"}
+    # With --target, --model names the model the server serves (as vllm bench serve's --model does).
+    overrides = {}
+    argv = ["run", "--target", "http://gpu-1:8000", "--model", "Qwen/Qwen3-8B"]
+    _engine_overrides(build_parser().parse_args(argv), overrides)
+    assert overrides["engine.served_model"] == "Qwen/Qwen3-8B" and "engine.model" not in overrides

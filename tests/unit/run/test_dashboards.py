@@ -44,7 +44,7 @@ from soakd.sinks.spool import iter_lines, iter_samples
 
 yaml = pytest.importorskip("yaml")  # PyYAML comes with vLLM
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARD = ROOT / "dashboards" / "soak.json"
 VLLM_METRICS = ROOT / "tests" / "data" / "vllm_metrics"
 DATASOURCE_YAML = ROOT / "dashboards" / "provisioning" / "datasources" / "soakd.yaml"
@@ -393,15 +393,23 @@ def test_panel_ids_are_unique_and_the_grid_does_not_overlap(dashboard: dict[str,
     panels = list(all_panels(dashboard))
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids))
-    boxes = []
-    for p in panels:
-        g = p["gridPos"]
-        assert g["x"] >= 0 and g["y"] >= 0 and g["w"] >= 1 and g["h"] >= 1, p["title"]
-        assert g["x"] + g["w"] <= 24, p["title"]
-        boxes.append((p["title"], g["x"], g["y"], g["x"] + g["w"], g["y"] + g["h"]))
-    for i, (a, ax0, ay0, ax1, ay1) in enumerate(boxes):
-        for b, bx0, by0, bx1, by1 in boxes[i + 1 :]:
-            assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, f"{a!r} overlaps {b!r}"
+    # What is drawn at once: the top level (collapsed rows one line each), and each collapsed row's
+    # panels as they are laid out when it is expanded (right under it).
+    layers = [dashboard["panels"]]
+    for row in dashboard["panels"]:
+        if row["type"] == "row" and row.get("collapsed"):
+            assert all(p["gridPos"]["y"] > row["gridPos"]["y"] for p in row["panels"]), row["title"]
+            layers.append(row["panels"])
+    for layer in layers:
+        boxes = []
+        for p in layer:
+            g = p["gridPos"]
+            assert g["x"] >= 0 and g["y"] >= 0 and g["w"] >= 1 and g["h"] >= 1, p["title"]
+            assert g["x"] + g["w"] <= 24, p["title"]
+            boxes.append((p["title"], g["x"], g["y"], g["x"] + g["w"], g["y"] + g["h"]))
+        for i, (a, ax0, ay0, ax1, ay1) in enumerate(boxes):
+            for b, bx0, by0, bx1, by1 in boxes[i + 1 :]:
+                assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, f"{a!r} overlaps {b!r}"
 
 
 def rows(dash: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -434,7 +442,13 @@ def test_rows_and_panels_are_the_brief(dashboard: dict[str, Any]) -> None:
         "soakd health",
     ]
     assert all(by_row.values())
-    assert {p["type"] for p in by_row["Overview"]} == {"stat"}
+    # The page opens on the overview, the runs table first; every detail row is collapsed (its panels
+    # inside it), so 60-odd panels do not all query at once.
+    assert by_row["Overview"][0]["title"] == "Runs" and by_row["Overview"][0]["type"] == "table"
+    assert {p["type"] for p in by_row["Overview"][1:]} == {"stat"}
+    row_panels = [p for p in dashboard["panels"] if p["type"] == "row"]
+    assert [r["collapsed"] for r in row_panels] == [False] + [True] * (len(row_panels) - 1)
+    assert all(r["panels"] for r in row_panels[1:]) and not row_panels[0]["panels"]
     assert [p["type"] for p in by_row["soakd health"]][-1] == "table"
     assert "Concurrency ceiling" in {p["title"] for p in by_row["Overview"]}
     assert {p["title"] for p in by_row["Allocator"]} >= {"Allocator fragmentation"}
@@ -457,7 +471,16 @@ def test_every_target_is_influxql_for_one_run(dashboard: dict[str, Any]) -> None
         assert isinstance(target["query"], str), where
         assert target["datasource"] == DS_REF, where
         query = target["query"]
-        assert '"run_id" =~ /^$run_id$/' in query and "$timeFilter" in query, where
+        if 'FROM "run"' in query:
+            # The run point is written once, at the end: read whatever the time range, so a finished run
+            # shows its verdict; the runs table lists every run, each linking to its own time range.
+            assert "$timeFilter" not in query and "time > now() - 400d" in query, where
+            if panel["title"] == "Runs":
+                assert '"run_id" =~' not in query and 'GROUP BY "run_id", "host"' in query, where
+                continue
+        else:
+            assert "$timeFilter" in query, where
+        assert '"run_id" =~ /^$run_id$/' in query, where
         assert '"host" =~ /^$host$/' in query, where
         # Every GPU series is filtered on the gpu variable, and nothing else is.
         gpu_series = re.search(r'FROM "(gpu|gpu_events|throttle)"', query) is not None
@@ -468,6 +491,9 @@ def test_every_target_is_influxql_for_one_run(dashboard: dict[str, Any]) -> None
             # Stats, bar gauges and the events table read the whole range: a p99 per bucket is not the
             # run's p99.
             assert "GROUP BY time" not in query, where
+        if "percentile(" in query and panel["type"] == "timeseries":
+            # A percentile per bucket needs tens of requests in it: never under a minute per point.
+            assert parse_duration(panel.get("interval", "0s")) >= 60, where
     for panel in content_panels(dashboard):
         refs = [t["refId"] for t in panel["targets"]]
         assert len(refs) == len(set(refs)), panel["title"]
@@ -496,6 +522,38 @@ def test_ratios_skip_intervals_with_nothing_to_divide(dashboard: dict[str, Any])
             ratios += 1
             assert f'"{denominator}" > 0' in target["query"], f"{panel['title']}: {denominator}"
     assert ratios >= 6
+
+
+def test_the_runs_table_links_each_run_to_its_own_time_range(dashboard: dict[str, Any]) -> None:
+    runs = next(p for p in content_panels(dashboard) if p["title"] == "Runs")
+    query = runs["targets"][0]["query"]
+    assert (
+        'last("start_ms")' in query
+        and 'last("end_ms")' in query
+        and runs["targets"][0]["resultFormat"] == "table"
+    )
+    (override,) = [o for o in runs["fieldConfig"]["overrides"] if o["matcher"]["options"] == "run_id"]
+    (link,) = next(p["value"] for p in override["properties"] if p["id"] == "links")
+    url = link["url"]
+    assert url.startswith("/d/${__dashboard.uid}?")
+    for part in (
+        "var-run_id=${__data.fields.run_id}",
+        "var-host=${__data.fields.host}",
+        "from=${__data.fields.start_ms}",
+        "to=${__data.fields.end_ms}",
+    ):
+        assert part in url, part
+    hidden = runs["transformations"][0]["options"]["excludeByName"]
+    assert hidden == {"Time": True, "start_ms": True, "end_ms": True}
+
+
+def test_the_run_point_carries_the_run_s_span(schema: SoakSchema) -> None:
+    assert {("run", "start_ms"), ("run", "end_ms")} <= schema.fields
+
+
+def test_dashboard_file_is_the_dashboard() -> None:
+    provider = yaml.safe_load(PROVIDER_YAML.read_text())["providers"][0]
+    assert provider["allowUiUpdates"] is False  # edits go to the file, not to a UI copy that is lost
 
 
 def test_overview_verdict_maps_passed_to_pass_and_fail(dashboard: dict[str, Any]) -> None:
@@ -542,9 +600,13 @@ def test_variables_and_annotations(dashboard: dict[str, Any]) -> None:
         assert holder["query"] == anno["query"]
         assert holder["textColumn"] == "message" and holder["tagsColumn"] == "kind"
     assert 'FROM "events"' in anno["query"]
-    # No filter on the kind: every event is drawn, engine_rebuild, engine_restart, engine_failed,
-    # spec_drift and spec_drift_cleared included.
-    assert '"kind"' not in anno["query"].split(" WHERE ", 1)[1]
+    # The kinds chosen in the `kind` variable (All by default: every event is drawn, engine_rebuild,
+    # engine_restart, engine_failed, spec_drift and spec_drift_cleared included).
+    assert '"kind" =~ /^$kind$/' in anno["query"]
+    kind = variable(dashboard, "kind")
+    assert 'WITH KEY = "kind"' in kind["query"] and "$run_id" in kind["query"]
+    assert kind["multi"] and kind["includeAll"] and kind["allValue"] == ".*"
+    assert kind["current"]["value"] == ["$__all"]
     assert '"run_id" =~ /^$run_id$/' in anno["query"] and "$timeFilter" in anno["query"]
 
 
@@ -777,7 +839,7 @@ def test_alert_queries_group_by_host_and_gpu_over_the_rules_range(alert_rules: l
         assert not re.search(r"\$(run_id|host|gpu|datasource)\b", query), uid
         assert "GROUP BY time" not in query, uid  # one value per series over the whole range
         refs = references(query)
-        want = {"host", "gpu"} if refs.measurement == "gpu" else {"host"}
+        want = {"host", "gpu"} if refs.measurement in ("gpu", "throttle") else {"host"}
         assert refs.tags == want, uid
         for _, denominator in _RATIO.findall(query):
             assert f'"{denominator}" > 0' in query, f"{uid}: {denominator}"
@@ -791,7 +853,7 @@ def test_alert_rules_cover_the_brief(alert_rules: list[dict[str, Any]], schema: 
             pair = (refs.measurement, name)
             assert pair in fields or pair in schema.tags, f"{uid}: {pair}"
     wanted = {
-        ("gpu", "throttle_power_s"),
+        ("throttle", "harm_s"),
         ("gpu", "throttle_thermal_s"),
         ("gpu", "reason_hw_slowdown_share"),
         ("engine", "cg_graph_steps"),
@@ -813,6 +875,7 @@ def _grafana_interpolate(query: str, run_id: str, start_ns: int, end_ns: int) ->
         query.replace("$run_id", re.escape(run_id))
         .replace("$host", ".*")
         .replace("$gpu", ".*")
+        .replace("$kind", ".*")
         .replace("$timeFilter", f"time >= {start_ns // 1_000_000}ms and time <= {end_ns // 1_000_000}ms")
         .replace("$__interval_ms", "1000")
         .replace("$__interval", "1s")

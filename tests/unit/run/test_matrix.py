@@ -8,17 +8,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_compare import _run_dir
 
 from soakd.cli import _override, main
 from soakd.errors import ConfigError, UsageError
 from soakd.matrix import DEFAULT_MATRIX, MATRIX_JSON, MATRIX_MD, Matrix, load_matrix, markdown, plan, set_args
+from soakd.testing import recorded_run_dir
+
+DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("recorded")
-    return {n: _run_dir(root, n) for n in ("server", "rebuild", "soak")}
+    return {n: recorded_run_dir(root, n, data=DATA) for n in ("server", "rebuild", "soak")}
 
 
 def _write(path: Path, text: str) -> Path:

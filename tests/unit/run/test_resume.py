@@ -1,5 +1,5 @@
 """Crash-resume: the journal and checkpoint, choosing the run to resume, and a real SIGKILL of a soak
-process (with the stub engine of test_app) followed by a resumed start that finishes the same run."""
+process (with the stub engine of soakd.testing) followed by a resumed start that finishes the same run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from test_app import StubEngine, config
 
 from soakd.app import Soak
 from soakd.checkpoint import Checkpoint, read_checkpoint
@@ -31,9 +30,10 @@ from soakd.resume import (
 from soakd.rundir import JOURNAL_FILE
 from soakd.sinks.spool import Spool, iter_samples
 from soakd.sinks.writer import SampleWriter
+from soakd.testing import StubEngine, stub_config
 from soakd.traces.model import RequestSpec
 
-HERE = Path(__file__).parent
+DAEMON = Path(__file__).resolve().parents[3] / "daemon"
 
 
 def _spec(index: int, arrival: float = 0.0, copy: int = 0) -> RequestSpec:
@@ -128,9 +128,8 @@ def test_shifted_schedule_skips_what_came_due_and_starts_at_the_offset() -> None
 # -- a real crash ---------------------------------------------------------------------------------------
 
 _SOAK = """
-import asyncio, json, sys
-sys.path.insert(0, {here!r})
-from test_app import StubEngine, config
+import asyncio, json
+from soakd.testing import StubEngine, stub_config
 from soakd.app import Soak
 from soakd.sinks.writer import SampleWriter
 from soakd.collectors.engine import EngineCollector
@@ -142,7 +141,7 @@ class Slow(StubEngine):
             await asyncio.sleep(0.15)  # several requests in flight at any time
             yield n
 
-cfg = config(__import__("pathlib").Path({tmp!r}), **json.loads({over!r}))
+cfg = stub_config(__import__("pathlib").Path({tmp!r}), **json.loads({over!r}))
 soak = Soak(cfg, engine_factory=lambda c, m, col: Slow(col), resume={resume})
 result = asyncio.run(soak.run())
 print(json.dumps({{"run_id": result.run_id, "run_dir": str(result.run_dir)}}))
@@ -160,14 +159,14 @@ OVERRIDES = {
 
 
 def _start(tmp: Path, resume: bool) -> subprocess.Popen[str]:
-    code = _SOAK.format(here=str(HERE), tmp=str(tmp), over=json.dumps(OVERRIDES), resume=resume)
+    code = _SOAK.format(tmp=str(tmp), over=json.dumps(OVERRIDES), resume=resume)
     return subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=tmp,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent.parent / "daemon")},
+        env={**os.environ, "PYTHONPATH": str(DAEMON)},
     )
 
 
@@ -207,7 +206,7 @@ def test_sigkill_then_resume_finishes_the_same_run_with_exact_accounting(tmp_pat
     assert [p.name for p in runs.iterdir()] == [run_dir.name]
 
     # Every request the trace schedules is either recorded exactly once or was lost in flight.
-    trace = Soak(config(tmp_path, **OVERRIDES)).trace
+    trace = Soak(stub_config(tmp_path, **OVERRIDES)).trace
     s = trace.summary
     planned = [
         (it.loop, it.spec.index, it.spec.copy)
@@ -284,7 +283,7 @@ async def test_a_crash_after_the_replay_ended_only_finishes_the_run(tmp_path: Pa
         engines.append(StubEngine(collector))
         return engines[-1]
 
-    cfg = config(tmp_path, **{"run.duration": "2s"})
+    cfg = stub_config(tmp_path, **{"run.duration": "2s"})
     done = await Soak(cfg, engine_factory=factory).run()
     # As if the daemon died while stopping the engine: everything but the summary is on disk.
     (done.run_dir / "summary.json").unlink()
@@ -298,7 +297,7 @@ async def test_a_crash_after_the_replay_ended_only_finishes_the_run(tmp_path: Pa
 
 
 def test_a_resumed_engine_starts_with_the_changes_already_due(tmp_path: Path) -> None:
-    cfg = config(
+    cfg = stub_config(
         tmp_path,
         **{"engine.changes": [{"at": "10s", "max_num_seqs": 4}, {"at": "100s", "max_num_seqs": 2}]},
     )
@@ -333,7 +332,7 @@ def test_a_bad_credential_is_refused_before_anything_is_written(
     creds.mkdir()
     (creds / "SOAKD_INFLUX_TOKEN").write_bytes(b"\xff\xfe not utf-8")
     monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
-    cfg = config(tmp_path, **{"sinks.influx.enabled": True, "sinks.influx.api": "v2"})
+    cfg = stub_config(tmp_path, **{"sinks.influx.enabled": True, "sinks.influx.api": "v2"})
     with pytest.raises(ConfigError):
         Soak(cfg)
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

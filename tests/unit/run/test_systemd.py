@@ -20,7 +20,7 @@ import pytest
 from soakd import config
 from soakd.config import InfluxConfig, WebhookConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 UNIT_DIR = ROOT / "systemd"
 SERVICE = UNIT_DIR / "soakd.service"
 TIMER = UNIT_DIR / "soakd-nightly.timer"
@@ -139,7 +139,11 @@ def test_service_is_type_notify_and_runs_soakd(service: Unit) -> None:
     assert one(service, "Service", "NotifyAccess") == "main"  # vLLM's children inherit NOTIFY_SOCKET
     exec_start = one(service, "Service", "ExecStart").split()
     # --resume: a restart after a crash continues the run instead of starting a new one.
-    assert exec_start == ["/opt/soakd/venv/bin/soakd", "run", "--no-progress", "--resume"]
+    assert exec_start == [
+        *("/opt/soakd/venv/bin/soakd", "run", "--no-progress", "--resume"),
+        # A service stop is a clean end (exit 0), not the CLI's default 4 (stopped: a cancelled CI job).
+        *("--stopped-exit-code", "0"),
+    ]
     env = service["Service"]["Environment"]
     assert "SOAKD_CONFIG=/etc/soakd/config.toml" in env
     assert one(service, "Service", "EnvironmentFile") == "-/etc/soakd/soakd.env"
@@ -151,10 +155,10 @@ def test_no_secrets_in_the_unit(service: Unit) -> None:
 
 
 def test_exit_statuses_and_restart_on_failure(service: Unit) -> None:
-    success = " ".join(service["Service"]["SuccessExitStatus"]).split()
-    assert "1" in success  # FAIL is a normal end of a soak, like PASS (0): no restart
-    assert "3" not in success  # engine/sink error is a failure: the unit ends "failed"
+    # FAIL (1) and an engine/sink error (3) leave the unit "failed", so systemctl shows them.
+    assert "SuccessExitStatus" not in service["Service"]
     prevent = " ".join(service["Service"]["RestartPreventExitStatus"]).split()
+    assert "1" in prevent  # FAIL: the verdict is written, the soak is over
     assert "2" in prevent  # bad config: a restart cannot help
     assert "3" in prevent  # the verdict (FAIL) is written: a restart would start a new full soak
     # A crash or watchdog kill is restarted and resumed; a stop (exit 0) and a verdict are not.
@@ -336,7 +340,7 @@ def test_verifiable_copy_only_rewrites_missing_binaries(tmp_path: Path) -> None:
     else:
         assert len(changed) == 1
         assert changed[0][1].startswith("ExecStart=")
-        assert changed[0][1].endswith(" run --no-progress --resume")
+        assert changed[0][1].endswith(" run --no-progress --resume --stopped-exit-code 0")
 
 
 def test_systemd_verify_is_silent(analyze: str, tmp_path: Path) -> None:

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_app import StubEngine, config
 
 from soakd.app import Soak
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config
+from soakd.testing import StubEngine, stub_config
 
 
 class NotifySocket:
@@ -79,7 +79,7 @@ def after_ready(notify_socket: NotifySocket, delay_s: float, fn: Callable[[], ob
 
 
 def _soak(tmp_path: Path, duration: str) -> Soak:
-    cfg = config(tmp_path, **{"run.duration": duration, "telemetry.interval": "0.2s"})
+    cfg = stub_config(tmp_path, **{"run.duration": duration, "telemetry.interval": "0.2s"})
     return Soak(cfg, engine_factory=_factory)
 
 
@@ -139,7 +139,7 @@ async def test_no_ping_while_collection_has_stalled(tmp_path: Path, notify_socke
 async def test_sigterm_says_stopping_extends_the_timeout_and_drains(
     tmp_path: Path, notify_socket: NotifySocket
 ) -> None:
-    soak = Soak(config(tmp_path, **{"run.duration": "60s"}), engine_factory=_factory)
+    soak = Soak(stub_config(tmp_path, **{"run.duration": "60s"}), engine_factory=_factory)
     loop = asyncio.get_running_loop()
 
     after_ready(notify_socket, 1.0, lambda: os.kill(os.getpid(), signal.SIGTERM))

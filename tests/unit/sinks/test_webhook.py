@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
-from test_app import StubEngine, config
 
 from soakd.app import Soak
 from soakd.cli import main
@@ -34,9 +33,9 @@ from soakd.policies.throttle import ThrottleDetector, ThrottleInput, counters_fr
 from soakd.sinks.spool import Spool, iter_samples
 from soakd.sinks.webhook import ALERTS_FILE, REJECTED_FILE, STATE_FILE, WebhookSink, make_sender
 from soakd.sinks.writer import SampleWriter
-from soakd.testing import ManualTime
+from soakd.testing import ManualTime, StubEngine, stub_config
 
-RECORDING = Path(__file__).parent.parent / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+RECORDING = Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
 RUN_ID = "20261130T000000Z-soak-abcd"
 T0 = 1_790_000_000 * 10**9
 SECRET = "tok-3f9a1c-never-logged"
@@ -471,7 +470,7 @@ async def test_a_soak_sends_its_throttle_episode_and_verdict(tmp_path: Path, rec
     }
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SOAKD_WEBHOOK_TOKEN", SECRET)
-        soak = Soak(config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
+        soak = Soak(stub_config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
         assert "SOAKD_WEBHOOK_TOKEN" not in os.environ
     result = await asyncio.wait_for(soak.run(), 60)
     names = [(a["labels"]["alertname"], "endsAt" in a) for a in receiver.alerts]

@@ -19,7 +19,7 @@ from soakd.errors import TraceError
 from soakd.traces import RequestSpec, Trace, open_trace, synthesize, write_native
 from soakd.traces.loader import DEMO_RESOURCE
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 Format = Literal["auto", "native", "mooncake", "synthetic"]
 HEADER = {"format": "soakd-trace", "version": 1, "block_size": 4}
 
