@@ -7,6 +7,7 @@ Written by the running daemon (atomically, every `run.checkpoint_interval`), rea
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ from soakd.files import write_json_atomic
 from soakd.rundir import CHECKPOINT_FILE
 
 log = structlog.get_logger(__name__)
+
+_WRITE_LOCK = threading.Lock()
 
 RequestKey = tuple[int, int, int]
 """(loop, trace index, rate-scale copy): one scheduled request of a run."""
@@ -67,8 +70,11 @@ class Checkpoint:
         }
 
     def write(self, run_dir: Path) -> None:
-        self.wall_ns = time.time_ns()
-        write_json_atomic(run_dir / CHECKPOINT_FILE, self.to_dict())
+        """Atomically, from the event loop or a worker thread: the lock orders the two, so the last
+        written is the last built (a stop's checkpoint is never overwritten by an older periodic one)."""
+        with _WRITE_LOCK:
+            self.wall_ns = time.time_ns()
+            write_json_atomic(run_dir / CHECKPOINT_FILE, self.to_dict())
 
 
 def read_checkpoint(run_dir: Path) -> Checkpoint | None:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,9 @@ def not_a_regular_file(path: Path) -> str | None:
 def write_private(path: Path, data: bytes, *, fsync: bool = False) -> None:
     """Replace `path` with `data` so a reader sees the old or the whole new content, never half; the
     file is created 0600 (its directory decides who may reach it)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Per process and thread: a file written from a worker thread and the event loop at once (a
+    # checkpoint) must not share a temporary file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as fh:

@@ -3,6 +3,7 @@ the fixed-rate tickers beside them, as one part that starts with the run and sto
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -166,10 +167,12 @@ class Jobs:
         await self._runner.refresh(timeout_s=self.cfg.telemetry.slow_interval, exclude=frozenset({"gpu"}))
 
     async def _flush(self) -> None:
-        self._spool.flush(fsync=True)
+        # The disk's waits in worker threads: the loop paces the replay (a 10 ms fsync is a request
+        # sent 10 ms late).
+        await self._spool.sync_off_loop()
         if self._journal is not None:
             # With the spool: after a power loss the journal knows what the spool's records say.
-            self._journal.sync()
+            await self._journal.sync_off_loop()
 
     async def _ship(self, sink: BuiltSink) -> None:
         # Most of one interval, then yield to the next tick: a backlog after an outage drains at the
@@ -202,7 +205,10 @@ class Jobs:
         replayer.fail(reason)
 
     async def _checkpoint(self) -> None:
-        self._live.write_checkpoint(self._run_dir)
+        checkpoint = self._live.checkpoint
+        if checkpoint is not None:
+            checkpoint.elapsed_s = self._live.elapsed()
+            await asyncio.to_thread(checkpoint.write, self._run_dir)
 
     def healthy(self) -> tuple[bool, str]:
         """Whether the main loop is doing its work: the loop runs (else this is not called at all) and
@@ -241,7 +247,7 @@ class Jobs:
             doc["gpu_throttle"] = self._gpu_watch.summary()
         if self._ceiling is not None:
             doc["decode_ceiling"] = self._ceiling.summary()
-        write_json_atomic(self._run_dir / SNAPSHOT_FILE, doc)
+        await asyncio.to_thread(write_json_atomic, self._run_dir / SNAPSHOT_FILE, doc)
 
     async def _status(self) -> None:
         """systemd's STATUS line: what `systemctl status soakd` shows a person mid-run."""

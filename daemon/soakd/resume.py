@@ -15,6 +15,7 @@ are counted as lost, never replayed twice, and the replay continues with the tra
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -70,6 +71,17 @@ class DueJournal:
     def sync(self) -> None:
         if self._fd >= 0:
             os.fsync(self._fd)
+
+    async def sync_off_loop(self) -> None:
+        """fsync in a worker thread, on a duplicate of the descriptor (a close meanwhile is harmless):
+        the event loop, which paces the replay, never waits on the disk."""
+        if self._fd < 0:
+            return
+        fd = os.dup(self._fd)
+        try:
+            await asyncio.to_thread(os.fsync, fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -272,6 +272,7 @@ def build_sinks(
         writer.event(kind, text, **fields)
 
     spool.on_event = on_spool
+    spool.background_fsync = True  # the scheduler's flush job fsyncs it in a worker thread
     shipping = opened.build(cfg, run_dir, writer)
     health: list[Collector] = [SpoolHealth(spool), *(s.health for s in shipping)]
     parts: list[Component] = [SpoolPart(spool), *(s.part for s in shipping)]

@@ -16,6 +16,7 @@ format that must change in one place.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import re
@@ -268,6 +269,9 @@ class Spool:
         self._bytes_since_check = 0
         self._last_still_log = 0.0
         self._closed = False
+        self.background_fsync = False
+        """True: write() leaves the periodic fsync to `sync_off_loop()`, which a job awaits, so the
+        event loop never waits on the disk; rotation and close still fsync inline (their ordering)."""
 
         directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         # mkdir's mode is filtered by the umask, and an existing directory keeps its own: set it outright.
@@ -407,7 +411,8 @@ class Spool:
         if self.state == "full" and batch and written == len(batch):
             # The probe went through: space is back.
             self._set_state(target, self._target_reason())
-        if written and self._clock() - self._last_fsync >= self.fsync_interval_s:
+        due = self._clock() - self._last_fsync >= self.fsync_interval_s
+        if written and due and not self.background_fsync:
             self._fsync_or_degrade()
         return written
 
@@ -532,21 +537,48 @@ class Spool:
         try:
             os.fsync(fd)
         except OSError as err:
-            # After a failed fsync the kernel may have dropped those pages: which lines are durable is
-            # unknown, so say where, and leave this segment for a new one once writes work again.
-            log.error(
-                "spool_fsync_failed",
-                segment=self.current_segment.name,
-                error=_reason(err),
-                hint="lines written since the last fsync may not survive a power loss",
-            )
-            self._close_fd()
-            self._set_state("full", "fsync " + _reason(err))
+            self._fsync_failed(err)
             return False
         self.fsyncs += 1
         self._dirty = False
         self._last_fsync = self._clock()
         return True
+
+    def _fsync_failed(self, err: OSError) -> None:
+        # After a failed fsync the kernel may have dropped those pages: which lines are durable is
+        # unknown, so say where, and leave this segment for a new one once writes work again.
+        log.error(
+            "spool_fsync_failed",
+            segment=self.current_segment.name,
+            error=_reason(err),
+            hint="lines written since the last fsync may not survive a power loss",
+        )
+        self._close_fd()
+        self._set_state("full", "fsync " + _reason(err))
+
+    async def sync_off_loop(self) -> None:
+        """The periodic fsync with its system call in a worker thread, on a duplicate descriptor (a
+        rotation or close meanwhile is harmless); a failure is handled here, on the loop, as an inline
+        one is. Lines written while it ran stay dirty for the next one."""
+        if self._closed or not self._dirty or self._fd is None:
+            self._emit_pending()
+            return
+        fd = os.dup(self._fd)
+        mark, started = self.bytes_written, self._clock()
+        try:
+            await asyncio.to_thread(os.fsync, fd)
+        except OSError as err:
+            if not self._closed:
+                self._fsync_failed(err)
+        else:
+            self.fsyncs += 1
+            self._last_fsync = started
+            if self.bytes_written == mark:
+                self._dirty = False
+        finally:
+            os.close(fd)
+        if not self._closed:
+            self._emit_pending()
 
     def _check_space(self, now: float) -> bool:
         """Read free space (and, while degraded, the spool's size on disk); True when a full spool

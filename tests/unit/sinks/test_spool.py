@@ -150,3 +150,55 @@ def test_iter_samples_filters_by_measurement(tmp_path: Path) -> None:
     assert [s.fields["power_w"] for s in iter_samples(tmp_path, "gpu")] == [1.5, 2.5]
     assert [s.time_ns for s in iter_samples(tmp_path, "my events")] == [3]
     assert list(iter_samples(tmp_path / "absent")) == []
+
+
+async def test_background_fsync_leaves_the_disk_wait_to_a_worker_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import os
+    import threading
+
+    clock = ManualClock()
+    spool = Spool(tmp_path, 1 << 20, fsync_interval_s=1.0, clock=clock)
+    spool.background_fsync = True
+    threads: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        threads.append(threading.get_ident())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    clock.now = 5.0  # the interval has passed: an inline spool would fsync within write()
+    spool.write(_samples(3))
+    assert spool.fsyncs == 0 and threads == []
+    sync = asyncio.ensure_future(spool.sync_off_loop())
+    await asyncio.sleep(0)
+    spool.write(_samples(2, start=3))  # written while the fsync runs: still to be synced
+    await sync
+    assert spool.fsyncs == 1 and threads and threading.get_ident() not in threads
+    await spool.sync_off_loop()  # the lines written meanwhile
+    assert spool.fsyncs == 2
+    await spool.sync_off_loop()  # nothing new: no fsync
+    assert spool.fsyncs == 2
+    spool.close()
+    assert len(list(iter_samples(tmp_path))) == 5
+
+
+async def test_a_failed_background_fsync_degrades_the_spool_as_an_inline_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    spool = Spool(tmp_path, 1 << 20, fsync_interval_s=1.0)
+    spool.background_fsync = True
+    spool.write(_samples(1))
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    await spool.sync_off_loop()
+    assert spool.state == "full" and "fsync" in spool.reason
