@@ -88,12 +88,15 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
         add("host CPUs throttled", f"{human(host)} % of the time", "no GPU series in this run")
     found = summary.get("decode_ceiling")
     ceiling: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
-    if ceiling.get("available"):
+    # bw_pct: the decode steps' reads over what the bandwidth allowed while busy (pct_of_ceiling in runs
+    # written before it).
+    share = ceiling.get("bw_pct", ceiling.get("pct_of_ceiling"))
+    if ceiling.get("available") and isinstance(share, int | float):
         add(
             "decode ceiling share",
-            pct(float(ceiling.get("pct_of_ceiling") or 0.0) / 100.0),
-            f"of {human(ceiling.get('ceiling_tps'))} tok/s that {human(ceiling.get('bandwidth_gbs'))} GB/s "
-            "allows for these weights and contexts",
+            f"{human(share)} %",
+            f"of the {human(ceiling.get('bandwidth_gbs'))} GB/s the decode steps could have read while busy "
+            f"({human(ceiling.get('ceiling_tps'))} tok/s at that limit)",
         )
     late = m.get("p99(lateness_ms)")
     saturated = m.get("harness_saturated_s")

@@ -65,7 +65,9 @@ def test_the_gpu_preset_judges_an_overnight_run(gpu: config.Config) -> None:
     assert crit.max_interruptions == 0
     assert "engine_restarts == 0" in crit.checks
     assert any(c.startswith("sustained_ratio(tokens_per_s") for c in crit.checks)
-    assert any(c.startswith("throttle_time_pct") for c in crit.checks)
+    # Harm (clock lost), not the power-cap share: an H200 at its limit by design must not fail the night.
+    assert any(c.startswith("min(sm_clock_ratio") for c in crit.checks)
+    assert not any(c.startswith("throttle_time_pct") for c in crit.checks)
     assert crit.abort_on  # a night that cannot pass ends early
     assert crit.abort_grace >= 120
 
