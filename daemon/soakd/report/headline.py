@@ -82,8 +82,19 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
     throttle = m.get("throttle_time_pct")
     host = m.get("host_throttle_time_pct")
     if isinstance(throttle, int | float):
-        episodes = f"{human(m.get('throttle_episodes'))} episodes"
-        add("GPU throttled", f"{human(throttle)} % of the time", episodes)
+        # At a limit is not harm: what the clock lost says whether it cost anything (an H200 sits at its
+        # power limit by design, its clock at its max).
+        clock = m.get("min(sm_clock_ratio)")
+        cost = (
+            f"the SM clock never below {pct(clock)} of its max (1-minute means)"
+            if isinstance(clock, int | float)
+            else "no SM-clock series"
+        )
+        add(
+            "GPU at a clock limit",
+            f"{human(throttle)} % of the time",
+            f"{cost}; {human(m.get('throttle_episodes'))} episodes",
+        )
     elif isinstance(host, int | float):
         add("host CPUs throttled", f"{human(host)} % of the time", "no GPU series in this run")
     found = summary.get("decode_ceiling")

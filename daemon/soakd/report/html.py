@@ -275,7 +275,8 @@ class _Plotter:
         # Fixed margins, the same on every plot (time axes line up down the page); constrained layout
         # would draw each figure twice.
         inch = height * rows
-        fig.subplots_adjust(left=0.13, right=0.94, top=1 - 0.15 / inch, bottom=0.5 / inch, hspace=0.12)
+        # Room under the last axis for two-line ticks (UTC over run time) and the axis label.
+        fig.subplots_adjust(left=0.13, right=0.94, top=1 - 0.15 / inch, bottom=0.8 / inch, hspace=0.12)
         axes = fig.subplots(rows, 1, sharex=True, squeeze=False)[:, 0]
         for ax in axes:
             ax.set_xlim(0, self.span_s / self.scale)
