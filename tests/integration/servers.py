@@ -8,6 +8,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -312,22 +313,47 @@ def start_vllm(
 
 
 def start_soakd(
-    config: Path, cwd: Path, *args: str, env: dict[str, str] | None = None
+    config: Path, cwd: Path, *args: str, env: dict[str, str] | None = None, stderr_tty: bool = False
 ) -> subprocess.Popen[str]:
     """`python -m soakd run --config CONFIG --json --no-progress [ARGS]` as a user runs it, in its own
-    process group (so the engine's children can be stopped with it); `env` adds to the environment."""
+    process group (so the engine's children can be stopped with it); `env` adds to the environment.
+    `stderr_tty`: stderr is a terminal (a pty), as in a person's shell; finish_soakd returns what it
+    showed."""
+    import pty
     import sys
+    import threading
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    return subprocess.Popen(
-        [sys.executable, "-m", "soakd", "run", "--config", str(config), "--json", "--no-progress", *args],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
+    argv = [sys.executable, "-m", "soakd", "run", "--config", str(config), "--json", "--no-progress", *args]
+    if not stderr_tty:
+        return subprocess.Popen(
+            argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave, text=True, env=env, start_new_session=True
     )
+    os.close(slave)
+    shown = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer of the terminal has closed it
+                return
+            if not data:
+                return
+            shown.extend(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    _TTYS[proc.pid] = (reader, shown, master)
+    return proc
+
+
+_TTYS: dict[int, tuple[Any, bytearray, int]] = {}
 
 
 def finish_soakd(proc: subprocess.Popen[str], timeout_s: float = 600.0) -> tuple[int, str, str]:
@@ -341,6 +367,12 @@ def finish_soakd(proc: subprocess.Popen[str], timeout_s: float = 600.0) -> tuple
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    tty = _TTYS.pop(proc.pid, None)
+    if tty is not None:
+        reader, shown, master = tty
+        reader.join(timeout=10)
+        os.close(master)
+        err = shown.decode("utf-8", errors="replace")
     return proc.returncode, out, err
 
 

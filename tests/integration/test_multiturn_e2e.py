@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from servers import run_soakd
+from servers import finish_soakd, start_soakd
 
 from soakd.sinks.spool import iter_samples
 
 pytestmark = pytest.mark.integration
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# structlog's console renderer: "2026-12-01T19:55:20.924890Z [info     ] event   key=value ...".
+_CONSOLE_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+Z \[(debug|info|warning|error)\s*\] ")
 
 CONVERSATIONS = 12
 TURNS = 3
@@ -71,8 +76,14 @@ min_completed_ratio = false
 """,
         encoding="utf-8",
     )
-    code, out, err = run_soakd(cfg, tmp_path)
+    # On a terminal, as a person runs it: soakd's readable lines and nothing else (vLLM's warnings,
+    # torch's FutureWarnings and the engine's shutdown go to the run's engine.log).
+    code, out, err = finish_soakd(start_soakd(cfg, tmp_path, stderr_tty=True))
     assert code in (0, 1), err[-3000:]
+    lines = [_ANSI.sub("", line).rstrip("\r") for line in err.splitlines() if line.strip()]
+    foreign = [line for line in lines if not _CONSOLE_LINE.match(line)]
+    assert lines and not foreign, foreign[:10]
+    assert "Traceback" not in err and "WARNING" not in err
     summary = json.loads(out)
     run_dir = Path(summary["run_dir"])
     assert summary["replay"]["session_turns"] > 0
