@@ -219,10 +219,8 @@ class Jobs:
         replayer.fail(reason)
 
     async def _checkpoint(self) -> None:
-        checkpoint = self._live.checkpoint
-        if checkpoint is not None:
-            checkpoint.elapsed_s = self._live.elapsed()
-            await asyncio.to_thread(checkpoint.write, self._run_dir)
+        # Written from a worker thread: the checkpoint's lock orders it against a stop's own write.
+        await asyncio.to_thread(self._live.write_checkpoint, self._run_dir)
 
     def healthy(self) -> tuple[bool, str]:
         """Whether the main loop is doing its work: the loop runs (else this is not called at all) and

@@ -421,10 +421,6 @@ def _fmt_time(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _fmt_num(value: Any) -> str:
-    return human(value)
-
-
 _WINDOW = re.compile(r"\b(window|last|first)=(\d+(?:\.\d+)?)s\b")
 
 
@@ -462,7 +458,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
         lstrip_blocks=True,
     )
     env.filters["t"] = _fmt_time
-    env.filters["num"] = _fmt_num
+    env.filters["num"] = human
     env.filters["metric"] = _fmt_metric
     template = env.get_template("report.html.j2")
     verdict = doc["verdict"]
