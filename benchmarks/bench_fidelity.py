@@ -177,12 +177,12 @@ def tail(path: Path, lines: int = 40) -> str:
 def soakd_child(url: str, trace_path: Path, out: Path, seed: int) -> None:
     """Replay the trace with soakd's own pacer and runner through OpenAIEngine; write what happened."""
     t_import = time.process_time()
+    from soakd.clock import SystemClock
     from soakd.config import EngineConfig, TraceConfig
     from soakd.engine.base import GenerationRequest
     from soakd.engine.openai_http import OpenAIEngine
     from soakd.logs import configure
     from soakd.replay.admission import AdmissionGate
-    from soakd.replay.clock import SystemClock
     from soakd.replay.pacer import schedule
     from soakd.replay.prompts import PromptSynth
     from soakd.replay.runner import Replayer, RequestRecord

@@ -72,6 +72,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from soakd.clock import SystemClock
 from soakd.collectors.replay import ReplayCollector
 from soakd.config import ArrivalConfig, SyntheticTraceConfig
 from soakd.engine.base import EngineInfo, GenerationRequest
@@ -79,7 +80,6 @@ from soakd.judge.criteria import RequestFolder, summarize
 from soakd.logs import configure as configure_logs
 from soakd.metric import Sample
 from soakd.replay.admission import AdmissionGate
-from soakd.replay.clock import SystemClock
 from soakd.replay.pacer import schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, RequestRecord

@@ -29,6 +29,7 @@ import structlog
 
 from soakd import __version__
 from soakd.checkpoint import Checkpoint
+from soakd.clock import Clock, SystemClock
 from soakd.collectors.base import EngineListener
 from soakd.collectors.ceiling import CeilingTracker
 from soakd.collectors.engine import EngineCollector
@@ -48,7 +49,6 @@ from soakd.notify import notify
 from soakd.parts import EngineChanges
 from soakd.redact import redacted
 from soakd.replay.admission import AdmissionGate
-from soakd.replay.clock import Clock, SystemClock
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, ReplayStats, RequestRecord

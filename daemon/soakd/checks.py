@@ -43,7 +43,10 @@ async def _check_server(cfg: Config) -> CheckResult:
     """Attach mode: the server answers and serves a model (no local vLLM is needed or looked for)."""
     from soakd.engine.openai_http import OpenAIEngine
 
-    engine = OpenAIEngine(cfg.engine.model_copy(update={"start_timeout": SERVER_CHECK_TIMEOUT_S}))
+    # A check sends no replay: no sender process.
+    engine = OpenAIEngine(
+        cfg.engine.model_copy(update={"start_timeout": SERVER_CHECK_TIMEOUT_S, "sender": "loop"})
+    )
     try:
         await engine.start()
     except EngineError as err:

@@ -195,6 +195,9 @@ class EngineConfig(_Section):
     kind: Literal["vllm-local", "vllm-server", "openai"] = "vllm-local"
     url: str = ""
     api_key_env: str = "SOAKD_OPENAI_API_KEY"
+    sender: Literal["process", "loop"] = "process"
+    """Where an HTTP engine's completions are sent and read: a process of soakd's own (its event loop
+    does nothing else, so no collector or sink delays a send) or soakd's main event loop."""
     served_model: str = ""
     vocab_size: int = Field(default=0, ge=0, le=MAX_VOCAB)
     model: str = "models/tiny"

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from soakd.checkpoint import Checkpoint
+from soakd.clock import Clock
 from soakd.judge.metrics import RunMetrics
-from soakd.replay.clock import Clock
 from soakd.replay.runner import Replayer
 
 

@@ -2,7 +2,7 @@
 a free loopback port, an in-process engine that streams tokens (StubEngine) with a config for a short
 soak over it (stub_config), a fake pynvml module (FakeNvml), and a run folder rebuilt from a recorded
 run's files (recorded_run_dir). (The replay's virtual-time clock, which wakes sleepers in order, is
-soakd.replay.clock.FakeClock.)
+soakd.clock.FakeClock.)
 
 This module may import any other soakd module (it sits in the top layer of the import graph); nothing in
 the package imports it."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,12 +18,13 @@ import httpx
 import pytest
 from servers import Server, free_port
 
+from soakd.clock import SystemClock
 from soakd.config import EngineConfig
-from soakd.engine.base import GenerationRequest
-from soakd.engine.openai_http import OpenAIEngine, RequestError
+from soakd.engine.base import GenerationRequest, Stamps
+from soakd.engine.completions import RequestError
+from soakd.engine.openai_http import OpenAIEngine
 from soakd.errors import EngineError
 from soakd.replay.admission import AdmissionGate
-from soakd.replay.clock import SystemClock
 from soakd.replay.pacer import schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, RequestRecord
@@ -102,19 +105,58 @@ async def test_unknown_served_model_is_an_engine_error(vllm_server: Server) -> N
         await engine.start()
 
 
-async def test_streams_exact_token_counts(vllm_server: Server) -> None:
-    async with started(vllm_server.url) as engine:
+@pytest.mark.parametrize("sender", ["loop", "process"])
+async def test_streams_exact_token_counts(vllm_server: Server, sender: str) -> None:
+    async with started(vllm_server.url, sender=sender) as engine:
+        assert engine.info.sends_at == (sender == "process")
         lengths = [1, 7, 64, 300]
         requests = [
-            GenerationRequest(f"exact-{n}", list(range(1, 100 + n)), max_tokens=n, seed=n) for n in lengths
+            GenerationRequest(f"exact-{n}", list(range(1, 100 + n)), max_tokens=n, seed=n, stamps=Stamps())
+            for n in lengths
         ]
         results = await asyncio.gather(*(collect(engine, r) for r in requests))
     for n, deltas in zip(lengths, results, strict=True):
         assert sum(k for _, k in deltas) == n
         assert all(k >= 1 for _, k in deltas)
-    # Streamed as generated, not buffered into one answer.
-    assert len(results[3]) > 10
-    assert results[3][-1][0] - results[3][0][0] > 0
+    stamps = requests[3].stamps
+    assert stamps is not None
+    if sender == "loop":
+        assert stamps.sent is None  # the caller times a stream read in its own loop
+        # Streamed as generated, not buffered into one answer.
+        assert len(results[3]) > 10
+        assert results[3][-1][0] - results[3][0][0] > 0
+    else:
+        # The sender reads the stream and stamps each delta; it reports tokens at most twice a second.
+        assert stamps.sent is not None and stamps.first is not None and stamps.last is not None
+        assert stamps.deltas > 10 and stamps.sent < stamps.first < stamps.last
+        assert 0 < stamps.gaps <= stamps.last - stamps.first + 1e-9
+
+
+async def test_the_sender_sends_at_the_given_time(vllm_server: Server) -> None:
+    async with started(vllm_server.url) as engine:
+        for delay in (0.05, 0.3):
+            at = time.monotonic() + delay
+            request = GenerationRequest("at", [5, 6, 7], max_tokens=3, send_at=at, stamps=Stamps())
+            assert sum(n for _, n in await collect(engine, request)) == 3
+            assert request.stamps is not None and request.stamps.sent is not None
+            # Not before its time; late by no more than a busy two-core machine's scheduling.
+            assert at <= request.stamps.sent < at + 0.05
+
+
+async def test_a_sender_that_died_fails_its_requests_and_is_restarted(vllm_server: Server) -> None:
+    async with started(vllm_server.url) as engine:
+        pid = engine.sender_pid
+        assert pid is not None
+        request = GenerationRequest("doomed", list(range(1, 20)), max_tokens=1500)
+        consume = asyncio.create_task(collect(engine, request))
+        await asyncio.sleep(0.5)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RequestError, match="sender process exited"):
+            await consume
+        deltas = await collect(engine, GenerationRequest("after", [1, 2, 3], max_tokens=4))
+        assert sum(n for _, n in deltas) == 4
+        assert engine.sender_pid not in (None, pid)
+        assert engine.telemetry_summary() == {"sender_restarts": 1}
 
 
 async def test_reports_output_ids_and_takes_recorded_sampling(vllm_server: Server) -> None:
@@ -186,7 +228,10 @@ async def test_refused_request_raises_request_error_without_the_prompt(vllm_serv
     assert "7, 7" not in message and len(message) < 200
 
 
-async def test_cancelling_the_consumer_aborts_the_request_in_the_server(vllm_server: Server) -> None:
+@pytest.mark.parametrize("sender", ["loop", "process"])
+async def test_cancelling_the_consumer_aborts_the_request_in_the_server(
+    vllm_server: Server, sender: str
+) -> None:
     asked = 1900
     got_tokens = asyncio.Event()
 
@@ -194,7 +239,7 @@ async def test_cancelling_the_consumer_aborts_the_request_in_the_server(vllm_ser
         async for _ in engine.generate(GenerationRequest("cancel-me", list(range(1, 20)), max_tokens=asked)):
             got_tokens.set()
 
-    async with started(vllm_server.url) as engine:
+    async with started(vllm_server.url, sender=sender) as engine:
         # After start: it sends a few one-token requests of its own.
         generated_before = metric(vllm_server, "vllm:generation_tokens_total")
         finished_before = metric(vllm_server, "vllm:request_success_total")
@@ -257,13 +302,15 @@ class Relay:
         await self._server.wait_closed()
 
 
-async def test_server_gone_after_start_is_an_engine_error(vllm_server: Server) -> None:
+@pytest.mark.parametrize("sender", ["loop", "process"])
+async def test_server_gone_after_start_is_an_engine_error(vllm_server: Server, sender: str) -> None:
     relay = Relay(vllm_server.ports["http"])
     await relay.start()
-    async with started(f"http://127.0.0.1:{relay.port}") as engine:
+    async with started(f"http://127.0.0.1:{relay.port}", sender=sender) as engine:
         deltas = await collect(engine, GenerationRequest("before", [1, 2, 3], max_tokens=4))
         assert sum(n for _, n in deltas) == 4
         await relay.shut()
         with pytest.raises(EngineError, match="server unreachable"):
             # The pooled connection breaks first; a fresh one is refused.
             await collect(engine, GenerationRequest("after", [1, 2, 3], max_tokens=4))
+        assert not engine.alive()  # the soak ends: every later request would fail the same way

@@ -31,6 +31,23 @@ class SpecSteps:
     """Draft tokens proposed at each verify step."""
 
 
+@dataclass(slots=True)
+class Stamps:
+    """Filled by an engine that sends from a process of its own: when it sent the request and when its
+    deltas arrived, on the system-wide monotonic clock (`time.monotonic`), taken where the stream is read
+    so soakd's own event loop adds nothing to them. `sent` stays None when the engine stamps nothing."""
+
+    sent: float | None = None
+    first: float | None = None
+    """First delta with tokens."""
+    last: float | None = None
+    """Last delta with tokens."""
+    gaps: float = 0.0
+    """Sum of the gaps between deltas with tokens."""
+    deltas: int = 0
+    """Gaps counted in `gaps` (deltas with tokens after the first)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One request as the engine sees it: token ids in, an exact number of tokens out."""
@@ -48,6 +65,11 @@ class GenerationRequest:
     the conversation with them); engines that cannot report ids leave it empty."""
     spec: SpecSteps | None = None
     """When given, the engine fills it with the request's per-step acceptance, if it can."""
+    send_at: float | None = None
+    """Monotonic time to send at, for an engine whose info says `sends_at` (it waits for it in its own
+    sender); others are called at that time already. None: at once."""
+    stamps: Stamps | None = None
+    """When given, an engine with its own sender fills it (see Stamps)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +104,9 @@ class EngineInfo:
     """Free-form facts for the run metadata (attention backend, device, ...)."""
     signals: tuple[str, ...] = ()
     """Which of SIGNALS this engine delivers."""
+    sends_at: bool = False
+    """True when the engine sends each request at its `send_at` from a sender of its own (a process
+    with its own event loop) and stamps it: the replay hands requests on ahead of their due time."""
 
 
 class Engine(Protocol):

@@ -8,10 +8,8 @@ server refuses is a recorded failure; a server that no longer accepts connection
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,13 +17,24 @@ from typing import Any
 import aiohttp
 import structlog
 
+from soakd.clock import SystemClock
 from soakd.config import MAX_MODEL_LEN, MAX_VOCAB, EngineConfig
-from soakd.engine.base import EngineInfo, GenerationRequest, SpecSteps
-from soakd.engine.stats import StepStats, copy_spec_steps
+from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.engine.completions import (
+    BODY_CHARS,
+    CONTROL_TIMEOUT,
+    ERROR_CHARS,
+    RequestError,
+    ServerGone,
+    error_message,
+    error_of,
+    stream_completion,
+)
+from soakd.engine.sender import MAX_RESTARTS, SenderProcess, stream_via, take_final
+from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import config_id
 from soakd.errors import EngineError
 from soakd.redact import redact_url
-from soakd.sse import EventSplitter
 
 log = structlog.get_logger(__name__)
 
@@ -34,51 +43,18 @@ SendHook = Callable[[GenerationRequest], None]
 
 _HEALTH_POLL_S = 0.5
 _HEALTH_LOG_EVERY_S = 30.0
-_CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 # Used when the server does not reveal its token id range: every byte-level BPE and byte-fallback
 # SentencePiece vocabulary has at least this many ids, so prompts stay valid (if less varied).
 FALLBACK_VOCAB = 256
 # Ids probed up to this bound; a server accepting even this one does not check ids at all.
 _PROBE_LIMIT = MAX_VOCAB
-_ERROR_CHARS = 160
-_BODY_CHARS = 4096
-# Validation messages can echo the request's input; nothing from there on is kept.
-_ECHO = re.compile(r"input_value=|'input':|\"input\":", re.IGNORECASE)
-
-
-class RequestError(Exception):
-    """One request failed (HTTP error status, an error event in the stream, a broken connection)."""
+_SYSTEM_CLOCK = SystemClock()
 
 
 def base_url(url: str) -> str:
     """The server root: trailing slashes and an OpenAI-style `/v1` suffix removed."""
     text = url.strip().rstrip("/")
     return text[: -len("/v1")] if text.endswith("/v1") else text
-
-
-def error_message(status: int, body: str) -> str:
-    """A short message for a failed response: the status and the server's own message, truncated."""
-    message = body
-    with contextlib.suppress(ValueError):
-        doc = json.loads(body)
-        if isinstance(doc, dict):
-            err = doc.get("error", doc.get("detail", doc.get("message", doc)))
-            if isinstance(err, dict):
-                err = err.get("message", err)
-            message = str(err)
-    message = _ECHO.split(message, maxsplit=1)[0]
-    message = " ".join(message.split())[:_ERROR_CHARS]
-    return f"HTTP {status}: {message}" if message else f"HTTP {status}"
-
-
-def tokens_from_usage(chunk: dict[str, Any]) -> int | None:
-    """completion_tokens of a chunk's usage, when the server sent it."""
-    usage = chunk.get("usage")
-    if isinstance(usage, dict):
-        value = usage.get("completion_tokens")
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
 
 
 class OpenAIEngine:
@@ -99,6 +75,10 @@ class OpenAIEngine:
         # soakd's own admission gate.
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._headers: dict[str, str] = {}
+        self._sender: SenderProcess | None = None
+        self._sender_lock = asyncio.Lock()
+        self._sender_restarts = 0
         self._info: EngineInfo | None = None
         self._model = ""
         self.on_send: SendHook | None = None
@@ -120,6 +100,7 @@ class OpenAIEngine:
         key = os.environ.get(self._cfg.api_key_env, "") if self._cfg.api_key_env else ""
         if key:
             headers["Authorization"] = f"Bearer {key}"
+        self._headers = headers
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
             headers=headers,
@@ -131,6 +112,9 @@ class OpenAIEngine:
         try:
             await self._wait_healthy(shown, t0 + self._cfg.start_timeout)
             self._info = await self._discover(shown, time.monotonic() - t0)
+            if self._cfg.sender == "process":
+                self._sender = self._new_sender()
+                await self._sender.start()
         except BaseException:
             await self.stop()
             raise
@@ -158,7 +142,7 @@ class OpenAIEngine:
                         return
                     last = f"HTTP {resp.status}"
             except (aiohttp.ClientError, TimeoutError) as err:
-                last = f"{type(err).__name__}: {err}"[:_ERROR_CHARS] if str(err) else type(err).__name__
+                last = f"{type(err).__name__}: {err}"[:ERROR_CHARS] if str(err) else type(err).__name__
             if now >= next_log:
                 log.info("engine_waiting", url=shown, last=last)
                 next_log = now + _HEALTH_LOG_EVERY_S
@@ -203,6 +187,7 @@ class OpenAIEngine:
             start_s=health_s,
             details=details,
             signals=("metrics",),
+            sends_at=self._cfg.sender == "process",
         )
 
     async def _vocabulary(self, details: dict[str, str], *, is_vllm: bool) -> tuple[int, tuple[int, ...]]:
@@ -247,7 +232,7 @@ class OpenAIEngine:
             try:
                 vocab = await self._probe_vocab()
             except (RequestError, aiohttp.ClientError, TimeoutError) as err:
-                log.warning("vocab_probe_failed", error=str(err)[:_ERROR_CHARS])
+                log.warning("vocab_probe_failed", error=str(err)[:ERROR_CHARS])
                 vocab = None
             if vocab is not None:
                 details["vocab_source"] = "probe: highest prompt token id the server accepts, + 1"
@@ -284,23 +269,23 @@ class OpenAIEngine:
     async def _accepts(self, token_id: int) -> bool:
         session = self._require_session()
         body = {"model": self._model, "prompt": [token_id], "max_tokens": 1, "temperature": 0.0}
-        async with session.post(self._url + "/v1/completions", json=body, timeout=_CONTROL_TIMEOUT) as resp:
+        async with session.post(self._url + "/v1/completions", json=body, timeout=CONTROL_TIMEOUT) as resp:
             if resp.status == 200:
                 await resp.read()
                 return True
             text = await resp.text(errors="replace")
             if resp.status == 400 and "vocabulary" in text:
                 return False
-            raise RequestError(error_message(resp.status, text[:_BODY_CHARS]))
+            raise RequestError(error_message(resp.status, text[:BODY_CHARS]))
 
     async def _get_json(self, path: str, *, required: bool = False) -> dict[str, Any] | None:
         """A control endpoint's JSON object; None when the server does not have it (unless required)."""
         session = self._require_session()
         try:
-            async with session.get(self._url + path, timeout=_CONTROL_TIMEOUT) as resp:
+            async with session.get(self._url + path, timeout=CONTROL_TIMEOUT) as resp:
                 if resp.status != 200:
                     if required:
-                        text = (await resp.content.read(_BODY_CHARS)).decode("utf-8", errors="replace")
+                        text = (await resp.content.read(BODY_CHARS)).decode("utf-8", errors="replace")
                         raise EngineError(f"GET {path}: {error_message(resp.status, text)}")
                     return None
                 doc = await resp.json(content_type=None)
@@ -317,8 +302,7 @@ class OpenAIEngine:
             raise EngineError("engine not started")
         return self._session
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
-        session = self._require_session()
+    def _body(self, request: GenerationRequest) -> bytes:
         body: dict[str, Any] = {
             "model": self._model,
             "prompt": list(request.prompt_ids),
@@ -335,63 +319,55 @@ class OpenAIEngine:
             body["top_p"] = request.top_p
         if request.output_ids is not None:
             body["return_token_ids"] = True  # vLLM: each chunk carries its new token ids
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        session = self._require_session()
+        body = self._body(request)
         if self.on_send is not None:
             self.on_send(request)
         try:
-            resp = await session.post(
-                self._url + "/v1/completions", json=body, headers={"X-Request-Id": request.request_id}
-            )
-        except aiohttp.ClientConnectorError as err:
-            # Nothing listens any more: every later request would fail the same way. (Only a refused
-            # connection says the server is gone; a local error such as too many open files does not.)
-            self._dead = self._dead or isinstance(err.os_error, ConnectionRefusedError)
-            raise EngineError(f"server unreachable: {err}"[:200]) from err
-        except aiohttp.ClientError as err:
-            raise await self._broken(err) from err
-        finished = False
-        try:
-            if resp.status != 200:
-                text = (await resp.content.read(_BODY_CHARS)).decode("utf-8", errors="replace")
-                raise RequestError(error_message(resp.status, text))
-            splitter = EventSplitter()
-            seen = 0
-            async for chunk in resp.content.iter_any():
-                for event in splitter.feed(chunk):
-                    if event.data is None:
-                        continue
-                    if event.data.strip() == b"[DONE]":
-                        finished = True
-                        return
-                    n, seen = _new_tokens(event.data, seen, request.output_ids, request.spec)
-                    if n:
-                        yield n
-            finished = True
-        except aiohttp.ClientError as err:
-            raise await self._broken(err) from err
-        finally:
-            if finished:
-                resp.release()
-            else:
-                # Cancelled or failed midway: dropping the connection is what makes vLLM abort the
-                # request, so the engine does not keep generating tokens nobody reads.
-                resp.close()
+            if self._sender is not None:
+                async for n in self._through_sender(request, body):
+                    yield n
+                return
+            if request.send_at is not None:
+                await _SYSTEM_CLOCK.sleep_until(request.send_at)
+            async for n in stream_completion(
+                session, self._url, body, request.request_id, request.output_ids, request.spec
+            ):
+                yield n
+        except ServerGone:
+            self._dead = True
+            raise
 
-    async def _broken(self, err: aiohttp.ClientError) -> Exception:
-        """What a broken connection means: a server that died (EngineError) or one failed request.
+    async def _through_sender(self, request: GenerationRequest, body: bytes) -> AsyncIterator[int]:
+        sender = await self._live_sender()
+        async for header in stream_via(sender, request, body):
+            n = int(header.get("n", 0))
+            if header.get("final"):
+                take_final(header, request)
+                error = header.get("error")
+                if isinstance(error, dict):
+                    raise error_of(error)
+            if n:
+                yield n
 
-        A dropped keep-alive connection or a cut stream says nothing by itself; a fresh connection
-        being refused does.
-        """
-        message = f"{type(err).__name__}: {err}"[:200]
-        try:
-            async with self._require_session().get(self._url + "/health", timeout=_CONTROL_TIMEOUT) as resp:
-                await resp.read()
-        except aiohttp.ClientConnectorError as refused:
-            self._dead = self._dead or isinstance(refused.os_error, ConnectionRefusedError)
-            return EngineError(f"server unreachable after {message}"[:200])
-        except (aiohttp.ClientError, TimeoutError):
-            pass  # there, but slow or odd: judge this request alone
-        return RequestError(message)
+    async def _live_sender(self) -> SenderProcess:
+        """The sender process, started again when it exited (each restart logged and counted)."""
+        async with self._sender_lock:
+            sender = self._sender
+            assert sender is not None
+            if sender.running:
+                return sender
+            if self._sender_restarts >= MAX_RESTARTS:
+                raise EngineError(f"the sender process exited {self._sender_restarts} times")
+            self._sender_restarts += 1
+            await sender.stop()
+            fresh = self._sender = self._new_sender()
+            await fresh.start()
+            log.warning("sender_restarted", restarts=self._sender_restarts, pid=fresh.pid)
+            return fresh
 
     def process_ids(self) -> list[int]:
         return []  # the server is not a process of ours
@@ -405,10 +381,10 @@ class OpenAIEngine:
     async def metrics_text(self) -> str:
         session = self._require_session()
         try:
-            async with session.get(self._url + "/metrics", timeout=_CONTROL_TIMEOUT) as resp:
+            async with session.get(self._url + "/metrics", timeout=CONTROL_TIMEOUT) as resp:
                 text = await resp.text(errors="replace")
                 if resp.status != 200:
-                    raise EngineError(f"GET /metrics: {error_message(resp.status, text[:_BODY_CHARS])}")
+                    raise EngineError(f"GET /metrics: {error_message(resp.status, text[:BODY_CHARS])}")
                 return text
         except (aiohttp.ClientError, TimeoutError) as err:
             raise EngineError(f"GET /metrics: {type(err).__name__}: {err}"[:200]) from err
@@ -421,54 +397,30 @@ class OpenAIEngine:
         headers = {"Connection": "close"}
         try:
             async with session.post(
-                self._url + path, json=body, timeout=_CONTROL_TIMEOUT, headers=headers
+                self._url + path, json=body, timeout=CONTROL_TIMEOUT, headers=headers
             ) as resp:
                 text = await resp.text(errors="replace")
                 if resp.status != 200:
-                    raise EngineError(f"POST {path}: {error_message(resp.status, text[:_BODY_CHARS])}")
+                    raise EngineError(f"POST {path}: {error_message(resp.status, text[:BODY_CHARS])}")
                 return json.loads(text)
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
             raise EngineError(f"POST {path}: {type(err).__name__}: {err}"[:200]) from err
 
+    def _new_sender(self) -> SenderProcess:
+        return SenderProcess(self._url, self._headers, self._max_connections)
+
+    @property
+    def sender_pid(self) -> int | None:
+        """The sender process's pid (soakd's own process, not the engine's); None without one."""
+        return self._sender.pid if self._sender is not None else None
+
     def telemetry_summary(self) -> dict[str, object]:
-        return {}
+        return {"sender_restarts": self._sender_restarts} if self._sender_restarts else {}
 
     async def stop(self) -> None:
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            await sender.stop()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()
-
-
-def _new_tokens(
-    data: bytes, seen: int, output_ids: list[int] | None, spec: SpecSteps | None = None
-) -> tuple[int, int]:
-    """(new completion tokens in this chunk, completion tokens so far) from one stream event's data;
-    the chunk's token ids are appended to `output_ids` when it is a list and the server sends them,
-    and the final chunk's per-request speculative metrics (vLLM, when enabled) go into `spec`."""
-    try:
-        chunk = json.loads(data)
-    except ValueError as err:
-        raise RequestError("malformed stream event") from err
-    if not isinstance(chunk, dict):
-        raise RequestError("malformed stream event")
-    if "error" in chunk:
-        detail = chunk["error"]
-        code = detail.get("code") if isinstance(detail, dict) else None
-        status = code if isinstance(code, int) and not isinstance(code, bool) else 0
-        raise RequestError("stream " + error_message(status, json.dumps(chunk)))
-    choices = chunk.get("choices")
-    if output_ids is not None and isinstance(choices, list):
-        for choice in choices:
-            ids = choice.get("token_ids") if isinstance(choice, dict) else None
-            if isinstance(ids, list):
-                output_ids.extend(int(i) for i in ids)
-    if spec is not None:
-        metrics = chunk.get("metrics")
-        sd = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
-        if isinstance(sd, dict):
-            copy_spec_steps(sd, spec)
-    total = tokens_from_usage(chunk)
-    if total is not None:
-        return max(0, total - seen), max(seen, total)
-    # A server without continuous usage: each chunk that carries choices is one token.
-    return (1 if choices else 0), seen

@@ -270,6 +270,7 @@ class VllmServerEngine:
             start_s=start_s,
             details=details,
             signals=tuple(signals),
+            sends_at=http.sends_at,
         )
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[int]:

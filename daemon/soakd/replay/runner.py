@@ -23,12 +23,12 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from soakd.engine.base import Engine, GenerationRequest, SpecSteps
+from soakd.clock import Clock
+from soakd.engine.base import Engine, GenerationRequest, SpecSteps, Stamps
 from soakd.engine.supervisor import RequestAborted, RequestLost
 from soakd.errors import EngineError, SoakdError
 from soakd.metric import Sample
 from soakd.replay.admission import AdmissionGate
-from soakd.replay.clock import Clock
 from soakd.replay.pacer import Scheduled
 from soakd.replay.prompts import PromptSynth
 
@@ -158,6 +158,10 @@ SpecSink = Callable[[list[int], list[int], int], None]
 # A request's prompt is built this long before it is due, then the request waits for its exact time:
 # building a long prompt (up to a millisecond or two) must not make it late.
 _LEAD_S = 0.005
+# An engine with a sender process of its own (EngineInfo.sends_at) gets each request this long before
+# it is due, its body encoded, and waits for the exact time itself: a stall of soakd's loop or a thread
+# holding the GIL up to this long no longer makes a request late.
+_SENDER_LEAD_S = 0.025
 _MAX_SESSIONS = 100_000  # session tails remembered; an evicted session's next turn goes open loop
 
 
@@ -225,6 +229,8 @@ class Replayer:
         self._late_max = 0.0
         self._stop = asyncio.Event()
         self._draining = False
+        self._ahead = False
+        self._lead = _LEAD_S
         self.stats = ReplayStats()
         self.fatal = ""
         """Why the replay ended early on its own (the engine died, the trace changed); empty if not."""
@@ -279,6 +285,8 @@ class Replayer:
         return fields
 
     async def run(self) -> ReplayStats:
+        self._ahead = self._engine.info.sends_at
+        self._lead = _SENDER_LEAD_S if self._ahead else _LEAD_S
         t0 = self._t0 = self._clock.monotonic()
         wall0 = self._wall0 = self._clock.wall_ns()
         stop_wait = asyncio.create_task(self._stop.wait())
@@ -290,16 +298,16 @@ class Replayer:
                     # the requests still owed are not sent after the duration, the run ends on time.
                     break
                 deadline = t0 + item.due_s
-                if self._clock.monotonic() < deadline - _LEAD_S:
-                    wake = self._clock.sleep_until(deadline - _LEAD_S, precise=False)
+                if self._clock.monotonic() < deadline - self._lead:
+                    wake = self._clock.sleep_until(deadline - self._lead, precise=False)
                     sleeper = asyncio.create_task(wake)
                     await asyncio.wait({sleeper, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
                     if not sleeper.done():
                         sleeper.cancel()
                 if self._stop.is_set():
                     break
-                # The pacer builds the prompt ahead, then waits for the exact due time itself: one
-                # precise wake per request, and building it is never lateness.
+                # The pacer builds the prompt ahead, then waits for the exact due time itself (or the
+                # engine's sender does): one precise wake per request, and building it is never lateness.
                 due_wall_ns = wall0 + int(item.due_s * 1e9)
                 try:
                     ids = None if self._chains(item) else self._prepare(item, None)
@@ -307,7 +315,8 @@ class Replayer:
                     # A spec no prompt can be made for is that request's failure, never the soak's.
                     self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
                     continue
-                await self._clock.sleep_until(deadline)
+                if not self._ahead:
+                    await self._clock.sleep_until(deadline)
                 self._dispatch(item, deadline, due_wall_ns, ids)
             if self._duration_s is not None and not self._stop.is_set():
                 # The soak lasts its duration even when the last request is due earlier.
@@ -343,11 +352,10 @@ class Replayer:
         stats.scheduled += 1
         if self._on_due is not None:
             self._on_due(item)
-        lateness = max(0.0, self._clock.monotonic() - deadline)
-        stats.lateness_max_s = max(stats.lateness_max_s, lateness)
-        self._late_sum += lateness
-        self._late_n += 1
-        self._late_max = max(self._late_max, lateness)
+        lateness = 0.0
+        if not self._ahead:  # else measured where the sender sent it (_send)
+            lateness = max(0.0, self._clock.monotonic() - deadline)
+            self._note_late(lateness)
         spec = item.spec
         suffix = f"-{spec.copy}" if spec.copy else ""
         return RequestRecord(
@@ -362,6 +370,13 @@ class Replayer:
             input_tokens_trace=spec.input_tokens,
             output_tokens_expected=spec.output_tokens,
         )
+
+    def _note_late(self, lateness: float) -> None:
+        stats = self.stats
+        stats.lateness_max_s = max(stats.lateness_max_s, lateness)
+        self._late_sum += lateness
+        self._late_n += 1
+        self._late_max = max(self._late_max, lateness)
 
     def _chains(self, item: Scheduled) -> bool:
         """Whether the request is a later turn that waits for its session's previous turn."""
@@ -395,7 +410,7 @@ class Replayer:
                 done.set_result(self._clock.monotonic())
             return
         assert ids is not None
-        self._start(self._one(item, self._record(item, deadline, due_wall_ns), ids, tail), done)
+        self._start(self._one(item, self._record(item, deadline, due_wall_ns), ids, tail, deadline), done)
 
     async def _timed(
         self,
@@ -408,14 +423,15 @@ class Replayer:
         """A later turn: build the prompt ahead, wait for the exact due time, then admission and send."""
         try:
             ids = self._prepare(item, history)
-            await self._clock.sleep_until(deadline)
+            if not self._ahead:
+                await self._clock.sleep_until(deadline)
         except asyncio.CancelledError:
             self._finish(self._record(item, deadline, due_wall_ns), "aborted: replay ended before admission")
             raise
         except ValueError as err:
             self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
             return
-        await self._one(item, self._record(item, deadline, due_wall_ns), ids, tail)
+        await self._one(item, self._record(item, deadline, due_wall_ns), ids, tail, deadline)
 
     def _start(self, work: Coroutine[Any, Any, None], done: asyncio.Future[float] | None) -> None:
         task = asyncio.create_task(work)
@@ -460,7 +476,7 @@ class Replayer:
         if self._stop.is_set() or (end is not None and deadline >= end):
             self.stats.session_turns_cut += 1
             return
-        wake = deadline - _LEAD_S
+        wake = deadline - self._lead
         if self._clock.monotonic() < wake:
             sleeper = asyncio.create_task(self._clock.sleep_until(wake))
             stopper = asyncio.create_task(self._stop.wait())
@@ -476,7 +492,9 @@ class Replayer:
         due_wall_ns = self._wall0 + int((deadline - self._t0) * 1e9)
         await self._timed(item, deadline, due_wall_ns, tail, history)
 
-    async def _one(self, item: Scheduled, record: RequestRecord, ids: list[int], tail: _Tail | None) -> None:
+    async def _one(
+        self, item: Scheduled, record: RequestRecord, ids: list[int], tail: _Tail | None, deadline: float
+    ) -> None:
         clock = self._clock
         t_wait = clock.monotonic()
         self._waiting_admission += 1
@@ -488,8 +506,9 @@ class Replayer:
         finally:
             self._waiting_admission -= 1
         try:
-            record.queue_s = clock.monotonic() - t_wait
-            await self._send(item, record, ids, tail)
+            # From its due time: a request handed to a sender ahead of time has not queued before it.
+            record.queue_s = max(0.0, clock.monotonic() - max(t_wait, deadline))
+            await self._send(item, record, ids, tail, deadline)
         except asyncio.CancelledError:
             self._finish(record, "aborted: replay ended")
             raise
@@ -525,7 +544,9 @@ class Replayer:
             ids[:n] = history[:n].tolist()
         return ids
 
-    async def _send(self, item: Scheduled, record: RequestRecord, ids: list[int], tail: _Tail | None) -> None:
+    async def _send(
+        self, item: Scheduled, record: RequestRecord, ids: list[int], tail: _Tail | None, deadline: float
+    ) -> None:
         spec = item.spec
         out_tokens = min(spec.output_tokens, self._max_model_len - 1)
         record.output_tokens_expected = out_tokens
@@ -540,6 +561,10 @@ class Replayer:
             # Only a session turn needs its answer's tokens (for the next turn's prompt).
             output_ids=[] if tail is not None else None,
             spec=SpecSteps() if self._spec_sink is not None else None,
+            # Ahead of time: the engine's sender waits for the due time (or sends at once when admission
+            # held the request past it).
+            send_at=max(deadline, self._clock.monotonic()) if self._ahead else None,
+            stamps=Stamps() if self._ahead else None,
         )
         clock = self._clock
         self.stats.dispatched += 1
@@ -565,6 +590,14 @@ class Replayer:
             received += counted
             self.stats.output_tokens += counted
         record.output_tokens = received
+        stamps = request.stamps
+        if stamps is not None and stamps.sent is not None:
+            # Stamped where the stream was read, free of soakd's own loop.
+            assert request.send_at is not None
+            record.lateness_s = max(0.0, stamps.sent - request.send_at)
+            self._note_late(record.lateness_s)
+            sent, first, last = stamps.sent, stamps.first, stamps.last or stamps.sent
+            gaps, deltas = stamps.gaps, stamps.deltas
         if request.spec is not None and request.spec.drafted:
             record.spec_accepted = sum(request.spec.accepted)
             record.spec_drafted = sum(request.spec.drafted)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from soakd.clock import SystemClock
 from soakd.engine.base import Engine
 from soakd.metric import FieldValue
 from soakd.replay.admission import AdmissionGate
-from soakd.replay.clock import SystemClock
 from soakd.replay.pacer import Scheduled
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, RequestRecord

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from soakd.clock import FakeClock, SystemClock
 from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.replay.admission import AdmissionGate
-from soakd.replay.clock import FakeClock, SystemClock
 from soakd.replay.pacer import schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import Replayer, RequestRecord
@@ -431,3 +431,71 @@ async def test_a_replay_behind_its_schedule_still_ends_at_its_duration() -> None
     assert 4 <= stats.scheduled <= 6 < 20, stats
     assert len(records) == stats.scheduled
     assert clock.monotonic() < 5.0 + 5.0 + 1.0  # the duration, the drain bound and one slow prompt
+
+
+class AheadEngine(FakeEngine):
+    """An engine with a sender of its own (`sends_at`): it is handed each request early, waits for its
+    `send_at` itself, sends `late_s[index]` after it, and stamps the stream (first token 10 ms after the
+    send, then one delta per 5 ms) while it yields the tokens in one lump at the end, as a sender's
+    report would."""
+
+    def __init__(self, clock: FakeClock, late_s: dict[int, float], stream_s: float = 0.0) -> None:
+        super().__init__(clock)
+        self.late_s = late_s
+        self.stream_s = stream_s
+        self.handed: dict[int, float] = {}
+        self.send_at: dict[int, float] = {}
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo("fake", "0", "m", "cfg", vocab_size=100, max_model_len=64, sends_at=True)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        index = int(request.request_id.rsplit("-", 1)[1])
+        self.handed[index] = self.clock.monotonic()
+        assert request.send_at is not None and request.stamps is not None
+        self.send_at[index] = request.send_at
+        sent = max(request.send_at, self.clock.monotonic()) + self.late_s.get(index, 0.0)
+        await self.clock.sleep_until(sent + self.stream_s)
+        deltas = request.max_tokens // 2
+        stamps = request.stamps
+        stamps.sent, stamps.first = sent, sent + 0.010
+        stamps.last = stamps.first + 0.005 * (deltas - 1)
+        stamps.gaps, stamps.deltas = 0.005 * (deltas - 1), deltas - 1
+        yield request.max_tokens
+
+
+async def test_an_engine_with_its_own_sender_gets_requests_ahead_and_its_stamps_are_the_record() -> None:
+    clock = FakeClock()
+    engine = AheadEngine(clock, late_s={1: 0.003})
+    rep, records = make(engine, [spec(i, 1.0 + i) for i in range(3)], clock, duration=10.0)
+    stats = await rep.run()
+    assert stats.completed == 3
+    for i in range(3):
+        due = 1.0 + i
+        assert engine.send_at[i] == pytest.approx(due)  # the exact due time, for the sender to keep
+        assert due - 0.030 <= engine.handed[i] < due  # handed over ahead of it
+    by = {r.index: r for r in records}
+    # Lateness is where the sender sent it, not when the pacer handed it on.
+    assert by[1].lateness_s == pytest.approx(0.003) and by[0].lateness_s == 0.0
+    assert stats.lateness_max_s == pytest.approx(0.003)
+    # Latencies come from the sender's stamps, not from when the lump of tokens reached the replay.
+    ok = by[0]
+    assert ok.ttft_s == pytest.approx(0.010)
+    assert ok.e2e_s == pytest.approx(0.010 + 0.005 * 2)
+    assert ok.tpot_s == pytest.approx(0.010 / 5)
+    assert ok.itl_mean_s == pytest.approx(0.005)
+    assert ok.output_tokens == 6
+
+
+async def test_a_request_admitted_after_its_due_time_is_sent_at_once() -> None:
+    clock = FakeClock()
+    engine = AheadEngine(clock, late_s={}, stream_s=2.0)  # each request holds the only slot for 2 s
+    rep, records = make(engine, [spec(0, 1.0), spec(1, 1.5)], clock, limit=1, duration=10.0)
+    await rep.run()
+    by = {r.index: r for r in records}
+    # Admitted when request 0 finished (1.0 + 2.0 + its stamps' lump), not at its own due time.
+    assert engine.send_at[1] == pytest.approx(engine.handed[1]) and engine.send_at[1] > 2.9
+    assert by[1].queue_s == pytest.approx(engine.send_at[1] - 1.5)  # from its due time
+    assert by[0].queue_s == 0.0  # admitted while handed over ahead of its time: no queue
+    assert by[1].lateness_s == 0.0  # queued, not late: the queue has its own figure

@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from soakd.app import Soak
+from soakd.clock import FakeClock
 from soakd.collectors.engine import EngineCollector
 from soakd.collectors.nvml_events import GpuEventListener
 from soakd.collectors.spec import OUTPUT_EDGES, TURN_EDGES
@@ -39,7 +40,6 @@ from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.stats import StepStats
 from soakd.engine.worker_ext import cuda_fields
 from soakd.engine.worker_ext import memory_stats as worker_memory_stats
-from soakd.replay.clock import FakeClock
 from soakd.sinks.spool import iter_lines, iter_samples
 
 yaml = pytest.importorskip("yaml")  # PyYAML comes with vLLM

@@ -6,6 +6,7 @@ from __future__ import annotations
 import typing
 from pathlib import Path
 
+from soakd.clock import SystemClock
 from soakd.collectors.base import EngineListener
 from soakd.collectors.engine import EngineCollector
 from soakd.collectors.host import HostCollector
@@ -16,7 +17,6 @@ from soakd.config import CollectorName, Config
 from soakd.engine.base import EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.live import LiveRun
-from soakd.replay.clock import SystemClock
 from soakd.sinks.spool import Spool
 from soakd.sinks.writer import SampleWriter
 

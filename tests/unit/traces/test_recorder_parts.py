@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from soakd.engine.openai_http import RequestError, _new_tokens, base_url, error_message
+from soakd.engine.completions import RequestError, error_message, new_tokens
+from soakd.engine.openai_http import base_url
 from soakd.errors import UsageError
 from soakd.redact import redact_url
 from soakd.sse import EventSplitter
@@ -116,9 +117,9 @@ def test_urls() -> None:
 def test_tokens_from_continuous_usage_or_one_per_chunk() -> None:
     ids: list[int] = []
     chunk = {"choices": [{"text": "a", "token_ids": [5, 6]}], "usage": {"completion_tokens": 2}}
-    assert _new_tokens(json.dumps(chunk).encode(), 0, ids) == (2, 2)
+    assert new_tokens(json.dumps(chunk).encode(), 0, ids) == (2, 2)
     assert ids == [5, 6]
-    assert _new_tokens(b'{"choices": [], "usage": {"completion_tokens": 2}}', 2, None) == (0, 2)
-    assert _new_tokens(b'{"choices": [{"text": ""}]}', 0, None) == (1, 0)
+    assert new_tokens(b'{"choices": [], "usage": {"completion_tokens": 2}}', 2, None) == (0, 2)
+    assert new_tokens(b'{"choices": [{"text": ""}]}', 0, None) == (1, 0)
     with pytest.raises(RequestError, match="stream HTTP 500: boom"):
-        _new_tokens(b'{"error": {"message": "boom", "code": 500}}', 0, None)
+        new_tokens(b'{"error": {"message": "boom", "code": 500}}', 0, None)

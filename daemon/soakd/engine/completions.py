@@ -1,0 +1,183 @@
+"""One completion over HTTP: post it, read its event stream, count its tokens, and say what a failure means.
+
+Shared by the OpenAI engine in soakd's own event loop and by the sender process (engine/sender.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from soakd.engine.base import SpecSteps
+from soakd.engine.stats import copy_spec_steps
+from soakd.errors import EngineError
+from soakd.sse import EventSplitter
+
+CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+ERROR_CHARS = 160
+BODY_CHARS = 4096
+# Validation messages can echo the request's input; nothing from there on is kept.
+_ECHO = re.compile(r"input_value=|'input':|\"input\":", re.IGNORECASE)
+# Error kinds a sender's final frame carries, mapped back to the exceptions raised here.
+KIND_GONE = "gone"
+KIND_ENGINE = "engine"
+KIND_REQUEST = "request"
+
+
+class RequestError(Exception):
+    """One request failed (HTTP error status, an error event in the stream, a broken connection)."""
+
+
+class ServerGone(EngineError):
+    """Nothing listens at the server any more (a fresh connection refused): every later request would
+    fail the same way."""
+
+
+def error_message(status: int, body: str) -> str:
+    """A short message for a failed response: the status and the server's own message, truncated."""
+    message = body
+    with contextlib.suppress(ValueError):
+        doc = json.loads(body)
+        if isinstance(doc, dict):
+            err = doc.get("error", doc.get("detail", doc.get("message", doc)))
+            if isinstance(err, dict):
+                err = err.get("message", err)
+            message = str(err)
+    message = _ECHO.split(message, maxsplit=1)[0]
+    message = " ".join(message.split())[:ERROR_CHARS]
+    return f"HTTP {status}: {message}" if message else f"HTTP {status}"
+
+
+def tokens_from_usage(chunk: dict[str, Any]) -> int | None:
+    """completion_tokens of a chunk's usage, when the server sent it."""
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        value = usage.get("completion_tokens")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    request_id: str,
+    output_ids: list[int] | None,
+    spec: SpecSteps | None,
+) -> AsyncIterator[int]:
+    """POST one completion and yield the new output tokens of each delta that has some.
+
+    Raises ServerGone when nothing listens at the server any more, EngineError for other connection
+    failures, RequestError for a request the server refused or cut short. Used by the engine in
+    soakd's loop and by the sender process alike.
+    """
+    try:
+        resp = await session.post(
+            url + "/v1/completions",
+            data=body,
+            headers={"X-Request-Id": request_id, "Content-Type": "application/json"},
+        )
+    except aiohttp.ClientConnectorError as err:
+        # Only a refused connection says the server is gone; a local error such as too many open files
+        # does not.
+        gone = isinstance(err.os_error, ConnectionRefusedError)
+        raise (ServerGone if gone else EngineError)(f"server unreachable: {err}"[:200]) from err
+    except aiohttp.ClientError as err:
+        raise await _broken(session, url, err) from err
+    finished = False
+    try:
+        if resp.status != 200:
+            text = (await resp.content.read(BODY_CHARS)).decode("utf-8", errors="replace")
+            raise RequestError(error_message(resp.status, text))
+        splitter = EventSplitter()
+        seen = 0
+        async for chunk in resp.content.iter_any():
+            for event in splitter.feed(chunk):
+                if event.data is None:
+                    continue
+                if event.data.strip() == b"[DONE]":
+                    finished = True
+                    return
+                n, seen = new_tokens(event.data, seen, output_ids, spec)
+                if n:
+                    yield n
+        finished = True
+    except aiohttp.ClientError as err:
+        raise await _broken(session, url, err) from err
+    finally:
+        if finished:
+            resp.release()
+        else:
+            # Cancelled or failed midway: dropping the connection is what makes vLLM abort the
+            # request, so the engine does not keep generating tokens nobody reads.
+            resp.close()
+
+
+async def _broken(session: aiohttp.ClientSession, url: str, err: aiohttp.ClientError) -> Exception:
+    """What a broken connection means: a server that died (ServerGone) or one failed request.
+
+    A dropped keep-alive connection or a cut stream says nothing by itself; a fresh connection being
+    refused does.
+    """
+    message = f"{type(err).__name__}: {err}"[:200]
+    try:
+        async with session.get(url + "/health", timeout=CONTROL_TIMEOUT) as resp:
+            await resp.read()
+    except aiohttp.ClientConnectorError as refused:
+        gone = isinstance(refused.os_error, ConnectionRefusedError)
+        return (ServerGone if gone else EngineError)(f"server unreachable after {message}"[:200])
+    except (aiohttp.ClientError, TimeoutError):
+        pass  # there, but slow or odd: judge this request alone
+    return RequestError(message)
+
+
+def error_of(error: dict[str, Any]) -> Exception:
+    """The exception the in-loop path would have raised, from a sender's final frame."""
+    message = str(error.get("message", ""))[:200]
+    kind = error.get("kind")
+    if kind == KIND_GONE:
+        return ServerGone(message)
+    if kind == KIND_ENGINE:
+        return EngineError(message)
+    return RequestError(message)
+
+
+def new_tokens(
+    data: bytes, seen: int, output_ids: list[int] | None, spec: SpecSteps | None = None
+) -> tuple[int, int]:
+    """(new completion tokens in this chunk, completion tokens so far) from one stream event's data;
+    the chunk's token ids are appended to `output_ids` when it is a list and the server sends them,
+    and the final chunk's per-request speculative metrics (vLLM, when enabled) go into `spec`."""
+    try:
+        chunk = json.loads(data)
+    except ValueError as err:
+        raise RequestError("malformed stream event") from err
+    if not isinstance(chunk, dict):
+        raise RequestError("malformed stream event")
+    if "error" in chunk:
+        detail = chunk["error"]
+        code = detail.get("code") if isinstance(detail, dict) else None
+        status = code if isinstance(code, int) and not isinstance(code, bool) else 0
+        raise RequestError("stream " + error_message(status, json.dumps(chunk)))
+    choices = chunk.get("choices")
+    if output_ids is not None and isinstance(choices, list):
+        for choice in choices:
+            ids = choice.get("token_ids") if isinstance(choice, dict) else None
+            if isinstance(ids, list):
+                output_ids.extend(int(i) for i in ids)
+    if spec is not None:
+        metrics = chunk.get("metrics")
+        sd = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+        if isinstance(sd, dict):
+            copy_spec_steps(sd, spec)
+    total = tokens_from_usage(chunk)
+    if total is not None:
+        return max(0, total - seen), max(seen, total)
+    # A server without continuous usage: each chunk that carries choices is one token.
+    return (1 if choices else 0), seen

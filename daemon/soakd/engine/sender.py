@@ -1,0 +1,389 @@
+"""The HTTP sender process: completions sent at their exact due time from a process that does nothing else.
+
+soakd's main process runs collectors, sinks, the controller and the verdict on threads and an event loop
+that share one GIL. A request due while another thread holds the GIL (a sink serializing a batch, a
+collector's Python between NVML calls) leaves late by up to the interpreter's switch interval, and more
+when that thread is descheduled: the tail a soak's latency figures inherit. The sender is a child process
+(`python -m soakd.engine.sender`) with its own interpreter: the main process hands each request over a
+pipe ahead of its due time, with its body already encoded; the child waits for the due time precisely
+(soakd.clock's alarm), posts, reads the stream, stamps the send and every delta on the system-wide
+monotonic clock, and answers with the stamps and the token counts.
+
+Frames, both ways: two big-endian u32 (header length, body length), a JSON header, the body bytes.
+Parent to child: `init` (URL, headers, pool size; on the pipe, so an API key is in no argv or
+environment), `send` (key, due time, request id, whether to return token ids and speculative metrics;
+the body is the request's JSON), `cancel` (key). Child to parent: `ready`; per request progress frames
+(tokens so far, at most every PROGRESS_S, so live counters move during long generations) and one final
+frame (stamps, tokens, ids, speculative counts, or an error and its kind). End of input stops the child:
+it never outlives soakd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import struct
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from soakd.engine.base import GenerationRequest, SpecSteps, Stamps
+from soakd.errors import EngineError
+
+log = structlog.get_logger(__name__)
+
+_HEAD = struct.Struct(">II")
+# Bounds on what a frame may announce, checked before reading it: a prompt of the longest context as
+# JSON is a few MiB; the header holds at most a request's output token ids.
+MAX_HEADER = 64 * 1024 * 1024
+MAX_BODY = 256 * 1024 * 1024
+PROGRESS_S = 0.5
+"""Longest a request's new tokens wait before the child reports them."""
+_START_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 5.0
+MAX_RESTARTS = 20
+"""A sender that exits this often is a bug, not bad luck: the replay stops instead of restarting it."""
+
+KIND_SENDER = "sender"
+"""A final frame's error kind when the child itself is gone (the request's outcome is unknown)."""
+
+
+class FrameError(Exception):
+    """A frame announced more than the bounds allow, or its header is not a JSON object."""
+
+
+def frame(header: dict[str, Any], body: bytes = b"") -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return _HEAD.pack(len(head), len(body)) + head + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes] | None:
+    """The next frame, or None at a clean end of input (nothing half read)."""
+    try:
+        prefix = await reader.readexactly(_HEAD.size)
+    except asyncio.IncompleteReadError as err:
+        if err.partial:
+            raise FrameError("input ended inside a frame's length prefix") from err
+        return None
+    head_len, body_len = _HEAD.unpack(prefix)
+    if head_len > MAX_HEADER or body_len > MAX_BODY:
+        raise FrameError(f"frame announces {head_len} + {body_len} bytes, above the bounds")
+    head = await reader.readexactly(head_len)
+    body = await reader.readexactly(body_len) if body_len else b""
+    header = json.loads(head)
+    if not isinstance(header, dict):
+        raise FrameError("frame header is not a JSON object")
+    return header, body
+
+
+# ------------------------------------------------------------------------------------ the parent's side
+
+
+@dataclass(slots=True)
+class _Pending:
+    queue: asyncio.Queue[dict[str, Any]]
+
+
+class SenderProcess:
+    """The parent's handle on one sender child: start it, hand it requests, read its answers."""
+
+    def __init__(self, url: str, headers: dict[str, str], max_connections: int) -> None:
+        self._init = {"op": "init", "url": url, "headers": headers, "max_connections": max_connections}
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, _Pending] = {}
+        self._next = 0
+        self._exited = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and not self._exited
+
+    async def start(self) -> None:
+        env = dict(os.environ)
+        # The child imports the same soakd as this process, wherever it was imported from.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [_package_root(), env.get("PYTHONPATH", "")] if p)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "soakd.engine.sender",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=env,
+                # Its own session: a Ctrl-C on the terminal reaches soakd, which drains and then stops
+                # the child, instead of killing requests in flight.
+                start_new_session=True,
+            )
+        except OSError as err:
+            raise EngineError(f"cannot start the sender process: {err}") from err
+        proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(frame(self._init))
+        try:
+            got = await asyncio.wait_for(read_frame(proc.stdout), _START_TIMEOUT_S)
+        except (TimeoutError, FrameError, asyncio.IncompleteReadError, ValueError) as err:
+            await self.stop()
+            raise EngineError(f"the sender process did not start: {type(err).__name__}") from err
+        if got is None or got[0].get("op") != "ready":
+            await self.stop()
+            raise EngineError(f"the sender process did not start (exit code {proc.returncode})")
+        self._reader = asyncio.create_task(self._read(proc.stdout), name="soakd-sender-reader")
+
+    def submit(self, request: GenerationRequest, body: bytes) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
+        """Hand a request over; its progress and final frames arrive on the returned queue."""
+        if self._proc is None or self._proc.stdin is None or self._exited:
+            raise EngineError("the sender process is not running")
+        self._next += 1
+        key = self._next
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._pending[key] = _Pending(queue)
+        header = {
+            "op": "send",
+            "key": key,
+            "at": request.send_at,
+            "rid": request.request_id,
+            "ids": request.output_ids is not None,
+            "spec": request.spec is not None,
+        }
+        self._proc.stdin.write(frame(header, body))
+        return key, queue
+
+    def forget(self, key: int, *, cancel: bool) -> None:
+        """Drop a request's queue; with `cancel`, the child abandons it (closing its connection aborts
+        it in the server)."""
+        if self._pending.pop(key, None) is not None and cancel and self.running:
+            assert self._proc is not None and self._proc.stdin is not None
+            self._proc.stdin.write(frame({"op": "cancel", "key": key}))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        why = "end of output"
+        try:
+            while (got := await read_frame(reader)) is not None:
+                header = got[0]
+                pending = self._pending.get(header.get("key", -1))
+                if pending is not None:
+                    pending.queue.put_nowait(header)
+        except (FrameError, asyncio.IncompleteReadError, ValueError, ConnectionError) as err:
+            why = f"{type(err).__name__}: {err}"[:200]
+        finally:
+            self._exited = True
+            code = None
+            if self._proc is not None:
+                with contextlib.suppress(TimeoutError):
+                    code = await asyncio.wait_for(self._proc.wait(), 2.0)
+            message = f"the sender process exited (code {code}, {why})"
+            if self._pending:
+                log.error("sender_exited", code=code, reason=why, requests_lost=len(self._pending))
+            for pending in self._pending.values():
+                pending.queue.put_nowait({"final": True, "error": {"kind": KIND_SENDER, "message": message}})
+            self._pending.clear()
+
+    async def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            proc.stdin.close()  # end of input: the child cancels what it has and exits
+        try:
+            await asyncio.wait_for(proc.wait(), _STOP_TIMEOUT_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._exited = True
+
+
+def take_final(header: dict[str, Any], request: GenerationRequest) -> None:
+    """Copy a final frame's results into the request (stamps, token ids, speculative counts)."""
+    stamps = header.get("stamps")
+    if request.stamps is not None and isinstance(stamps, dict):
+        request.stamps.sent = stamps.get("sent")
+        request.stamps.first = stamps.get("first")
+        request.stamps.last = stamps.get("last")
+        request.stamps.gaps = float(stamps.get("gaps", 0.0))
+        request.stamps.deltas = int(stamps.get("deltas", 0))
+    ids = header.get("ids")
+    if request.output_ids is not None and isinstance(ids, list):
+        request.output_ids.extend(int(i) for i in ids)
+    spec = header.get("spec")
+    if request.spec is not None and isinstance(spec, dict):
+        request.spec.accepted.extend(int(i) for i in spec.get("accepted", []))
+        request.spec.drafted.extend(int(i) for i in spec.get("drafted", []))
+
+
+async def stream_via(
+    sender: SenderProcess, request: GenerationRequest, body: bytes
+) -> AsyncIterator[dict[str, Any]]:
+    """The frames of one request sent through `sender`: progress frames, then the final one.
+
+    Leaving early (a cancelled consumer) cancels the request in the child.
+    """
+    key, queue = sender.submit(request, body)
+    done = False
+    try:
+        while True:
+            header = await queue.get()
+            done = bool(header.get("final"))
+            yield header
+            if done:
+                return
+    finally:
+        sender.forget(key, cancel=not done)
+
+
+def _package_root() -> str:
+    import soakd
+
+    return str(Path(soakd.__file__).resolve().parent.parent)
+
+
+# ------------------------------------------------------------------------------------- the child's side
+
+
+class _Child:
+    """Sends each request at its time and reports on it; one aiohttp session, one event loop."""
+
+    def __init__(self, init: dict[str, Any], out: asyncio.StreamWriter) -> None:
+        import aiohttp
+
+        from soakd.clock import SystemClock
+
+        self._url = str(init["url"])
+        self._out = out
+        self._clock = SystemClock()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        limit = int(init.get("max_connections", 0))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max(0, limit), limit_per_host=0),
+            headers={str(k): str(v) for k, v in dict(init.get("headers", {})).items()},
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0),
+        )
+
+    def handle(self, header: dict[str, Any], body: bytes) -> None:
+        op = header.get("op")
+        key = int(header.get("key", 0))
+        if op == "send":
+            task = asyncio.create_task(self._one(key, header, body))
+            self._tasks[key] = task
+            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+        elif op == "cancel" and (running := self._tasks.get(key)) is not None:
+            running.cancel()
+
+    def _write(self, header: dict[str, Any]) -> None:
+        self._out.write(frame(header))
+
+    async def _one(self, key: int, header: dict[str, Any], body: bytes) -> None:
+        from soakd.engine.completions import (
+            KIND_ENGINE,
+            KIND_GONE,
+            KIND_REQUEST,
+            RequestError,
+            ServerGone,
+            stream_completion,
+        )
+
+        at = header.get("at")
+        if isinstance(at, (int, float)):
+            await self._clock.sleep_until(float(at))
+        output_ids: list[int] | None = [] if header.get("ids") else None
+        spec = SpecSteps() if header.get("spec") else None
+        reported_at = time.monotonic()
+        stamps = Stamps(sent=reported_at)
+        pending = 0
+        final: dict[str, Any] = {"key": key, "final": True}
+        try:
+            async for n in stream_completion(
+                self.session, self._url, body, str(header.get("rid", "")), output_ids, spec
+            ):
+                now = time.monotonic()
+                if stamps.first is None:
+                    stamps.first = now
+                else:
+                    stamps.gaps += now - (stamps.last or now)
+                    stamps.deltas += 1
+                stamps.last = now
+                pending += n
+                if now - reported_at >= PROGRESS_S:
+                    self._write({"key": key, "n": pending})
+                    pending = 0
+                    reported_at = now
+        except ServerGone as err:
+            final["error"] = {"kind": KIND_GONE, "message": str(err)}
+        except EngineError as err:
+            final["error"] = {"kind": KIND_ENGINE, "message": str(err)}
+        except RequestError as err:
+            final["error"] = {"kind": KIND_REQUEST, "message": str(err)}
+        # One request's failure is reported, never the sender's end: the boundary per request.
+        except Exception as err:  # noqa: BLE001
+            final["error"] = {"kind": KIND_REQUEST, "message": f"{type(err).__name__}: {err}"[:200]}
+        final["n"] = pending
+        final["stamps"] = {
+            "sent": stamps.sent,
+            "first": stamps.first,
+            "last": stamps.last,
+            "gaps": stamps.gaps,
+            "deltas": stamps.deltas,
+        }
+        if output_ids is not None:
+            final["ids"] = output_ids
+        if spec is not None:
+            final["spec"] = {"accepted": spec.accepted, "drafted": spec.drafted}
+        self._write(final)
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await self.session.close()
+
+
+async def _serve() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin.buffer)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, sys.stdout.buffer)
+    out = asyncio.StreamWriter(transport, protocol, None, loop)
+    got = await read_frame(reader)
+    if got is None or got[0].get("op") != "init":
+        return
+    child = _Child(got[0], out)
+    out.write(frame({"op": "ready", "pid": os.getpid()}))
+    try:
+        while (got := await read_frame(reader)) is not None:
+            child.handle(*got)
+    finally:
+        await child.close()
+        with contextlib.suppress(ConnectionError):
+            await out.drain()
+
+
+def main() -> None:
+    import gc
+
+    # What the imports made is frozen, so a full collection walks only what requests allocate (little):
+    # its pauses would be send jitter.
+    gc.freeze()
+    structlog.configure(
+        processors=[structlog.processors.TimeStamper(fmt="iso"), structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+        asyncio.run(_serve())
+
+
+if __name__ == "__main__":
+    main()
