@@ -260,8 +260,44 @@ def _cpu_s(proc: psutil.Process) -> float:
     return float(t.user + t.system)
 
 
+class _Processes:
+    """A changing set of processes read each pass: RSS now, CPU seconds used since the last pass."""
+
+    def __init__(self, skip_cpu: int | None = None) -> None:
+        self._skip_cpu = skip_cpu
+        self._procs: dict[int, psutil.Process] = {}
+        self._cpu: dict[int, float] = {}  # CPU seconds of each process at the last pass
+
+    def read(self, pids: list[int]) -> tuple[int, int, float]:
+        """(RSS, live processes, CPU seconds since the last pass) of `pids`."""
+        total = 0
+        alive = 0
+        cpu = 0.0
+        for pid in pids:
+            proc = self._procs.get(pid)
+            try:
+                if proc is None:
+                    proc = self._procs[pid] = psutil.Process(pid)
+                total += proc.memory_info().rss
+                if pid != self._skip_cpu:
+                    used = _cpu_s(proc)
+                    # A process seen for the first time counts from now (its start-up is not this pass's).
+                    cpu += used - self._cpu.get(pid, used)
+                    self._cpu[pid] = used
+                alive += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                self._procs.pop(pid, None)
+        for gone in set(self._procs) - set(pids):
+            del self._procs[gone]
+        for gone in set(self._cpu) - set(self._procs):
+            del self._cpu[gone]
+        return total, alive, cpu
+
+
 class HostCollector:
     """CPU and memory of the machine, RSS of the engine's processes, free space under the spool.
+
+    soakd's own figures include its helper processes (`helper_pids`: the HTTP sender).
 
     `on_read(t_s, reading)`, when given, is called at the end of every `collect` with `clock()`'s time.
     """
@@ -276,15 +312,18 @@ class HostCollector:
         *,
         on_read: HostReadFn | None = None,
         clock: Callable[[], float] = time.monotonic,
+        helper_pids: Callable[[], list[int]] = lambda: [],
     ) -> None:
         self._engine_pids = engine_pids
+        self._helper_pids = helper_pids
         self._spool_dir = spool_dir
         self._sysfs = HostSysfs(root)
         self._on_read = on_read
         self._clock = clock
-        self._procs: dict[int, psutil.Process] = {}
-        self._proc_cpu: dict[int, float] = {}  # CPU seconds of each engine process at the last pass
         self._self = psutil.Process()
+        self._engine_procs = _Processes(skip_cpu=self._self.pid)
+        self._helpers = _Processes()
+        self._helper_cpu = 0.0  # CPU seconds the helpers used since the collector started
         self._self_cpu = _cpu_s(self._self)
         self._last_t: float | None = None  # the clock at the last pass; the first pass only primes
         # cpu_percent(None) measures since the previous call; the first call only primes it.
@@ -295,28 +334,7 @@ class HostCollector:
 
         An in-process engine counts soakd's own process among its own (its front end lives there): its
         RSS is counted here, its CPU is not (that is `soakd_cpu_percent`, never counted twice)."""
-        total = 0
-        alive = 0
-        cpu = 0.0
-        for pid in pids:
-            proc = self._procs.get(pid)
-            try:
-                if proc is None:
-                    proc = self._procs[pid] = psutil.Process(pid)
-                total += proc.memory_info().rss
-                if pid != self._self.pid:
-                    used = _cpu_s(proc)
-                    # A process seen for the first time counts from now (its start-up is not this pass's).
-                    cpu += used - self._proc_cpu.get(pid, used)
-                    self._proc_cpu[pid] = used
-                alive += 1
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                self._procs.pop(pid, None)
-        for gone in set(self._procs) - set(pids):
-            del self._procs[gone]
-        for gone in set(self._proc_cpu) - set(self._procs):
-            del self._proc_cpu[gone]
-        return total, alive, cpu
+        return self._engine_procs.read(pids)
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
         cpu_percent = float(psutil.cpu_percent(None))
@@ -346,10 +364,12 @@ class HostCollector:
         rss, procs, engine_cpu = self._engine(self._engine_pids())
         fields["engine_rss_bytes"] = rss
         fields["engine_procs"] = procs
-        fields["soakd_rss_bytes"] = int(self._self.memory_info().rss)
+        helper_rss, _, helper_cpu = self._helpers.read(self._helper_pids())
+        self._helper_cpu += helper_cpu
+        fields["soakd_rss_bytes"] = int(self._self.memory_info().rss) + helper_rss
         # soakd's own process: with engine.kind = "vllm-local" it also hosts vLLM's front end (AsyncLLM's
         # output processing); the engine's other processes (core, workers) are engine_cpu_percent.
-        self_cpu = _cpu_s(self._self)
+        self_cpu = _cpu_s(self._self) + self._helper_cpu
         now = self._clock()
         fields["soakd_cpu_seconds"] = self_cpu
         if self._last_t is not None and now > self._last_t:
@@ -379,4 +399,5 @@ class HostCollector:
         return out
 
     def close(self) -> None:
-        self._procs.clear()
+        self._engine_procs = _Processes(skip_cpu=self._self.pid)
+        self._helpers = _Processes()

@@ -30,6 +30,7 @@ from soakd.collectors.prom import MetricsScraper
 from soakd.collectors.spec import SpecProfile
 from soakd.config import Config
 from soakd.engine.base import EngineInfo
+from soakd.engine.sender import sender_pids
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.live import LiveRun
 from soakd.policies.throttle import HarmSettings
@@ -84,7 +85,10 @@ def _host(b: Build) -> Sequence[Collector]:
     # The throttle detector over the CPUs' clocks, throttle counts and thermal margin: what a CPU-only
     # soak has instead of NVML.
     watch = HostThrottleWatch(b.writer.event)
-    return [HostCollector(b.engine.process_ids, b.run_dir, on_read=watch.observe), watch]
+    return [
+        HostCollector(b.engine.process_ids, b.run_dir, on_read=watch.observe, helper_pids=sender_pids),
+        watch,
+    ]
 
 
 def _gpu(b: Build) -> Sequence[Collector]:

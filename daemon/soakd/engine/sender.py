@@ -55,6 +55,14 @@ KIND_SENDER = "sender"
 """A final frame's error kind when the child itself is gone (the request's outcome is unknown)."""
 
 
+_LIVE: set[int] = set()  # pids of the sender processes running now, for soakd's own resource figures
+
+
+def sender_pids() -> list[int]:
+    """Pids of the sender processes running now (soakd's own processes, not the engine's)."""
+    return sorted(_LIVE)
+
+
 class FrameError(Exception):
     """A frame announced more than the bounds allow, or its header is not a JSON object."""
 
@@ -129,6 +137,7 @@ class SenderProcess:
         except OSError as err:
             raise EngineError(f"cannot start the sender process: {err}") from err
         proc = self._proc
+        _LIVE.add(proc.pid)
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.write(frame(self._init))
         try:
@@ -202,6 +211,7 @@ class SenderProcess:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        _LIVE.discard(proc.pid)
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
         self._exited = True

@@ -308,3 +308,29 @@ def test_soakd_cpu_pct_sums_each_process_and_skips_the_gap_of_a_resume() -> None
         m.add(Sample("host", {"soakd_cpu_seconds": cpu}, t * 10**9))
     # (10 + 4) CPU seconds over (20 + 20) wall seconds; the 30 s down and its 25 s jump are not counted.
     assert m.scalar("soakd_cpu_pct") == pytest.approx(100.0 * 14 / 40)
+
+
+def test_soakds_helper_processes_count_as_soakds_own(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    # A real child burning CPU stands in for the HTTP sender process: soakd's, not the engine's.
+    helper = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        t = [0.0]
+        collector = HostCollector(
+            list, spool, root=tmp_path, clock=lambda: t[0], helper_pids=lambda: [helper.pid]
+        )
+        first = next(s for s in collector.collect(1 * S) if s.measurement == "host")
+        time.sleep(0.5)
+        t[0] = 1.0
+        host = next(s for s in collector.collect(2 * S) if s.measurement == "host")
+        own = psutil.Process().memory_info().rss
+        assert int(host.fields["soakd_rss_bytes"]) > own  # this process's and the helper's
+        assert float(host.fields["soakd_cpu_seconds"]) - float(first.fields["soakd_cpu_seconds"]) >= 0.3
+        assert float(host.fields["soakd_cpu_percent"]) >= 30.0
+        assert host.fields["engine_procs"] == 0 and "engine_cpu_percent" in host.fields
+        assert float(host.fields["engine_cpu_percent"]) == 0.0
+        collector.close()
+    finally:
+        helper.kill()
+        helper.wait()
