@@ -48,7 +48,8 @@ class RequestRecord:
     due_wall_ns: int
     """Wall time the trace said the request should be sent."""
     lateness_s: float
-    """How late the pacer handed the request on, against its due time (harness fidelity)."""
+    """How late the request was sent against its due time, its admission queueing excepted (harness
+    fidelity): when the engine was called, or when its sender process sent it. 0 if never sent."""
     turn: int = 0
     """Turn within the session (0 when the request has no session)."""
     copy: int = 0
@@ -134,7 +135,7 @@ class ReplayStats:
     clipped: int = 0
     """Requests whose prompt was clipped to fit the engine's context."""
     lateness_max_s: float = 0.0
-    """Worst pacer lateness seen."""
+    """Worst send lateness seen."""
     session_turns: int = 0
     """Later turns sent closed loop, after their session's previous turn finished."""
     session_turns_cut: int = 0
@@ -347,15 +348,11 @@ class Replayer:
         self._stop.set()
 
     def _record(self, item: Scheduled, deadline: float, due_wall_ns: int) -> RequestRecord:
-        """The record of a request that has come due (counted as scheduled), with its lateness."""
+        """The record of a request that has come due (counted as scheduled)."""
         stats = self.stats
         stats.scheduled += 1
         if self._on_due is not None:
             self._on_due(item)
-        lateness = 0.0
-        if not self._ahead:  # else measured where the sender sent it (_send)
-            lateness = max(0.0, self._clock.monotonic() - deadline)
-            self._note_late(lateness)
         spec = item.spec
         suffix = f"-{spec.copy}" if spec.copy else ""
         return RequestRecord(
@@ -366,7 +363,7 @@ class Replayer:
             turn=spec.turn,
             copy=spec.copy,
             due_wall_ns=due_wall_ns,
-            lateness_s=lateness,
+            lateness_s=0.0,  # set when it is sent
             input_tokens_trace=spec.input_tokens,
             output_tokens_expected=spec.output_tokens,
         )
@@ -569,6 +566,10 @@ class Replayer:
         clock = self._clock
         self.stats.dispatched += 1
         sent = clock.monotonic()
+        if not self._ahead:
+            # When the engine is called: the pacer's hand-off plus the task's start, queueing excepted.
+            record.lateness_s = max(0.0, sent - deadline - record.queue_s)
+            self._note_late(record.lateness_s)
         first: float | None = None
         last = sent
         gaps = 0.0
@@ -592,12 +593,11 @@ class Replayer:
         record.output_tokens = received
         stamps = request.stamps
         if stamps is not None and stamps.sent is not None:
-            # Stamped where the stream was read, free of soakd's own loop.
-            assert request.send_at is not None
-            record.lateness_s = max(0.0, stamps.sent - request.send_at)
-            self._note_late(record.lateness_s)
+            # Stamped where the stream was read, free of soakd's own loop; known once it finished.
             sent, first, last = stamps.sent, stamps.first, stamps.last or stamps.sent
             gaps, deltas = stamps.gaps, stamps.deltas
+            record.lateness_s = max(0.0, sent - deadline - record.queue_s)
+            self._note_late(record.lateness_s)
         if request.spec is not None and request.spec.drafted:
             record.spec_accepted = sum(request.spec.accepted)
             record.spec_drafted = sum(request.spec.drafted)
