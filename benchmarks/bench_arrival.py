@@ -1,23 +1,32 @@
 """Replay timing as the server sees it: arrival times at the server, soakd beside `vllm bench serve`.
 
 Run by hand:  .venv/bin/python benchmarks/bench_arrival.py [--rates 10 100] [--requests 300] [--reps 3]
-                  [--model models/tiny] [--json] [--keep DIR]
+                  [--model models/tiny] [--json] [--keep DIR] [--gpu] [--soakd-senders process loop]
+                  [--budget-s SECONDS]
 
-One vLLM CPU api_server on the tiny model is started once. In front of it runs a byte-level TCP
-pass-through (this script's `proxy` mode, its own process) that stamps `time.time_ns()` when the first
-byte of each HTTP request reaches it, and forwards every byte unchanged in both directions. For each
-rate, one Mooncake-format trace of `--requests` requests (Poisson arrivals, millisecond timestamps) is
-replayed through the pass-through by each client in turn, `--reps` times, alternating which goes first:
+One vLLM api_server on the tiny model is started once: the CPU build here, or with `--gpu` a CUDA build
+(the H200 machine's slim vLLM 0.26.0: Triton attention, eager, a third of the GPU's memory; see
+benchmarks/h200_arrival/run.sh). In front of it runs a byte-level TCP pass-through (this script's
+`proxy` mode, its own process) that stamps `time.time_ns()` when the first byte of each HTTP request
+reaches it, and forwards every byte unchanged in both directions. For each rate, one Mooncake-format
+trace of `--requests` requests (Poisson arrivals, millisecond timestamps) is replayed through the
+pass-through by each client in turn, `--reps` times, the clients' order rotated from rep to rep so that
+none always goes first (reps are the outer loop, so a `--budget-s` cut loses whole reps, not a rate):
 
 - `vllm bench serve --dataset-name timed_trace --timed-trace-sec-multiplier 0.001`;
 - `soakd run` in attach mode (`engine.kind = "openai"`, no warm-up, no loop), the whole daemon: spool,
-  collectors, scheduler, verdict.
+  collectors, scheduler, verdict. With `--soakd-senders process loop` soakd runs once per listed
+  `engine.sender` ("soakd (process)", "soakd (loop)"); without it one client "soakd" with soakd's
+  default. soakd's own lateness figures (its verdict's p50/p99/max(lateness_ms)) are kept beside.
+  With `--gpu` soakd (and the warm-up) is given the model's vocabulary (`engine.vocab_size`, from its
+  config.json) instead of probing the server for it.
 
 Deviation: for the last N POST /v1/completions of a client's run (N = the trace's requests; what comes
 before is the client's own probing: vLLM's test prompt, soakd's vocabulary probe), arrival_i - t_i,
 minus the median of those; reported as the absolute value's p50 / p99 / max. CPU seconds and peak RSS
 are the client process tree's (getrusage of the waited child; RSS polled). Figures are the median over
-the reps with their min-max spread.
+the reps with their min-max spread. With `--json` stdout is the JSON report alone and the table goes to
+stderr.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -50,6 +60,12 @@ from bench_fidelity import (
 
 Json = dict[str, Any]
 ROOT = Path(__file__).resolve().parent.parent
+VLLM_BENCH = "vllm bench"
+SENDERS = ("process", "loop")
+# A client run's cost beyond the trace's span before one was measured (imports, probing, the end).
+FIRST_OVERHEAD_S = 20.0
+# Kept free at the end of `--budget-s`: stopping the server (its process group) and the report.
+STOP_MARGIN_S = 15.0
 
 
 # --------------------------------------------------------------------------------------- the proxy
@@ -185,7 +201,17 @@ def write_trace(path: Path, requests: int, rate: float, seed: int) -> list[int]:
 # --------------------------------------------------------------------------------------- the clients
 
 
-def run_soakd(url: str, trace: Path, requests: int, workdir: Path, span_s: float) -> Json:
+def run_soakd(
+    url: str, trace: Path, workdir: Path, span_s: float, sender: str | None = None, vocab_size: int = 0
+) -> Json:
+    """`soakd run` in attach mode over `trace`; `sender`: engine.sender (None: soakd's default);
+    `vocab_size`: engine.vocab_size (0: soakd probes the server)."""
+    engine_extra = "".join(
+        [
+            f'sender = "{sender}"\n' if sender else "",
+            f"vocab_size = {vocab_size}\n" if vocab_size else "",
+        ]
+    )
     cfg = workdir / "soakd.toml"
     cfg.write_text(
         f"""
@@ -201,7 +227,7 @@ block_size = 512
 [engine]
 kind = "openai"
 url = "{url}"
-[replay]
+{engine_extra}[replay]
 warmup_requests = 0
 loop = false
 drain_timeout = "120s"
@@ -217,7 +243,24 @@ min_completed_ratio = 0.0
     argv = [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--no-progress", "--json"]
     argv += ["--log-level", "warning"]
     usage = run_child(argv, workdir / "soakd.log")
-    return {"usage": usage}
+    return {"usage": usage, "own": own_lateness(workdir / "runs")}
+
+
+def own_lateness(runs: Path) -> Json:
+    """soakd's own lateness figures (ms) from its run's verdict: p50, p99, max; {} if not found."""
+    found = sorted(runs.glob("*/verdict.json"))
+    if not found:
+        return {}
+    try:
+        metrics = json.loads(found[-1].read_text(encoding="utf-8")).get("metrics", {})
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for stat in ("p50", "p99", "max"):
+        value = metrics.get(f"{stat}(lateness_ms)")
+        if isinstance(value, int | float):
+            out[f"own_late_{stat}_ms"] = float(value)
+    return out
 
 
 def arrivals(path: Path, n: int, since_ns: int) -> list[int]:
@@ -239,77 +282,191 @@ def deviation(arrived_ns: list[int], trace_ms: list[int]) -> Json:
     }
 
 
-def summary(values: list[float]) -> Json:
+def summary(values: list[float]) -> Json | None:
+    if not values:
+        return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def figures(rows: list[Json]) -> Json:
+    """Median and range of every figure over a client's runs (a figure some runs lack: over the rest)."""
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return {k: summary([r[k] for r in rows if r.get(k) is not None]) for k in keys}
+
+
+def model_vocab(model: Path) -> int:
+    """The model's vocabulary size from its config.json (0 if not there)."""
+    try:
+        cfg = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0
+    return int(vocab)
+
+
+def client_names(senders: list[str] | None) -> list[str]:
+    soakds = [f"soakd ({s})" for s in senders] if senders else ["soakd"]
+    return [*soakds, VLLM_BENCH]
+
+
+def sender_of(client: str) -> str | None:
+    found = re.fullmatch(r"soakd \((\w+)\)", client)
+    return found.group(1) if found else None
+
+
+def rotated(clients: list[str], rep: int) -> list[str]:
+    """The clients' order in rep `rep`: each goes first in turn."""
+    k = rep % len(clients)
+    return clients[k:] + clients[:k]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "proxy":
         asyncio.run(_proxy(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])))
         return
+    t_start = time.monotonic()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[10.0, 100.0])
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="stdout: the JSON report alone (the table: stderr)")
     ap.add_argument("--keep", type=Path)
+    ap.add_argument("--gpu", action="store_true", help="start a CUDA vLLM server (the H200's slim 0.26.0)")
+    ap.add_argument(
+        "--soakd-senders",
+        nargs="+",
+        choices=SENDERS,
+        help="one soakd client per listed engine.sender (default: one client, soakd's default sender)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        help="wall seconds for the whole benchmark from its start: a client run that would not end "
+        "in time (trace span plus that client's longest overhead so far) is skipped and the report "
+        "says how many were",
+    )
     args = ap.parse_args()
+    from soakd.logs import configure
+
+    configure("warning")  # the warm-up's soakd logs go to stderr; stdout stays for the report
+    deadline = t_start + args.budget_s - STOP_MARGIN_S if args.budget_s else None
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-arrival-"))
     work.mkdir(parents=True, exist_ok=True)
-    server, url, _ = start_server(args.model, work)
-    report: Json = {"requests": args.requests, "reps": args.reps, "rates": {}}
+    clients = client_names(args.soakd_senders)
+    # On the GPU the model's vocabulary is given to soakd, not probed (an id past the embedding would
+    # be a device-side assert in the server, not a 400).
+    vocab = model_vocab(args.model) if args.gpu else 0
+    t0 = time.monotonic()
+    server, url, _ = start_server(args.model, work, gpu=args.gpu)
+    server_start_s = time.monotonic() - t0
+    print(f"server up in {server_start_s:.1f} s at {url}", file=sys.stderr, flush=True)
+    report: Json = {
+        "requests": args.requests,
+        "reps": args.reps,
+        "gpu": args.gpu,
+        "clients": clients,
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "server_start_s": server_start_s,
+        "rates": {},
+    }
+    traces: dict[float, tuple[Path, list[int]]] = {}
+    for rate in args.rates:
+        trace = work / f"trace-{rate:g}.jsonl"
+        traces[rate] = (trace, write_trace(trace, args.requests, rate, args.seed))
+    runs: dict[float, dict[str, list[Json]]] = {rate: {c: [] for c in clients} for rate in args.rates}
+    overhead: dict[str, float] = {}  # a client's longest wall time beyond the trace's span so far
+    skipped: list[str] = []
+    errors: list[str] = []
     try:
-        asyncio.run(warm_up(url))
-        for rate in args.rates:
-            trace = work / f"trace-{rate:g}.jsonl"
-            times = write_trace(trace, args.requests, rate, args.seed)
-            runs: dict[str, list[Json]] = {"soakd": [], "vllm bench": []}
-            for rep in range(args.reps):
-                order = ["soakd", "vllm bench"] if rep % 2 == 0 else ["vllm bench", "soakd"]
-                for client in order:
-                    rundir = work / f"{rate:g}-{rep}-{client.replace(' ', '-')}"
-                    rundir.mkdir()
-                    out = rundir / "arrivals.jsonl"
-                    proxy, purl = start_proxy(url, out)
-                    since = time.time_ns()
-                    try:
-                        if client == "soakd":
-                            usage = run_soakd(purl, trace, args.requests, rundir, times[-1] / 1000)["usage"]
-                        else:
-                            res = run_vllm_bench(purl, args.model, trace, args.requests, rundir, args.seed)
-                            usage = res["usage"]
-                    finally:
-                        stop_proxy(proxy)
-                    dev = deviation(arrivals(out, args.requests, since), times)
-                    runs[client].append({**dev, "cpu_s": usage["cpu_s"], "rss_mb": usage["peak_rss_mb"]})
-                    print(
-                        f"rate {rate:g} rep {rep} {client}: {runs[client][-1]}", file=sys.stderr, flush=True
-                    )
-            report["rates"][f"{rate:g}"] = {
-                client: {k: summary([r[k] for r in rows]) for k in rows[0]} | {"runs": rows}
-                for client, rows in runs.items()
-            }
+        asyncio.run(warm_up(url, vocab))
+        plan = [
+            (rep, rate, c) for rep in range(args.reps) for rate in args.rates for c in rotated(clients, rep)
+        ]
+        for rep, rate, client in plan:
+            trace, times = traces[rate]
+            span_s = times[-1] / 1000
+            name = f"rate {rate:g} rep {rep} {client}"
+            need = span_s + overhead.get(client, FIRST_OVERHEAD_S)
+            if deadline is not None and time.monotonic() + need > deadline:
+                skipped.append(name)
+                print(f"skipped (time budget): {name}", file=sys.stderr, flush=True)
+                continue
+            if server.poll() is not None:
+                errors.append(f"the vLLM server exited with {server.returncode} before {name}")
+                print(errors[-1], file=sys.stderr, flush=True)
+                break
+            rundir = work / f"{rate:g}-{rep}-{re.sub(r'[^a-z0-9]+', '-', client).strip('-')}"
+            rundir.mkdir()
+            t_run = time.monotonic()
+            row: Json | None = None
+            try:
+                row = one_run(client, url, args, trace, times, rundir, vocab)
+            except Exception as err:  # noqa: BLE001 (a failed run is reported, the others go on)
+                errors.append(f"{name}: {type(err).__name__}: {err}"[:2000])
+                print(f"FAILED: {errors[-1]}", file=sys.stderr, flush=True)
+            overhead[client] = max(overhead.get(client, 0.0), time.monotonic() - t_run - span_s)
+            if row is not None:
+                runs[rate][client].append(row)
+                print(f"{name}: {row}", file=sys.stderr, flush=True)
     finally:
         stop_server(server)
+        for rate in args.rates:
+            done = {client: rows for client, rows in runs[rate].items() if rows}
+            if done:
+                report["rates"][f"{rate:g}"] = {
+                    client: figures(rows) | {"runs": rows} for client, rows in done.items()
+                }
+        report["skipped"] = skipped
+        report["errors"] = errors
+        report["wall_s"] = time.monotonic() - t_start
     if args.json:
         print(json.dumps(report, indent=2))
-    print(table(report))
+    print(table(report), file=sys.stderr if args.json else sys.stdout)
+
+
+def one_run(
+    client: str, url: str, args: argparse.Namespace, trace: Path, times: list[int], rundir: Path, vocab: int
+) -> Json:
+    """One client's replay of `trace` through a fresh pass-through: its deviation figures and costs."""
+    out = rundir / "arrivals.jsonl"
+    proxy, purl = start_proxy(url, out)
+    since = time.time_ns()
+    own: Json = {}
+    try:
+        if client == VLLM_BENCH:
+            res = run_vllm_bench(purl, args.model, trace, args.requests, rundir, args.seed)
+        else:
+            res = run_soakd(purl, trace, rundir, times[-1] / 1000, sender_of(client), vocab)
+            own = res["own"]
+        usage = res["usage"]
+    finally:
+        stop_proxy(proxy)
+    dev = deviation(arrivals(out, args.requests, since), times)
+    return {**dev, "cpu_s": usage["cpu_s"], "rss_mb": usage["peak_rss_mb"], "wall_s": usage["wall_s"], **own}
 
 
 def table(report: Json) -> str:
     out = [
-        "| rate | client | p50 ms | p99 ms | max ms | CPU s | peak RSS MB |",
-        "|---|---|---|---|---|---|---|",
+        "| rate | client | p50 ms | p99 ms | max ms | CPU s | peak RSS MB | own lateness p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(fig: Json | None) -> str:
+        return "-" if fig is None else f"{fig['median']:.2f} ({fig['min']:.2f}-{fig['max']:.2f})"
+
     for rate, clients in report["rates"].items():
         for client, fig in clients.items():
-            cells = [
-                f"{fig[k]['median']:.2f} ({fig[k]['min']:.2f}-{fig[k]['max']:.2f})"
-                for k in ("p50_ms", "p99_ms", "max_ms", "cpu_s", "rss_mb")
-            ]
-            out.append(f"| {rate} req/s | {client} | " + " | ".join(cells) + " |")
+            cells = [cell(fig.get(k)) for k in ("p50_ms", "p99_ms", "max_ms", "cpu_s", "rss_mb")]
+            cells.append(cell(fig.get("own_late_p99_ms")))
+            n = len(fig["runs"])
+            runs = "" if n == report["reps"] else f" ({n} of {report['reps']} runs)"
+            out.append(f"| {rate} req/s | {client}{runs} | " + " | ".join(cells) + " |")
+    if report.get("skipped"):
+        out.append(f"\n{len(report['skipped'])} runs skipped for the time budget")
+    if report.get("errors"):
+        out.append(f"\n{len(report['errors'])} runs failed: " + "; ".join(report["errors"]))
     return "\n".join(out)
 
 

