@@ -255,11 +255,20 @@ def own_lateness(runs: Path) -> Json:
         metrics = json.loads(found[-1].read_text(encoding="utf-8")).get("metrics", {})
     except (OSError, ValueError):
         return {}
-    out = {}
+    out: Json = {}
     for stat in ("p50", "p99", "max"):
         value = metrics.get(f"{stat}(lateness_ms)")
         if isinstance(value, int | float):
             out[f"own_late_{stat}_ms"] = float(value)
+    # The three latest requests by soakd's own measure: (position in the trace, lateness ms).
+    from soakd.sinks.spool import iter_samples
+
+    spool = found[-1].parent / "spool"
+    late = [
+        (int(s.fields["index"]), 1000 * float(s.fields["lateness_s"]))
+        for s in iter_samples(spool, "requests", on_damaged=lambda *_: None)
+    ]
+    out["own_worst"] = [[i, round(v, 3)] for i, v in sorted(late, key=lambda r: -r[1])[:3]]
     return out
 
 
@@ -275,10 +284,13 @@ def arrivals(path: Path, n: int, since_ns: int) -> list[int]:
 def deviation(arrived_ns: list[int], trace_ms: list[int]) -> Json:
     d = np.array(arrived_ns, dtype=np.float64) / 1e6 - np.array(sorted(trace_ms), dtype=np.float64)
     d = np.abs(d - np.median(d))
+    worst = np.argsort(d)[::-1][:3]
     return {
         "p50_ms": float(np.percentile(d, 50)),
         "p99_ms": float(np.percentile(d, 99)),
         "max_ms": float(d.max()),
+        # Where the tail is: (position in the trace, deviation ms) of the three worst arrivals.
+        "worst": [[int(i), round(float(d[i]), 3)] for i in worst],
     }
 
 
@@ -290,7 +302,7 @@ def summary(values: list[float]) -> Json | None:
 
 def figures(rows: list[Json]) -> Json:
     """Median and range of every figure over a client's runs (a figure some runs lack: over the rest)."""
-    keys = list(dict.fromkeys(k for row in rows for k in row))
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in ("worst", "own_worst")]
     return {k: summary([r[k] for r in rows if r.get(k) is not None]) for k in keys}
 
 

@@ -283,6 +283,16 @@ class _Child:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0),
         )
 
+    async def warm(self) -> None:
+        """Pay the first request's one-time costs before any request is due: the pool's first
+        connection, aiohttp's first request, the alarm thread's start."""
+        import aiohttp
+
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with self.session.get(self._url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                await r.read()
+        await self._clock.sleep_until(time.monotonic() + 0.001)
+
     def handle(self, header: dict[str, Any], body: bytes) -> None:
         op = header.get("op")
         key = int(header.get("key", 0))
@@ -371,6 +381,7 @@ async def _serve() -> None:
     if got is None or got[0].get("op") != "init":
         return
     child = _Child(got[0], out)
+    await child.warm()
     out.write(frame({"op": "ready", "pid": os.getpid()}))
     try:
         while (got := await read_frame(reader)) is not None:
