@@ -17,6 +17,7 @@ BUDGET_S=${BUDGET_S:-545}
 read -r -a RATES <<< "${RATES:-10 100}"
 REQUESTS=${REQUESTS:-200}
 REPS=${REPS:-3}
+read -r -a SENDERS <<< "${SENDERS:-process loop}"
 mkdir -p "$OUT"
 exec 3>&1 4>&2
 exec > >(tee "$OUT/run.log") 2>&1
@@ -131,7 +132,7 @@ rm -rf /tmp/arrival
 t=$(date +%s)
 rc=0
 python3 benchmarks/bench_arrival.py --gpu --model /tmp/tiny_model --rates "${RATES[@]}" --requests "$REQUESTS" \
-  --reps "$REPS" --soakd-senders process loop --json --keep /tmp/arrival --budget-s "$left" \
+  --reps "$REPS" --soakd-senders "${SENDERS[@]}" --json --keep /tmp/arrival --budget-s "$left" \
   > "$OUT/arrival.json" 2> "$OUT/arrival.log" || rc=$?
 stage "benchmark rc $rc: $(($(date +%s) - t)) s"
 tail -n 12 "$OUT/arrival.log"
