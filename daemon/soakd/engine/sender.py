@@ -35,6 +35,14 @@ from typing import Any
 import structlog
 
 from soakd.engine.base import GenerationRequest, SpecSteps, Stamps
+from soakd.engine.completions import (
+    KIND_ENGINE,
+    KIND_GONE,
+    KIND_REQUEST,
+    RequestError,
+    ServerGone,
+    stream_completion,
+)
 from soakd.errors import EngineError
 
 log = structlog.get_logger(__name__)
@@ -307,15 +315,6 @@ class _Child:
         self._out.write(frame(header))
 
     async def _one(self, key: int, header: dict[str, Any], body: bytes) -> None:
-        from soakd.engine.completions import (
-            KIND_ENGINE,
-            KIND_GONE,
-            KIND_REQUEST,
-            RequestError,
-            ServerGone,
-            stream_completion,
-        )
-
         at = header.get("at")
         if isinstance(at, (int, float)):
             await self._clock.sleep_until(float(at))

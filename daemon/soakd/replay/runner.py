@@ -163,6 +163,10 @@ _LEAD_S = 0.005
 # it is due, its body encoded, and waits for the exact time itself: a stall of soakd's loop or a thread
 # holding the GIL up to this long no longer makes a request late.
 _SENDER_LEAD_S = 0.025
+# The replay's clock starts this long after run() is called, so the first request, due at trace time 0,
+# is built and handed on ahead of its time like every other, first-call costs included (~10-20 ms
+# measured: prompt synthesis, encoding, the sender's first frame; the alarm thread's start).
+START_S = 0.05
 _MAX_SESSIONS = 100_000  # session tails remembered; an evicted session's next turn goes open loop
 
 
@@ -288,18 +292,23 @@ class Replayer:
     async def run(self) -> ReplayStats:
         self._ahead = self._engine.info.sends_at
         self._lead = _SENDER_LEAD_S if self._ahead else _LEAD_S
-        t0 = self._t0 = self._clock.monotonic()
-        wall0 = self._wall0 = self._clock.wall_ns()
+        t0 = self._t0 = self._clock.monotonic() + START_S
+        wall0 = self._wall0 = self._clock.wall_ns() + int(START_S * 1e9)
+        # One precise wait before the first due time: the clock's alarm thread starts now, not on the
+        # first request's time.
+        await self._clock.sleep_until(self._clock.monotonic() + 0.001)
         stop_wait = asyncio.create_task(self._stop.wait())
         ends_at = t0 + self._duration_s if self._duration_s is not None else None
         try:
-            for item in self._iterate():
+            for n, item in enumerate(self._iterate()):
                 if ends_at is not None and self._clock.monotonic() >= ends_at:
                     # Behind schedule at the run's end (an engine or a host that cannot keep the pace):
                     # the requests still owed are not sent after the duration, the run ends on time.
                     break
                 deadline = t0 + item.due_s
-                if self._clock.monotonic() < deadline - self._lead:
+                # The first prompt is built at once: its first-call costs (~10 ms) exceed the pacer's own
+                # lead. (Not one handed to a sender: the gate's slot would be held until it is due.)
+                if (n or self._ahead) and self._clock.monotonic() < deadline - self._lead:
                     wake = self._clock.sleep_until(deadline - self._lead, precise=False)
                     sleeper = asyncio.create_task(wake)
                     await asyncio.wait({sleeper, stop_wait}, return_when=asyncio.FIRST_COMPLETED)

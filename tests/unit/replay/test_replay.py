@@ -12,6 +12,7 @@ from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.pacer import schedule
 from soakd.replay.prompts import PromptSynth
+from soakd.replay.runner import START_S as START
 from soakd.replay.runner import Replayer, RequestRecord
 from soakd.traces.model import RequestSpec
 
@@ -106,7 +107,7 @@ def spec(i: int, t: float, inp: int = 20, out: int = 6) -> RequestSpec:
 
 
 async def test_every_scheduled_request_gets_exactly_one_record() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock, fail_on={2}, short_on={3})
     rep, records = make(engine, [spec(i, i * 0.5) for i in range(6)], clock)
     stats = await rep.run()
@@ -126,7 +127,7 @@ async def test_every_scheduled_request_gets_exactly_one_record() -> None:
 
 
 async def test_requests_are_sent_on_trace_time_in_virtual_time() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock, step_s=0.001)
     rep, records = make(engine, [spec(0, 0.0), spec(1, 2.0), spec(2, 7.5)], clock, duration=20.0)
     await rep.run()
@@ -137,7 +138,7 @@ async def test_requests_are_sent_on_trace_time_in_virtual_time() -> None:
 
 
 async def test_admission_ceiling_bounds_concurrency_and_queue_time_is_recorded() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock, step_s=1.0, chunk=1)
     rep, records = make(engine, [spec(i, 0.0) for i in range(6)], clock, limit=2)
     await rep.run()
@@ -147,7 +148,7 @@ async def test_admission_ceiling_bounds_concurrency_and_queue_time_is_recorded()
 
 
 async def test_shed_when_too_many_wait_and_recorded() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock, step_s=1.0, chunk=1)
     rep, records = make(engine, [spec(i, 0.0) for i in range(10)], clock, limit=1, max_pending=3)
     stats = await rep.run()
@@ -157,7 +158,7 @@ async def test_shed_when_too_many_wait_and_recorded() -> None:
 
 
 async def test_prompts_clip_to_context_and_are_counted() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock)
     rep, records = make(engine, [spec(0, 0.0, inp=500, out=10)], clock)
     stats = await rep.run()
@@ -207,7 +208,7 @@ def test_record_sample_fields_and_status_tag() -> None:
 
 
 async def test_a_record_that_cannot_be_written_is_counted_once_and_reported() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock)
     written: list[RequestRecord] = []
 
@@ -263,7 +264,7 @@ def _session_specs() -> list[RequestSpec]:
 
 
 async def test_later_turns_wait_for_the_previous_turn_plus_the_recorded_gap() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = TimedEngine(clock, step_s=0.5, chunk=2)  # 6 tokens: 1.5 s per request
     rep, records = make(engine, _session_specs(), clock)
     stats = await rep.run()
@@ -283,7 +284,7 @@ async def test_later_turns_wait_for_the_previous_turn_plus_the_recorded_gap() ->
 
 
 async def test_open_sessions_send_every_turn_at_its_recorded_time() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = TimedEngine(clock, step_s=0.5, chunk=2)
     rep, _ = make(engine, _session_specs(), clock)
     rep._closed_sessions = False
@@ -293,7 +294,7 @@ async def test_open_sessions_send_every_turn_at_its_recorded_time() -> None:
 
 
 async def test_turns_due_after_the_end_are_cut_not_failed() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = TimedEngine(clock, step_s=0.5, chunk=2)
     rep, records = make(engine, _session_specs(), clock, duration=3.0)
     stats = await rep.run()
@@ -303,7 +304,7 @@ async def test_turns_due_after_the_end_are_cut_not_failed() -> None:
 
 
 async def test_a_failed_turn_still_releases_the_next_one() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = TimedEngine(clock, step_s=0.5, chunk=2, fail_on={0})  # type: ignore[arg-type]
     rep, _ = make(engine, _session_specs(), clock)
     stats = await rep.run()
@@ -312,7 +313,7 @@ async def test_a_failed_turn_still_releases_the_next_one() -> None:
 
 
 async def test_snapshot_shows_the_backlog_when_the_engine_cannot_keep_up() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock, step_s=0.5, chunk=2)  # 6 tokens: 1.5 s each, one at a time
     rep, records = make(engine, [spec(i, i * 0.1) for i in range(6)], clock, limit=1)
     snaps: list[dict[str, float | int]] = []
@@ -352,7 +353,7 @@ class EchoIdsEngine(TimedEngine):
 
 
 async def test_a_later_turn_replays_the_previous_prompt_and_the_engines_answer() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = EchoIdsEngine(clock, step_s=0.5, chunk=2)
     rep, _ = make(engine, _session_specs(), clock)
     await rep.run()
@@ -389,7 +390,7 @@ async def test_system_clock_never_wakes_early_and_survives_cancelled_sleepers() 
 
 
 async def test_a_request_without_a_possible_prompt_fails_alone() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock)
     # hash_ids that do not cover the prompt: PromptSynth refuses it.
     bad = RequestSpec(1, 0.2, 40, 6, 16, hash_ids=(1,))
@@ -401,7 +402,7 @@ async def test_a_request_without_a_possible_prompt_fails_alone() -> None:
 
 
 async def test_an_implausible_token_count_fails_the_request_not_the_accounting() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = FakeEngine(clock, huge_on={1})
     rep, records = make(engine, [spec(i, i * 0.1) for i in range(3)], clock)
     stats = await rep.run()
@@ -417,7 +418,7 @@ async def test_an_implausible_token_count_fails_the_request_not_the_accounting()
 async def test_a_replay_behind_its_schedule_still_ends_at_its_duration() -> None:
     """A host that cannot keep the pace (here each prompt takes 1 s of the clock to build) falls behind
     the trace; the run still ends at its duration, and what fell due after it is not sent late."""
-    clock = FakeClock()
+    clock = FakeClock(-START)
 
     class SlowPrompts(PromptSynth):
         def prompt_ids(self, spec: RequestSpec, salt: int = 0, limit: int | None = None) -> list[int]:
@@ -466,7 +467,7 @@ class AheadEngine(FakeEngine):
 
 
 async def test_an_engine_with_its_own_sender_gets_requests_ahead_and_its_stamps_are_the_record() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = AheadEngine(clock, late_s={1: 0.003})
     rep, records = make(engine, [spec(i, 1.0 + i) for i in range(3)], clock, duration=10.0)
     stats = await rep.run()
@@ -489,7 +490,7 @@ async def test_an_engine_with_its_own_sender_gets_requests_ahead_and_its_stamps_
 
 
 async def test_a_request_admitted_after_its_due_time_is_sent_at_once() -> None:
-    clock = FakeClock()
+    clock = FakeClock(-START)
     engine = AheadEngine(clock, late_s={}, stream_s=2.0)  # each request holds the only slot for 2 s
     rep, records = make(engine, [spec(0, 1.0), spec(1, 1.5)], clock, limit=1, duration=10.0)
     await rep.run()
