@@ -51,7 +51,7 @@ from soakd.redact import redacted
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
-from soakd.replay.runner import Replayer, ReplayStats, RequestRecord
+from soakd.replay.runner import START_S, Replayer, ReplayStats, RequestRecord
 from soakd.replay.warmup import warm_up
 from soakd.report.runs import verdict_of
 from soakd.resume import (
@@ -392,7 +392,8 @@ class Soak:
         # (two per 300 requests, measured), a request sent that late; frozen, it stays a few ms.
         gc.collect()
         gc.freeze()
-        t0 = live.replay_start = live.clock.monotonic()
+        # The replayer's own start: its clock begins START_S after run() is called.
+        t0 = live.replay_start = live.clock.monotonic() + START_S
         changes = EngineChanges(cfg.engine.changes, parts.build.engine, live)
         changes.start(t0)
         live.replaying = True

@@ -6,6 +6,7 @@ SoakdError                      anything soakd raises on purpose
 │   ├── TraceError              a trace file: names file, line and field
 │   └── UsageError              command-line arguments
 ├── EngineError                 the inference engine failed to start or died
+├── HarnessError                a part of soakd itself that drives the engine failed (the sender process)
 ├── CollectorError              one collector failed one collection (the runner contains it)
 └── SinkError                   a write to a sink failed (the batch is kept and retried)
 """
@@ -17,6 +18,11 @@ from pathlib import Path
 
 class SoakdError(Exception):
     """Base of every error soakd raises on purpose."""
+
+
+class HarnessError(SoakdError):
+    """A part of soakd that drives the engine failed (its sender process cannot be kept running): the
+    replay ends, the engine is not blamed (no restart of it is spent)."""
 
 
 class InputError(SoakdError):

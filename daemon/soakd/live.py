@@ -41,7 +41,8 @@ class LiveRun:
         """Replay time reached, across resumes."""
         if self.replay_start is None:
             return self.offset_s
-        return self.offset_s + self.clock.monotonic() - self.replay_start
+        # Never below the offset: the replay's clock starts a moment after it is set up.
+        return self.offset_s + max(0.0, self.clock.monotonic() - self.replay_start)
 
     def soak_replayer(self) -> Replayer | None:
         """The soak's replayer once its replay began (never the warm-up's)."""

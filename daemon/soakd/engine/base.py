@@ -37,6 +37,9 @@ class Stamps:
     deltas arrived, on the system-wide monotonic clock (`time.monotonic`), taken where the stream is read
     so soakd's own event loop adds nothing to them. `sent` stays None when the engine stamps nothing."""
 
+    handed: float | None = None
+    """When the engine handed the request to its sender (later than `send_at` when the engine held it,
+    e.g. through a restart)."""
     sent: float | None = None
     first: float | None = None
     """First delta with tokens."""

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -30,10 +31,10 @@ from soakd.engine.completions import (
     error_of,
     stream_completion,
 )
-from soakd.engine.sender import MAX_RESTARTS, SenderProcess, stream_via, take_final
+from soakd.engine.sender import MAX_RESTARTS, RESTART_WINDOW_S, SenderProcess, stream_via, take_final
 from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import config_id
-from soakd.errors import EngineError
+from soakd.errors import EngineError, HarnessError
 from soakd.redact import redact_url
 
 log = structlog.get_logger(__name__)
@@ -79,10 +80,12 @@ class OpenAIEngine:
         self._sender: SenderProcess | None = None
         self._sender_lock = asyncio.Lock()
         self._sender_restarts = 0
+        self._restart_times: deque[float] = deque()
         self._info: EngineInfo | None = None
         self._model = ""
         self.on_send: SendHook | None = None
-        """Called just before each completion request is issued (pacing measurements)."""
+        """Called as each completion request is issued from soakd's loop, or handed to the sender
+        process (up to its lead before it is sent)."""
         self.vocab_hint: Callable[[], int | None] | None = None
         """Where the vocabulary size is known without probing (a server soakd launched tells it)."""
 
@@ -114,7 +117,7 @@ class OpenAIEngine:
             self._info = await self._discover(shown, time.monotonic() - t0)
             if self._cfg.sender == "process":
                 self._sender = self._new_sender()
-                await self._sender.start()
+                await self._sender.start(self._cfg.api_key_env)
         except BaseException:
             await self.stop()
             raise
@@ -343,29 +346,42 @@ class OpenAIEngine:
 
     async def _through_sender(self, request: GenerationRequest, body: bytes) -> AsyncIterator[int]:
         sender = await self._live_sender()
+        if request.stamps is not None:
+            request.stamps.handed = time.monotonic()
         async for header in stream_via(sender, request, body):
             n = int(header.get("n", 0))
+            if n:
+                yield n  # a failed request's last tokens count too, as in the loop's path
             if header.get("final"):
                 take_final(header, request)
                 error = header.get("error")
                 if isinstance(error, dict):
                     raise error_of(error)
-            if n:
-                yield n
 
     async def _live_sender(self) -> SenderProcess:
-        """The sender process, started again when it exited (each restart logged and counted)."""
+        """The sender process, started again when it exited (each restart logged and counted). One that
+        cannot be kept running is soakd's failure, not the engine's (HarnessError)."""
         async with self._sender_lock:
             sender = self._sender
-            assert sender is not None
+            if sender is None:
+                raise EngineError("engine stopped")
             if sender.running:
                 return sender
-            if self._sender_restarts >= MAX_RESTARTS:
-                raise EngineError(f"the sender process exited {self._sender_restarts} times")
+            now = time.monotonic()
+            while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
+                self._restart_times.popleft()
+            if len(self._restart_times) >= MAX_RESTARTS:
+                raise HarnessError(
+                    f"the sender process exited {MAX_RESTARTS + 1} times within {RESTART_WINDOW_S:.0f} s"
+                )
+            self._restart_times.append(now)
             self._sender_restarts += 1
             await sender.stop()
             fresh = self._sender = self._new_sender()
-            await fresh.start()
+            try:
+                await fresh.start(self._cfg.api_key_env)
+            except EngineError as err:
+                raise HarnessError(str(err)) from err
             log.warning("sender_restarted", restarts=self._sender_restarts, pid=fresh.pid)
             return fresh
 
@@ -418,8 +434,9 @@ class OpenAIEngine:
         return {"sender_restarts": self._sender_restarts} if self._sender_restarts else {}
 
     async def stop(self) -> None:
-        if self._sender is not None:
+        async with self._sender_lock:  # not while a restart is under way: it would outlive the engine
             sender, self._sender = self._sender, None
+        if sender is not None:
             await sender.stop()
         if self._session is not None:
             session, self._session = self._session, None

@@ -10,12 +10,12 @@ pipe ahead of its due time, with its body already encoded; the child waits for t
 monotonic clock, and answers with the stamps and the token counts.
 
 Frames, both ways: two big-endian u32 (header length, body length), a JSON header, the body bytes.
-Parent to child: `init` (URL, headers, pool size; on the pipe, so an API key is in no argv or
-environment), `send` (key, due time, request id, whether to return token ids and speculative metrics;
-the body is the request's JSON), `cancel` (key). Child to parent: `ready`; per request progress frames
-(tokens so far, at most every PROGRESS_S, so live counters move during long generations) and one final
-frame (stamps, tokens, ids, speculative counts, or an error and its kind). End of input stops the child:
-it never outlives soakd.
+Parent to child: `init` (URL, headers, pool size; on the pipe: an API key is in no argv, and the
+variable holding it is removed from the child's environment), `send` (key, due time, request id, whether
+to return token ids and speculative metrics; the body is the request's JSON), `cancel` (key). Child to
+parent: `ready`; per request progress frames (tokens so far, at most every PROGRESS_S, so live counters
+move during long generations) and one final frame (stamps, tokens, ids, speculative counts, or an error
+and its kind). End of input stops the child: it never outlives soakd.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ PROGRESS_S = 0.5
 """Longest a request's new tokens wait before the child reports them."""
 _START_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 5.0
-MAX_RESTARTS = 20
-"""A sender that exits this often is a bug, not bad luck: the replay stops instead of restarting it."""
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 600.0
+"""A sender that exits more than MAX_RESTARTS times within this window is a bug, not bad luck: the
+replay ends (HarnessError) instead of restarting it again."""
 
 KIND_SENDER = "sender"
 """A final frame's error kind when the child itself is gone (the request's outcome is unknown)."""
@@ -124,15 +126,35 @@ class SenderProcess:
 
     @property
     def running(self) -> bool:
-        return self._proc is not None and not self._exited
+        return (
+            self._proc is not None
+            and not self._exited
+            and self._reader is not None
+            and not self._reader.done()
+        )
 
-    async def start(self) -> None:
+    async def start(self, secret_env: str = "") -> None:
+        """Start the child and wait for its ready frame; `secret_env` names a variable (an API key) kept
+        out of the child's environment (the key reaches it on the pipe)."""
+        try:
+            await self._start(secret_env)
+        except BaseException:
+            # Failed or cancelled midway: no child is left running unread.
+            await self.stop()
+            raise
+
+    async def _start(self, secret_env: str) -> None:
         env = dict(os.environ)
-        # The child imports the same soakd as this process, wherever it was imported from.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in [_package_root(), env.get("PYTHONPATH", "")] if p)
+        if secret_env:
+            env.pop(secret_env, None)
+        # soakd as this process imports it: where the environment finds it, else where it was found here
+        # (appended: the environment's and the standard library's modules come first; -P keeps the
+        # working directory out).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), _package_root()] if p)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-P",
                 "-m",
                 "soakd.engine.sender",
                 stdin=asyncio.subprocess.PIPE,
@@ -151,10 +173,8 @@ class SenderProcess:
         try:
             got = await asyncio.wait_for(read_frame(proc.stdout), _START_TIMEOUT_S)
         except (TimeoutError, FrameError, asyncio.IncompleteReadError, ValueError) as err:
-            await self.stop()
             raise EngineError(f"the sender process did not start: {type(err).__name__}") from err
         if got is None or got[0].get("op") != "ready":
-            await self.stop()
             raise EngineError(f"the sender process did not start (exit code {proc.returncode})")
         self._reader = asyncio.create_task(self._read(proc.stdout), name="soakd-sender-reader")
 
@@ -200,6 +220,8 @@ class SenderProcess:
             if self._proc is not None:
                 with contextlib.suppress(TimeoutError):
                     code = await asyncio.wait_for(self._proc.wait(), 2.0)
+                if code is not None:
+                    _LIVE.discard(self._proc.pid)
             message = f"the sender process exited (code {code}, {why})"
             if self._pending:
                 log.error("sender_exited", code=code, reason=why, requests_lost=len(self._pending))
@@ -211,18 +233,20 @@ class SenderProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        if proc.stdin is not None:
-            proc.stdin.close()  # end of input: the child cancels what it has and exits
         try:
-            await asyncio.wait_for(proc.wait(), _STOP_TIMEOUT_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-        _LIVE.discard(proc.pid)
+            if proc.stdin is not None:
+                proc.stdin.close()  # end of input: the child cancels what it has and exits
+            try:
+                await asyncio.wait_for(proc.wait(), _STOP_TIMEOUT_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        finally:
+            _LIVE.discard(proc.pid)
+            self._exited = True
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
-        self._exited = True
 
 
 def take_final(header: dict[str, Any], request: GenerationRequest) -> None:

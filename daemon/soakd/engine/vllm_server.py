@@ -307,7 +307,8 @@ class VllmServerEngine:
         return await self._http.metrics_text()
 
     def telemetry_summary(self) -> dict[str, object]:
-        return {"stat_logger": self._channel.summary() if self._channel is not None else None}
+        http = self._http.telemetry_summary() if self._http is not None else {}
+        return {"stat_logger": self._channel.summary() if self._channel is not None else None, **http}
 
     async def stop(self) -> None:
         if self._http is not None:

@@ -213,12 +213,14 @@ class RequestFolder:
         s.first_ns = sample.time_ns if s.first_ns is None else min(s.first_ns, sample.time_ns)
         s.last_ns = sample.time_ns if s.last_ns is None else max(s.last_ns, sample.time_ns)
         status = sample.tags.get("status", "error")
-        self._late.add(_num(f.get("lateness_s")) or 0.0)
         if status == "shed":
             s.shed += 1
             return
         if status == "ok":
             s.completed += 1
+            # Of requests that were sent and answered, as the other latencies: a shed or unsent
+            # request's 0 would thin the tail.
+            self._late.add(_num(f.get("lateness_s")) or 0.0)
             for name, dest in (("ttft_s", self._ttft), ("tpot_s", self._tpot), ("e2e_s", self._e2e)):
                 value = _num(f.get(name))
                 if value is not None:

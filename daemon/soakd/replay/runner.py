@@ -26,7 +26,7 @@ import structlog
 from soakd.clock import Clock
 from soakd.engine.base import Engine, GenerationRequest, SpecSteps, Stamps
 from soakd.engine.supervisor import RequestAborted, RequestLost
-from soakd.errors import EngineError, SoakdError
+from soakd.errors import EngineError, HarnessError, SoakdError
 from soakd.metric import Sample
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.pacer import Scheduled
@@ -49,7 +49,8 @@ class RequestRecord:
     """Wall time the trace said the request should be sent."""
     lateness_s: float
     """How late the request was sent against its due time, its admission queueing excepted (harness
-    fidelity): when the engine was called, or when its sender process sent it. 0 if never sent."""
+    fidelity): when the engine was called, or when its sender process sent it (less any time the engine
+    held it before, a restart). 0 if never sent (shed, no prompt, aborted before admission)."""
     turn: int = 0
     """Turn within the session (0 when the request has no session)."""
     copy: int = 0
@@ -306,9 +307,16 @@ class Replayer:
                     # the requests still owed are not sent after the duration, the run ends on time.
                     break
                 deadline = t0 + item.due_s
-                # The first prompt is built at once: its first-call costs (~10 ms) exceed the pacer's own
-                # lead. (Not one handed to a sender: the gate's slot would be held until it is due.)
-                if (n or self._ahead) and self._clock.monotonic() < deadline - self._lead:
+                due_wall_ns = wall0 + int(item.due_s * 1e9)
+                # The pacer builds the prompt ahead, then waits for the exact due time itself (or the
+                # engine's sender does): one precise wake per request, and building it is never lateness.
+                # The first prompt is built at once: its first-call costs (~10 ms) exceed the pacer's
+                # own lead. (Not one handed to a sender: the gate's slot would be held until it is due.)
+                early = not n and not self._ahead
+                built = self._build(item, deadline, due_wall_ns) if early else None
+                if early and built is None:
+                    continue
+                if self._clock.monotonic() < deadline - self._lead:
                     wake = self._clock.sleep_until(deadline - self._lead, precise=False)
                     sleeper = asyncio.create_task(wake)
                     await asyncio.wait({sleeper, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
@@ -316,18 +324,14 @@ class Replayer:
                         sleeper.cancel()
                 if self._stop.is_set():
                     break
-                # The pacer builds the prompt ahead, then waits for the exact due time itself (or the
-                # engine's sender does): one precise wake per request, and building it is never lateness.
-                due_wall_ns = wall0 + int(item.due_s * 1e9)
-                try:
-                    ids = None if self._chains(item) else self._prepare(item, None)
-                except ValueError as err:
-                    # A spec no prompt can be made for is that request's failure, never the soak's.
-                    self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
-                    continue
+                if not early:
+                    built = self._build(item, deadline, due_wall_ns)
+                    if built is None:
+                        continue
+                assert built is not None
                 if not self._ahead:
                     await self._clock.sleep_until(deadline)
-                self._dispatch(item, deadline, due_wall_ns, ids)
+                self._dispatch(item, deadline, due_wall_ns, built[0])
             if self._duration_s is not None and not self._stop.is_set():
                 # The soak lasts its duration even when the last request is due earlier.
                 end = asyncio.create_task(self._clock.sleep_until(t0 + self._duration_s))
@@ -338,6 +342,15 @@ class Replayer:
             self._draining = True
         await self._drain()
         return self.stats
+
+    def _build(self, item: Scheduled, deadline: float, due_wall_ns: int) -> tuple[list[int] | None] | None:
+        """(the prompt's ids, or None for a later turn that chains) of a request that came due; None
+        when no prompt can be made for it: that request's failure, recorded, never the soak's."""
+        try:
+            return (None if self._chains(item) else self._prepare(item, None),)
+        except ValueError as err:
+            self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
+            return None
 
     def _iterate(self) -> Iterator[Scheduled]:
         """The schedule; an error reading it (a trace changed mid-run) ends the replay, drained."""
@@ -522,6 +535,10 @@ class Replayer:
             self._finish(record, f"aborted: {err}"[:200])
         except RequestLost as err:
             self._finish(record, str(err)[:200])
+        except HarnessError as err:
+            # soakd's own sender cannot be kept running: nothing more can be sent.
+            self._finish(record, f"harness: {err}"[:200])
+            self._end(f"harness: {err}")
         except EngineError as err:
             # The engine itself is gone: every later request would fail too, so the soak ends here.
             self._finish(record, f"engine: {err}"[:200])
@@ -557,21 +574,7 @@ class Replayer:
         out_tokens = min(spec.output_tokens, self._max_model_len - 1)
         record.output_tokens_expected = out_tokens
         record.input_tokens = len(ids)
-        request = GenerationRequest(
-            request_id=record.request_id,
-            prompt_ids=ids,
-            max_tokens=out_tokens,
-            seed=self._seed + spec.index,
-            temperature=_sampling(spec.sampling, "temperature"),
-            top_p=_sampling(spec.sampling, "top_p"),
-            # Only a session turn needs its answer's tokens (for the next turn's prompt).
-            output_ids=[] if tail is not None else None,
-            spec=SpecSteps() if self._spec_sink is not None else None,
-            # Ahead of time: the engine's sender waits for the due time (or sends at once when admission
-            # held the request past it).
-            send_at=max(deadline, self._clock.monotonic()) if self._ahead else None,
-            stamps=Stamps() if self._ahead else None,
-        )
+        request = self._request(item, record, ids, tail is not None, deadline, out_tokens)
         clock = self._clock
         self.stats.dispatched += 1
         sent = clock.monotonic()
@@ -585,28 +588,29 @@ class Replayer:
         deltas = 0
         received = 0
         reported = 0
-        async for n in self._engine.generate(request):
-            now = clock.monotonic()
-            if first is None:
-                first = now
-            else:
-                gaps += now - last
-                deltas += 1
-            last = now
-            reported += n
-            # More tokens than max_tokens is not physical (a server's usage gone wrong): only what could
-            # have been generated enters the accounting, and the request fails below.
-            counted = max(0, min(n, out_tokens - received))
-            received += counted
-            self.stats.output_tokens += counted
-        record.output_tokens = received
-        stamps = request.stamps
-        if stamps is not None and stamps.sent is not None:
-            # Stamped where the stream was read, free of soakd's own loop; known once it finished.
-            sent, first, last = stamps.sent, stamps.first, stamps.last or stamps.sent
-            gaps, deltas = stamps.gaps, stamps.deltas
-            record.lateness_s = max(0.0, sent - deadline - record.queue_s)
-            self._note_late(record.lateness_s)
+        try:
+            async for n in self._engine.generate(request):
+                now = clock.monotonic()
+                if first is None:
+                    first = now
+                else:
+                    gaps += now - last
+                    deltas += 1
+                last = now
+                reported += n
+                # More tokens than max_tokens is not physical (a server's usage gone wrong): only what
+                # could have been generated enters the accounting, and the request fails below.
+                counted = max(0, min(n, out_tokens - received))
+                received += counted
+                self.stats.output_tokens += counted
+        finally:
+            record.output_tokens = received
+            # Known once it ended, failed or not (a sender's stamps come with its end).
+            stamped = self._stamped_lateness(request, record)
+        if stamped is not None:
+            # Stamped where the stream was read, free of soakd's own loop; the send measured from when
+            # the engine let it go (held through a restart, it is the engine's downtime, in its TTFT).
+            sent, first, last, gaps, deltas = stamped
         if request.spec is not None and request.spec.drafted:
             record.spec_accepted = sum(request.spec.accepted)
             record.spec_drafted = sum(request.spec.drafted)
@@ -632,6 +636,47 @@ class Replayer:
             self._finish(record, f"short output: {received} of {out_tokens} tokens")
         else:
             self._finish(record, "")
+
+    def _request(
+        self,
+        item: Scheduled,
+        record: RequestRecord,
+        ids: list[int],
+        turn_of_session: bool,
+        deadline: float,
+        out_tokens: int,
+    ) -> GenerationRequest:
+        spec = item.spec
+        return GenerationRequest(
+            request_id=record.request_id,
+            prompt_ids=ids,
+            max_tokens=out_tokens,
+            seed=self._seed + spec.index,
+            temperature=_sampling(spec.sampling, "temperature"),
+            top_p=_sampling(spec.sampling, "top_p"),
+            # Only a session turn needs its answer's tokens (for the next turn's prompt).
+            output_ids=[] if turn_of_session else None,
+            spec=SpecSteps() if self._spec_sink is not None else None,
+            # Ahead of time: the engine's sender waits for the due time (or sends at once when admission
+            # held the request past it).
+            send_at=max(deadline, self._clock.monotonic()) if self._ahead else None,
+            stamps=Stamps() if self._ahead else None,
+        )
+
+    def _stamped_lateness(
+        self, request: GenerationRequest, record: RequestRecord
+    ) -> tuple[float, float | None, float, float, int] | None:
+        """For a request a sender sent: note its lateness, and return (the send as the replay counts it,
+        first, last, gaps, deltas) from its stamps; None when it was not stamped."""
+        stamps = request.stamps
+        if stamps is None or stamps.sent is None or request.send_at is None:
+            return None
+        # Held by the engine before its sender got it (a restart or rebuild under way): not lateness.
+        hold = max(0.0, (stamps.handed or request.send_at) - request.send_at)
+        record.lateness_s = max(0.0, stamps.sent - request.send_at - hold)
+        self._note_late(record.lateness_s)
+        sent = stamps.sent - hold
+        return sent, stamps.first, stamps.last or stamps.sent, stamps.gaps, stamps.deltas
 
     def _finish(self, record: RequestRecord, error: str) -> None:
         """Count the request and hand its record on; never raises, so a request is counted once."""

@@ -9,6 +9,7 @@ import pytest
 
 from soakd.clock import FakeClock, SystemClock
 from soakd.engine.base import EngineInfo, GenerationRequest
+from soakd.errors import HarnessError
 from soakd.replay.admission import AdmissionGate
 from soakd.replay.pacer import schedule
 from soakd.replay.prompts import PromptSynth
@@ -500,3 +501,54 @@ async def test_a_request_admitted_after_its_due_time_is_sent_at_once() -> None:
     assert by[1].queue_s == pytest.approx(engine.send_at[1] - 1.5)  # from its due time
     assert by[0].queue_s == 0.0  # admitted while handed over ahead of its time: no queue
     assert by[1].lateness_s == 0.0  # queued, not late: the queue has its own figure
+
+
+class HeldEngine(AheadEngine):
+    """As AheadEngine, but the engine held request 1 for 2 s before its sender got it (a restart), and
+    request 2 fails after it was sent 4 ms late."""
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        index = int(request.request_id.rsplit("-", 1)[1])
+        assert request.send_at is not None and request.stamps is not None
+        stamps = request.stamps
+        if index == 1:
+            await self.clock.sleep_until(request.send_at + 2.0)
+            stamps.handed = self.clock.monotonic()
+            stamps.sent, stamps.first = stamps.handed + 0.001, stamps.handed + 0.011
+            stamps.last = stamps.first
+            yield request.max_tokens
+            return
+        if index == 2:
+            await self.clock.sleep_until(request.send_at + 0.004)
+            stamps.handed, stamps.sent = request.send_at - 0.02, self.clock.monotonic()
+            raise RuntimeError("cut")
+        async for n in super().generate(request):
+            yield n
+
+
+async def test_time_the_engine_held_a_request_is_ttft_not_lateness_and_a_failed_send_keeps_lateness() -> None:
+    clock = FakeClock(-START)
+    engine = HeldEngine(clock, late_s={})
+    rep, records = make(engine, [spec(i, 1.0 + i) for i in range(3)], clock, duration=10.0)
+    await rep.run()
+    by = {r.index: r for r in records}
+    held = by[1]
+    assert held.lateness_s == pytest.approx(0.001)  # sent 1 ms after its sender got it
+    # From its due time (plus its own 1 ms lateness): the downtime is in what a user waited.
+    assert held.ttft_s == pytest.approx(2.0 + 0.010)
+    failed = by[2]
+    assert failed.error.startswith("engine: RuntimeError") and failed.lateness_s == pytest.approx(0.004)
+
+
+class NoSenderEngine(FakeEngine):
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        raise HarnessError("the sender process exited 6 times within 600 s")
+        yield 0  # an async generator
+
+
+async def test_a_sender_that_cannot_be_kept_running_ends_the_replay_without_blaming_the_engine() -> None:
+    clock = FakeClock(-START)
+    rep, records = make(NoSenderEngine(clock), [spec(i, 1.0 + i) for i in range(3)], clock, duration=10.0)
+    stats = await rep.run()
+    assert rep.fatal.startswith("harness: the sender process exited")
+    assert records[0].error.startswith("harness:") and stats.scheduled == len(records) == 1
