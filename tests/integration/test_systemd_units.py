@@ -247,7 +247,10 @@ def _exercise(machine: Machine, influx: Server, password: str, timings: dict[str
         timeout=10,
     ).json()
     count = answer["results"][0]["series"][0]["values"][0][1]
-    assert count == verdict["requests"]["ttft"]["count"] >= 5, answer  # every one, across both processes
+    # Every one, across both processes: at least the first request before the kill and the three after the
+    # resume (the kill loses those in flight; a request is journaled as it is handed to the sender
+    # process, up to 25 ms before its send, so the SIGSTOP above can find two in flight).
+    assert count == verdict["requests"]["ttft"]["count"] >= 4, answer
     assert (
         verdict["requests"]["scheduled"] == verdict["requests"]["completed"] + verdict["requests"]["failed"]
     )

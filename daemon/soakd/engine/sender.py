@@ -13,9 +13,9 @@ Frames, both ways: two big-endian u32 (header length, body length), a JSON heade
 Parent to child: `init` (URL, headers, pool size; on the pipe: an API key is in no argv, and the
 variable holding it is removed from the child's environment), `send` (key, due time, request id, whether
 to return token ids and speculative metrics; the body is the request's JSON), `cancel` (key). Child to
-parent: `ready`; per request progress frames (tokens so far, at most every PROGRESS_S, so live counters
-move during long generations) and one final frame (stamps, tokens, ids, speculative counts, or an error
-and its kind). End of input stops the child: it never outlives soakd.
+parent: `ready`; per request progress frames (the first token at once, then tokens so far at most every
+PROGRESS_S, so live counters move during long generations) and one final frame (stamps, tokens, ids,
+speculative counts, or an error and its kind). End of input stops the child: it never outlives soakd.
 """
 
 from __future__ import annotations
@@ -353,14 +353,17 @@ class _Child:
                 self.session, self._url, body, str(header.get("rid", "")), output_ids, spec
             ):
                 now = time.monotonic()
-                if stamps.first is None:
+                first = stamps.first is None
+                if first:
                     stamps.first = now
                 else:
                     stamps.gaps += now - (stamps.last or now)
                     stamps.deltas += 1
                 stamps.last = now
                 pending += n
-                if now - reported_at >= PROGRESS_S:
+                # The first token at once (the consumer learns the stream began), then at most every
+                # PROGRESS_S.
+                if first or now - reported_at >= PROGRESS_S:
                     self._write({"key": key, "n": pending})
                     pending = 0
                     reported_at = now

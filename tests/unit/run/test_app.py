@@ -65,8 +65,17 @@ async def test_sigterm_stops_the_replay_and_still_judges(tmp_path: Path) -> None
 
     soak = Soak(config(tmp_path, **{"run.duration": "60s"}), engine_factory=factory)
     loop = asyncio.get_running_loop()
-    loop.call_later(1.0, os.kill, os.getpid(), signal.SIGTERM)
+
+    async def stop_once_replaying() -> None:
+        # Once the soak's own requests complete, not at a fixed time: a slow host's start (a full
+        # collection over the test process's heap) must not end the run before its replay began.
+        while (rep := soak.live.soak_replayer()) is None or rep.stats.completed < 3:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)  # (polled: the replayer has no event to wait on)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = asyncio.create_task(stop_once_replaying())
     result = await asyncio.wait_for(soak.run(), 30)
+    await stopper
     assert soak.interrupted
     assert result.verdict.word == "FAIL"
     failed = [c.name for c in result.verdict.criteria if not c.passed]
