@@ -173,7 +173,7 @@ async def test_stop_ends_dispatch_and_drain_timeout_aborts_in_flight() -> None:
     engine = FakeEngine(clock, step_s=0.2, chunk=1)
     rep, records = make(engine, [spec(0, 0.0, out=50), spec(1, 30.0)], clock, drain=0.1)
     task = asyncio.create_task(rep.run())
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(START + 0.2)  # the replay's clock starts START after run(); request 0 is sent
     rep.stop()
     stats = await asyncio.wait_for(task, 5)
     assert stats.scheduled == 1  # the request due at 30 s was never dispatched
