@@ -390,6 +390,8 @@ class Soak:
         # Everything alive now (the modules, the config, the engine's objects) is moved out of the
         # collector's reach: a full collection over it took 28-57 ms on the loop that paces the replay
         # (two per 300 requests, measured), a request sent that late; frozen, it stays a few ms.
+        # Connections opened now, not while the first burst is due (an HTTP engine).
+        await parts.build.engine.prepare_replay(gate.limit)
         gc.collect()
         gc.freeze()
         # The replayer's own start: its clock begins START_S after run() is called.

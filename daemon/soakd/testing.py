@@ -80,6 +80,7 @@ class StubEngine:
         self.collector = collector
         self.started = False
         self.stopped = False
+        self.prepared: list[int] = []  # prepare_replay's concurrency, per call
         self.seen: list[str] = []
 
     @property
@@ -135,6 +136,9 @@ class StubEngine:
 
     def telemetry_summary(self) -> dict[str, object]:
         return {}
+
+    async def prepare_replay(self, concurrency: int) -> None:
+        self.prepared.append(concurrency)
 
     async def stop(self) -> None:
         self.stopped = True

@@ -156,7 +156,7 @@ async def test_a_sender_that_died_fails_its_requests_and_is_restarted(vllm_serve
         deltas = await collect(engine, GenerationRequest("after", [1, 2, 3], max_tokens=4))
         assert sum(n for _, n in deltas) == 4
         assert engine.sender_pid not in (None, pid)
-        assert engine.telemetry_summary() == {"sender_restarts": 1}
+        assert engine.telemetry_summary()["sender_restarts"] == 1
 
 
 async def test_reports_output_ids_and_takes_recorded_sampling(vllm_server: Server) -> None:
@@ -276,12 +276,14 @@ class Relay:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.port = 0
+        self.accepted = 0
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._upstream_port)
         self._writers |= {writer, up_writer}
 
@@ -314,3 +316,35 @@ async def test_server_gone_after_start_is_an_engine_error(vllm_server: Server, s
             # The pooled connection breaks first; a fresh one is refused.
             await collect(engine, GenerationRequest("after", [1, 2, 3], max_tokens=4))
         assert not engine.alive()  # the soak ends: every later request would fail the same way
+
+
+@pytest.mark.parametrize("warm", [False, True])
+async def test_connections_opened_before_the_replay_serve_its_first_burst(
+    vllm_server: Server, warm: bool
+) -> None:
+    """prepare_replay opens the pool's connections; a burst then opens none and its requests' bytes
+    leave as soon as the sender takes them. Without it, each concurrent request beyond the pool opens
+    one (and says so)."""
+    relay = Relay(vllm_server.ports["http"])
+    await relay.start()
+    async with started(f"http://127.0.0.1:{relay.port}") as engine:
+        if warm:
+            await engine.prepare_replay(6)
+        accepted = relay.accepted
+        requests = [
+            GenerationRequest(f"burst-{i}", [1, 2, 3, i + 4], max_tokens=8, stamps=Stamps()) for i in range(6)
+        ]
+        results = await asyncio.gather(*(collect(engine, r) for r in requests))
+        summary = engine.telemetry_summary()["sends"]
+    await relay.shut()
+    assert all(sum(n for _, n in deltas) == 8 for deltas in results)
+    stamps = [r.stamps for r in requests if r.stamps is not None]
+    assert all(s.sent is not None and s.written is not None and s.sent <= s.written for s in stamps)
+    opened = sum(s.new_connection for s in stamps)
+    assert isinstance(summary, dict) and summary["requests"] == 6
+    assert summary["connections_opened"] == opened == relay.accepted - accepted
+    if warm:
+        assert summary["connections_warmed"] == 6 and opened == 0
+    else:
+        # The sender's start left at most one connection pooled: the other five opened their own.
+        assert summary["connections_warmed"] == 0 and opened >= 5

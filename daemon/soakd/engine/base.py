@@ -41,6 +41,12 @@ class Stamps:
     """When the engine handed the request to its sender (later than `send_at` when the engine held it,
     e.g. through a restart)."""
     sent: float | None = None
+    """When the sender began the request (its due time reached); TTFT and E2E count from here."""
+    written: float | None = None
+    """When its headers were written to the socket, after any connection was opened: its lateness
+    counts to here (None: not stamped, `sent` stands in)."""
+    new_connection: bool = False
+    """A connection was opened for it (none was free in the pool)."""
     first: float | None = None
     """First delta with tokens."""
     last: float | None = None
@@ -150,6 +156,11 @@ class Engine(Protocol):
 
     def telemetry_summary(self) -> dict[str, object]:
         """How the engine's own telemetry fared (steps received and lost, stat-logger cost)."""
+        ...
+
+    async def prepare_replay(self, concurrency: int) -> None:
+        """Called just before the replay's first request: get ready for up to `concurrency` requests
+        at once (an HTTP engine opens its connections). Never raises."""
         ...
 
     async def stop(self) -> None:

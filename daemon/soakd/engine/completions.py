@@ -5,10 +5,14 @@ Shared by the OpenAI engine in soakd's own event loop and by the sender process 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -36,6 +40,50 @@ class RequestError(Exception):
 class ServerGone(EngineError):
     """Nothing listens at the server any more (a fresh connection refused): every later request would
     fail the same way."""
+
+
+@dataclass(slots=True)
+class SendTrace:
+    """What the HTTP client did for one request before its bytes left: when its headers were written to
+    the socket (the request as the server receives it) and whether a connection was opened for it."""
+
+    written: float | None = None
+    new_connection: bool = False
+
+
+def send_trace_config() -> aiohttp.TraceConfig:
+    """aiohttp hooks that fill the SendTrace passed as a request's `trace_request_ctx`."""
+
+    async def created(_: aiohttp.ClientSession, ctx: SimpleNamespace, __: object) -> None:
+        trace = ctx.trace_request_ctx
+        if isinstance(trace, SendTrace):
+            trace.new_connection = True
+
+    async def headers_sent(_: aiohttp.ClientSession, ctx: SimpleNamespace, __: object) -> None:
+        trace = ctx.trace_request_ctx
+        if isinstance(trace, SendTrace) and trace.written is None:
+            trace.written = time.monotonic()
+
+    config = aiohttp.TraceConfig()
+    config.on_connection_create_end.append(created)
+    config.on_request_headers_sent.append(headers_sent)
+    return config
+
+
+async def open_connections(session: aiohttp.ClientSession, url: str, n: int) -> int:
+    """Open n connections to the server at once (concurrent GET /health, so none can reuse another's)
+    and leave them in the session's pool: the replay's first burst then finds them open instead of
+    connecting while its requests are due. Returns how many answered 200."""
+
+    async def one() -> bool:
+        try:
+            async with session.get(url + "/health", timeout=CONTROL_TIMEOUT) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    return sum(await asyncio.gather(*(one() for _ in range(max(0, n)))))
 
 
 def error_message(status: int, body: str) -> str:
@@ -70,8 +118,10 @@ async def stream_completion(
     request_id: str,
     output_ids: list[int] | None,
     spec: SpecSteps | None,
+    trace: SendTrace | None = None,
 ) -> AsyncIterator[int]:
-    """POST one completion and yield the new output tokens of each delta that has some.
+    """POST one completion and yield the new output tokens of each delta that has some; `trace` is
+    filled when the session has `send_trace_config()`.
 
     Raises ServerGone when nothing listens at the server any more, EngineError for other connection
     failures, RequestError for a request the server refused or cut short. Used by the engine in
@@ -82,6 +132,7 @@ async def stream_completion(
             url + "/v1/completions",
             data=body,
             headers={"X-Request-Id": request_id, "Content-Type": "application/json"},
+            trace_request_ctx=trace,
         )
     except aiohttp.ClientConnectorError as err:
         # Only a refused connection says the server is gone; a local error such as too many open files

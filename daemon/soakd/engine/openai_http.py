@@ -29,6 +29,7 @@ from soakd.engine.completions import (
     ServerGone,
     error_message,
     error_of,
+    open_connections,
     stream_completion,
 )
 from soakd.engine.sender import MAX_RESTARTS, RESTART_WINDOW_S, SenderProcess, stream_via, take_final
@@ -58,6 +59,42 @@ def base_url(url: str) -> str:
     return text[: -len("/v1")] if text.endswith("/v1") else text
 
 
+WARM_CONNECTIONS = 32
+"""Most connections opened before a replay: its first burst finds them open (a connection opened while
+a request is due delays it). More are opened as the traffic needs them."""
+
+
+class _SendFigures:
+    """How requests left the sender: how many opened a connection, and the time from the sender's start
+    on a request to its headers reaching the socket (opening a connection included)."""
+
+    __slots__ = ("new_connections", "over_1ms", "over_10ms", "requests", "warmed", "write_max_s")
+
+    def __init__(self) -> None:
+        self.requests = self.new_connections = self.warmed = self.over_1ms = self.over_10ms = 0
+        self.write_max_s = 0.0
+
+    def add(self, sent: float | None, written: float | None, new_connection: bool) -> None:
+        if sent is None or written is None:
+            return
+        self.requests += 1
+        self.new_connections += new_connection
+        delay = max(0.0, written - sent)
+        self.write_max_s = max(self.write_max_s, delay)
+        self.over_1ms += delay > 0.001
+        self.over_10ms += delay > 0.010
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "requests": self.requests,
+            "connections_warmed": self.warmed,
+            "connections_opened": self.new_connections,
+            "write_max_ms": round(self.write_max_s * 1000, 3),
+            "write_over_1ms": self.over_1ms,
+            "write_over_10ms": self.over_10ms,
+        }
+
+
 class OpenAIEngine:
     """A running OpenAI-compatible server, reached over one shared HTTP connection pool."""
 
@@ -81,6 +118,7 @@ class OpenAIEngine:
         self._sender_lock = asyncio.Lock()
         self._sender_restarts = 0
         self._restart_times: deque[float] = deque()
+        self._sends = _SendFigures()
         self._info: EngineInfo | None = None
         self._model = ""
         self.on_send: SendHook | None = None
@@ -354,6 +392,8 @@ class OpenAIEngine:
                 yield n  # a failed request's last tokens count too, as in the loop's path
             if header.get("final"):
                 take_final(header, request)
+                if (stamps := request.stamps) is not None:
+                    self._sends.add(stamps.sent, stamps.written, stamps.new_connection)
                 error = header.get("error")
                 if isinstance(error, dict):
                     raise error_of(error)
@@ -430,8 +470,24 @@ class OpenAIEngine:
         """The sender process's pid (soakd's own process, not the engine's); None without one."""
         return self._sender.pid if self._sender is not None else None
 
+    async def prepare_replay(self, concurrency: int) -> None:
+        n = max(0, min(concurrency, WARM_CONNECTIONS))
+        try:
+            if self._sender is not None:
+                opened = await (await self._live_sender()).warm(n)
+            else:
+                opened = await open_connections(self._require_session(), self._url, n)
+        except (EngineError, HarnessError) as err:
+            log.warning("warm_connections_failed", error=str(err))
+            return
+        self._sends.warmed += opened
+        log.info("connections_warmed", wanted=n, opened=opened)
+
     def telemetry_summary(self) -> dict[str, object]:
-        return {"sender_restarts": self._sender_restarts} if self._sender_restarts else {}
+        out: dict[str, object] = {"sender_restarts": self._sender_restarts} if self._sender_restarts else {}
+        if self._sends.requests or self._sends.warmed:
+            out["sends"] = self._sends.summary()
+        return out
 
     async def stop(self) -> None:
         async with self._sender_lock:  # not while a restart is under way: it would outlive the engine

@@ -12,8 +12,9 @@ monotonic clock, and answers with the stamps and the token counts.
 Frames, both ways: two big-endian u32 (header length, body length), a JSON header, the body bytes.
 Parent to child: `init` (URL, headers, pool size; on the pipe: an API key is in no argv, and the
 variable holding it is removed from the child's environment), `send` (key, due time, request id, whether
-to return token ids and speculative metrics; the body is the request's JSON), `cancel` (key). Child to
-parent: `ready`; per request progress frames (the first token at once, then tokens so far at most every
+to return token ids and speculative metrics; the body is the request's JSON), `cancel` (key), `warm`
+(key, connections to open now). Child to parent: `ready`; a `warm`'s final frame (connections opened);
+per request progress frames (the first token at once, then tokens so far at most every
 PROGRESS_S, so live counters move during long generations) and one final frame (stamps, tokens, ids,
 speculative counts, or an error and its kind). End of input stops the child: it never outlives soakd.
 """
@@ -40,7 +41,10 @@ from soakd.engine.completions import (
     KIND_GONE,
     KIND_REQUEST,
     RequestError,
+    SendTrace,
     ServerGone,
+    open_connections,
+    send_trace_config,
     stream_completion,
 )
 from soakd.errors import EngineError
@@ -55,6 +59,7 @@ MAX_BODY = 256 * 1024 * 1024
 PROGRESS_S = 0.5
 """Longest a request's new tokens wait before the child reports them."""
 _START_TIMEOUT_S = 60.0
+_WARM_TIMEOUT_S = 15.0
 _STOP_TIMEOUT_S = 5.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
@@ -204,6 +209,24 @@ class SenderProcess:
             assert self._proc is not None and self._proc.stdin is not None
             self._proc.stdin.write(frame({"op": "cancel", "key": key}))
 
+    async def warm(self, connections: int) -> int:
+        """Have the child open `connections` connections to the server now; how many it opened (0 when
+        it could not, or took longer than a few seconds)."""
+        if self._proc is None or self._proc.stdin is None or not self.running:
+            return 0
+        self._next += 1
+        key = self._next
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._pending[key] = _Pending(queue)
+        self._proc.stdin.write(frame({"op": "warm", "key": key, "n": connections}))
+        try:
+            header = await asyncio.wait_for(queue.get(), _WARM_TIMEOUT_S)
+        except TimeoutError:
+            return 0
+        finally:
+            self._pending.pop(key, None)
+        return int(header.get("opened", 0))
+
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "end of output"
         try:
@@ -254,6 +277,8 @@ def take_final(header: dict[str, Any], request: GenerationRequest) -> None:
     stamps = header.get("stamps")
     if request.stamps is not None and isinstance(stamps, dict):
         request.stamps.sent = stamps.get("sent")
+        request.stamps.written = stamps.get("written")
+        request.stamps.new_connection = bool(stamps.get("new_conn", False))
         request.stamps.first = stamps.get("first")
         request.stamps.last = stamps.get("last")
         request.stamps.gaps = float(stamps.get("gaps", 0.0))
@@ -313,6 +338,7 @@ class _Child:
             connector=aiohttp.TCPConnector(limit=max(0, limit), limit_per_host=0),
             headers={str(k): str(v) for k, v in dict(init.get("headers", {})).items()},
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0),
+            trace_configs=[send_trace_config()],
         )
 
     async def warm(self) -> None:
@@ -334,6 +360,14 @@ class _Child:
             task.add_done_callback(lambda _: self._tasks.pop(key, None))
         elif op == "cancel" and (running := self._tasks.get(key)) is not None:
             running.cancel()
+        elif op == "warm":
+            task = asyncio.create_task(self._warm(key, int(header.get("n", 0))))
+            self._tasks[key] = task
+            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+
+    async def _warm(self, key: int, n: int) -> None:
+        opened = await open_connections(self.session, self._url, n)
+        self._write({"key": key, "final": True, "opened": opened})
 
     def _write(self, header: dict[str, Any]) -> None:
         self._out.write(frame(header))
@@ -346,11 +380,12 @@ class _Child:
         spec = SpecSteps() if header.get("spec") else None
         reported_at = time.monotonic()
         stamps = Stamps(sent=reported_at)
+        trace = SendTrace()
         pending = 0
         final: dict[str, Any] = {"key": key, "final": True}
         try:
             async for n in stream_completion(
-                self.session, self._url, body, str(header.get("rid", "")), output_ids, spec
+                self.session, self._url, body, str(header.get("rid", "")), output_ids, spec, trace
             ):
                 now = time.monotonic()
                 first = stamps.first is None
@@ -379,6 +414,8 @@ class _Child:
         final["n"] = pending
         final["stamps"] = {
             "sent": stamps.sent,
+            "written": trace.written,
+            "new_conn": trace.new_connection,
             "first": stamps.first,
             "last": stamps.last,
             "gaps": stamps.gaps,

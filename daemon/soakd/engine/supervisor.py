@@ -206,6 +206,10 @@ class EngineSupervisor:
             raise EngineError("engine is being restarted")
         return await self._engine.metrics_text()
 
+    async def prepare_replay(self, concurrency: int) -> None:
+        if self._engine is not None and self._ready.is_set():
+            await self._engine.prepare_replay(concurrency)
+
     def telemetry_summary(self) -> dict[str, object]:
         """Each engine's own summary (one per start, oldest first) and the lifecycle counts."""
         engines = list(self._retired)

@@ -343,6 +343,9 @@ class VllmLocalEngine:
     async def metrics_text(self) -> str:
         raise EngineError("an in-process engine has no /metrics endpoint")
 
+    async def prepare_replay(self, concurrency: int) -> None:
+        return None  # requests go to the engine in this process: nothing to open
+
     def telemetry_summary(self) -> dict[str, object]:
         return {"stat_logger": self.record_cost.summary()}
 

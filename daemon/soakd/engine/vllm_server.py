@@ -306,6 +306,10 @@ class VllmServerEngine:
             raise EngineError("engine not started")
         return await self._http.metrics_text()
 
+    async def prepare_replay(self, concurrency: int) -> None:
+        if self._http is not None:
+            await self._http.prepare_replay(concurrency)
+
     def telemetry_summary(self) -> dict[str, object]:
         http = self._http.telemetry_summary() if self._http is not None else {}
         return {"stat_logger": self._channel.summary() if self._channel is not None else None, **http}

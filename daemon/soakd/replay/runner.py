@@ -673,7 +673,9 @@ class Replayer:
             return None
         # Held by the engine before its sender got it (a restart or rebuild under way): not lateness.
         hold = max(0.0, (stamps.handed or request.send_at) - request.send_at)
-        record.lateness_s = max(0.0, stamps.sent - request.send_at - hold)
+        # Late until its bytes left: a connection opened for it counts (the server saw it that late).
+        left = stamps.written if stamps.written is not None else stamps.sent
+        record.lateness_s = max(0.0, left - request.send_at - hold)
         self._note_late(record.lateness_s)
         sent = stamps.sent - hold
         return sent, stamps.first, stamps.last or stamps.sent, stamps.gaps, stamps.deltas

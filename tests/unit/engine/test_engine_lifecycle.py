@@ -54,6 +54,9 @@ class Slow:
     def telemetry_summary(self) -> dict[str, object]:
         return {"max_num_seqs": self.cfg.max_num_seqs}
 
+    async def prepare_replay(self, concurrency: int) -> None:
+        return None
+
     async def stop(self) -> None:
         self.stopped = True
 

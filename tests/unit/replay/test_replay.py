@@ -441,10 +441,17 @@ class AheadEngine(FakeEngine):
     send, then one delta per 5 ms) while it yields the tokens in one lump at the end, as a sender's
     report would."""
 
-    def __init__(self, clock: FakeClock, late_s: dict[int, float], stream_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        clock: FakeClock,
+        late_s: dict[int, float],
+        stream_s: float = 0.0,
+        write_s: dict[int, float] | None = None,
+    ) -> None:
         super().__init__(clock)
         self.late_s = late_s
         self.stream_s = stream_s
+        self.write_s = write_s  # per index: send to headers written (None: `written` not stamped)
         self.handed: dict[int, float] = {}
         self.send_at: dict[int, float] = {}
 
@@ -464,6 +471,8 @@ class AheadEngine(FakeEngine):
         stamps.sent, stamps.first = sent, sent + 0.010
         stamps.last = stamps.first + 0.005 * (deltas - 1)
         stamps.gaps, stamps.deltas = 0.005 * (deltas - 1), deltas - 1
+        if self.write_s is not None:
+            stamps.written = sent + self.write_s.get(index, 0.0)
         yield request.max_tokens
 
 
@@ -488,6 +497,20 @@ async def test_an_engine_with_its_own_sender_gets_requests_ahead_and_its_stamps_
     assert ok.tpot_s == pytest.approx(0.010 / 5)
     assert ok.itl_mean_s == pytest.approx(0.005)
     assert ok.output_tokens == 6
+
+
+async def test_lateness_counts_until_the_request_was_written() -> None:
+    """A connection opened for a request delays its bytes: the server sees it that late, so its
+    lateness counts to the written stamp while its TTFT still counts from the send."""
+    clock = FakeClock(-START)
+    engine = AheadEngine(clock, late_s={2: 0.001}, write_s={1: 0.004, 2: 0.0005})
+    rep, records = make(engine, [spec(i, 1.0 + i) for i in range(3)], clock, duration=10.0)
+    stats = await rep.run()
+    by = {r.index: r for r in records}
+    assert by[0].lateness_s == 0.0
+    assert by[1].lateness_s == pytest.approx(0.004) and by[2].lateness_s == pytest.approx(0.0015)
+    assert stats.lateness_max_s == pytest.approx(0.004)
+    assert by[1].ttft_s == pytest.approx(0.010)
 
 
 async def test_a_request_admitted_after_its_due_time_is_sent_at_once() -> None:
