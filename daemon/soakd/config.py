@@ -198,6 +198,9 @@ class EngineConfig(_Section):
     sender: Literal["process", "loop"] = "process"
     """Where an HTTP engine's completions are sent and read: a process of soakd's own (its event loop
     does nothing else, so no collector or sink delays a send) or soakd's main event loop."""
+    warm_connections: int = Field(default=32, ge=0, le=1024)
+    """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency):
+    a connection opened while a request is due delays it. More are opened as the traffic needs them."""
     served_model: str = ""
     vocab_size: int = Field(default=0, ge=0, le=MAX_VOCAB)
     model: str = "models/tiny"

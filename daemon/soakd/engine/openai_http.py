@@ -59,11 +59,6 @@ def base_url(url: str) -> str:
     return text[: -len("/v1")] if text.endswith("/v1") else text
 
 
-WARM_CONNECTIONS = 32
-"""Most connections opened before a replay: its first burst finds them open (a connection opened while
-a request is due delays it). More are opened as the traffic needs them."""
-
-
 class _SendFigures:
     """How requests left the sender: how many opened a connection, and the time from the sender's start
     on a request to its headers reaching the socket (opening a connection included)."""
@@ -471,7 +466,9 @@ class OpenAIEngine:
         return self._sender.pid if self._sender is not None else None
 
     async def prepare_replay(self, concurrency: int) -> None:
-        n = max(0, min(concurrency, WARM_CONNECTIONS))
+        n = max(0, min(concurrency, self._cfg.warm_connections))
+        if n == 0:
+            return
         try:
             if self._sender is not None:
                 opened = await (await self._live_sender()).warm(n)
