@@ -1,8 +1,9 @@
 """Replay timing as the server sees it: arrival times at the server, soakd beside `vllm bench serve`.
 
 Run by hand:  .venv/bin/python benchmarks/bench_arrival.py [--rates 10 100] [--requests 300] [--reps 3]
-                  [--model models/tiny] [--json] [--keep DIR] [--gpu] [--soakd-senders process loop]
-                  [--budget-s SECONDS]
+                  [--model models/tiny] [--json] [--keep DIR] [--gpu]
+                  [--soakd-senders process loop process-cold] [--scale-from RATE [--scale-window-s S]]
+                  [--soakd-engines vllm-local vllm-server [--engine-reps N]] [--budget-s SECONDS]
 
 One vLLM api_server on the tiny model is started once: the CPU build here, or with `--gpu` a CUDA build
 (the H200 machine's slim vLLM 0.26.0: Triton attention, eager, a third of the GPU's memory; see
@@ -16,10 +17,23 @@ none always goes first (reps are the outer loop, so a `--budget-s` cut loses who
 - `vllm bench serve --dataset-name timed_trace --timed-trace-sec-multiplier 0.001`;
 - `soakd run` in attach mode (`engine.kind = "openai"`, no warm-up, no loop), the whole daemon: spool,
   collectors, scheduler, verdict. With `--soakd-senders process loop` soakd runs once per listed
-  `engine.sender` ("soakd (process)", "soakd (loop)"); without it one client "soakd" with soakd's
-  default. soakd's own lateness figures (its verdict's p50/p99/max(lateness_ms)) are kept beside.
+  `engine.sender` ("soakd (process)", "soakd (loop)"; "soakd (process-cold)": the sender process with
+  `engine.warm_connections = 0`, no connections opened before the replay); without it one client
+  "soakd" with soakd's default. soakd's own lateness figures (its verdict's p50/p99/max(lateness_ms))
+  and its engine summary's connection figures are kept beside.
   With `--gpu` soakd (and the warm-up) is given the model's vocabulary (`engine.vocab_size`, from its
   config.json) instead of probing the server for it.
+
+With `--scale-from RATE` only that rate's trace is generated (replayed only if RATE is in `--rates`);
+each other rate replays its first
+`--scale-window-s` seconds scaled up by soakd's own `replay.rate_scale` (rate / RATE): soakd is given the
+base file with `replay.end` and `replay.rate_scale`, vllm bench a file of the requests soakd's loader
+makes of it (ms timestamps); each client's deviation is against the times it was given.
+
+With `--soakd-engines vllm-local vllm-server` soakd also runs with its own vLLM, shaped like the
+benchmark's server, in the first `--engine-reps` reps: no pass-through can stamp those, so their rows are
+soakd's own lateness (the `generate()` call in process; the sender's write for the server soakd
+launches) and costs (which then include the engine).
 
 Deviation: for the last N POST /v1/completions of a client's run (N = the trace's requests; what comes
 before is the client's own probing: vLLM's test prompt, soakd's vocabulary probe), arrival_i - t_i,
@@ -42,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +65,7 @@ import numpy as np
 # The folder of benchmark scripts: bench_fidelity's server, client and trace helpers are reused.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fidelity import (
+    MAX_MODEL_LEN,
     free_port,
     run_child,
     run_vllm_bench,
@@ -61,7 +77,9 @@ from bench_fidelity import (
 Json = dict[str, Any]
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_BENCH = "vllm bench"
-SENDERS = ("process", "loop")
+# "process-cold": the sender process with no connections opened before the replay (warm_connections 0).
+SENDERS = ("process", "loop", "process-cold")
+ENGINES = ("vllm-local", "vllm-server")
 # A client run's cost beyond the trace's span before one was measured (imports, probing, the end).
 FIRST_OVERHEAD_S = 20.0
 # Kept free at the end of `--budget-s`: stopping the server (its process group) and the report.
@@ -198,20 +216,110 @@ def write_trace(path: Path, requests: int, rate: float, seed: int) -> list[int]:
     return times
 
 
+@dataclass(frozen=True)
+class Replayed:
+    """One rate's trace as each client gets it: soakd's file and [replay] keys, vllm bench's file, and
+    the arrival times (ms) each is meant to keep."""
+
+    soakd: Path
+    soakd_replay: str
+    soakd_ms: list[float]
+    bench: Path
+    bench_ms: list[float]
+
+    @property
+    def span_s(self) -> float:
+        return max(self.soakd_ms[-1], self.bench_ms[-1]) / 1000
+
+
+def generated(path: Path, requests: int, rate: float, seed: int) -> Replayed:
+    times = [float(t) for t in write_trace(path, requests, rate, seed)]
+    return Replayed(path, "", times, path, times)
+
+
+def scaled(base: Path, out: Path, scale: float, window_s: float) -> Replayed:
+    """The first `window_s` of the trace at `base`, `scale` times its rate: soakd replays `base` with
+    `replay.end` and `replay.rate_scale`; vllm bench replays the requests soakd's loader makes of it,
+    written to `out` (copies get block ids of their own, as soakd salts their prompts apart)."""
+    from soakd.config import load
+    from soakd.traces.loader import open_trace
+
+    keys = {"replay.end": window_s, "replay.rate_scale": scale}
+    cfg = load(None, {"trace.path": str(base), "trace.format": "mooncake", "trace.block_size": 512, **keys})
+    rows, exact, rounded = [], [], []
+    for spec in open_trace(cfg.trace, Path, cfg.run.seed, cfg.replay):
+        ms = spec.arrival_s * 1000
+        exact.append(ms)
+        rounded.append(float(round(ms)))
+        ids = [h + spec.copy * 1_000_000 for h in spec.hash_ids]
+        rows.append(
+            {
+                "timestamp": round(ms),
+                "input_length": spec.input_tokens,
+                "output_length": spec.output_tokens,
+                "hash_ids": ids,
+            }
+        )
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    replay = f'end = "{window_s:g}s"\nrate_scale = {scale:g}\n'
+    return Replayed(base, replay, exact, out, rounded)
+
+
 # --------------------------------------------------------------------------------------- the clients
 
 
-def run_soakd(
-    url: str, trace: Path, workdir: Path, span_s: float, sender: str | None = None, vocab_size: int = 0
-) -> Json:
-    """`soakd run` in attach mode over `trace`; `sender`: engine.sender (None: soakd's default);
-    `vocab_size`: engine.vocab_size (0: soakd probes the server)."""
-    engine_extra = "".join(
-        [
-            f'sender = "{sender}"\n' if sender else "",
-            f"vocab_size = {vocab_size}\n" if vocab_size else "",
+def engine_section(
+    url: str, sender: str | None, vocab_size: int, engine: str | None, model: Path, gpu: bool
+) -> str:
+    """The [engine] table: attach mode at `url` (`sender`: engine.sender, "process-cold" the process
+    with no connections opened before the replay; None: soakd's defaults), or with `engine` soakd's own
+    vLLM ("vllm-local" in process, "vllm-server" a server it launches) shaped like the benchmark's
+    server."""
+    if engine is None:
+        lines = ['kind = "openai"', f'url = "{url}"']
+        if sender:
+            lines.append(f'sender = "{sender.removesuffix("-cold")}"')
+        if sender and sender.endswith("-cold"):
+            lines.append("warm_connections = 0")
+        if vocab_size:
+            lines.append(f"vocab_size = {vocab_size}")
+        return "\n".join(lines) + "\n"
+    lines = [
+        f'kind = "{engine}"',
+        f'model = "{model}"',
+        f"max_model_len = {MAX_MODEL_LEN}",
+        f"max_num_seqs = {256 if gpu else 64}",
+        "seed = 0",
+        'start_timeout = "300s"',
+    ]
+    if gpu:
+        lines += [
+            "gpu_memory_utilization = 0.3",
+            "enforce_eager = true",
+            'extra_args = {attention_backend = "TRITON_ATTN"}',
         ]
-    )
+    else:
+        lines.append("cpu_kvcache_space_gib = 2")
+    return "\n".join(lines) + "\n[engine.speculative]\nenabled = false\n"
+
+
+def run_soakd(
+    url: str,
+    trace: Path,
+    workdir: Path,
+    span_s: float,
+    sender: str | None = None,
+    vocab_size: int = 0,
+    *,
+    replay_extra: str = "",
+    engine: str | None = None,
+    model: Path = Path(),
+    gpu: bool = False,
+) -> Json:
+    """`soakd run` over `trace`: attach mode (see engine_section) unless `engine`; `vocab_size`:
+    engine.vocab_size (0: soakd probes the server); `replay_extra`: more [replay] keys (a window,
+    rate_scale)."""
+    engine_text = engine_section(url, sender, vocab_size, engine, model, gpu)
     cfg = workdir / "soakd.toml"
     cfg.write_text(
         f"""
@@ -224,11 +332,8 @@ report = false
 path = "{trace}"
 format = "mooncake"
 block_size = 512
-[engine]
-kind = "openai"
-url = "{url}"
-{engine_extra}[replay]
-warmup_requests = 0
+[replay]
+{replay_extra}warmup_requests = 0
 loop = false
 drain_timeout = "120s"
 max_concurrency = 100000
@@ -237,13 +342,46 @@ ttft_p99_ms = false
 tpot_p99_ms = false
 max_error_rate = 1.0
 min_completed_ratio = 0.0
-""",
+[engine]
+{engine_text}""",
         encoding="utf-8",
     )
     argv = [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--no-progress", "--json"]
     argv += ["--log-level", "warning"]
     usage = run_child(argv, workdir / "soakd.log")
-    return {"usage": usage, "own": own_lateness(workdir / "runs")}
+    return {"usage": usage, "own": own_lateness(workdir / "runs") | sends_of(workdir / "runs")}
+
+
+def sends_of(runs: Path) -> Json:
+    """How the run's HTTP requests left soakd (the engine summary's `sends`: connections warmed and
+    opened, the slowest send to headers written); {} when the run had none."""
+    found = sorted(runs.glob("*/summary.json"))
+
+    def find(doc: Any) -> Json | None:
+        if isinstance(doc, dict):
+            if isinstance(doc.get("sends"), dict):
+                return dict(doc["sends"])
+            values: list[Any] = list(doc.values())
+        elif isinstance(doc, list):
+            values = doc
+        else:
+            return None
+        for value in values:
+            if (hit := find(value)) is not None:
+                return hit
+        return None
+
+    try:
+        sends = find(json.loads(found[-1].read_text(encoding="utf-8"))) if found else None
+    except (OSError, ValueError):
+        sends = None
+    if not sends:
+        return {}
+    return {
+        "connections_opened": sends.get("connections_opened"),
+        "connections_warmed": sends.get("connections_warmed"),
+        "write_max_ms": sends.get("write_max_ms"),
+    }
 
 
 def own_lateness(runs: Path) -> Json:
@@ -281,7 +419,7 @@ def arrivals(path: Path, n: int, since_ns: int) -> list[int]:
     return posts[-n:]
 
 
-def deviation(arrived_ns: list[int], trace_ms: list[int]) -> Json:
+def deviation(arrived_ns: list[int], trace_ms: list[float]) -> Json:
     d = np.array(arrived_ns, dtype=np.float64) / 1e6 - np.array(sorted(trace_ms), dtype=np.float64)
     d = np.abs(d - np.median(d))
     worst = np.argsort(d)[::-1][:3]
@@ -322,7 +460,13 @@ def client_names(senders: list[str] | None) -> list[str]:
 
 
 def sender_of(client: str) -> str | None:
-    found = re.fullmatch(r"soakd \((\w+)\)", client)
+    found = re.fullmatch(r"soakd \(([\w-]+)\)", client)
+    return found.group(1) if found else None
+
+
+def engine_of(client: str) -> str | None:
+    """The engine kind of a client that runs soakd's own vLLM ("soakd vllm-local"), else None."""
+    found = re.fullmatch(r"soakd (vllm-local|vllm-server)", client)
     return found.group(1) if found else None
 
 
@@ -353,6 +497,23 @@ def main() -> None:
         help="one soakd client per listed engine.sender (default: one client, soakd's default sender)",
     )
     ap.add_argument(
+        "--scale-from",
+        type=float,
+        help="the other rates are made from this rate's trace by soakd's replay.rate_scale (its first "
+        "--scale-window-s seconds, scaled; vllm bench gets the requests soakd's loader makes of it)",
+    )
+    ap.add_argument("--scale-window-s", type=float, default=6.0)
+    ap.add_argument(
+        "--soakd-engines",
+        nargs="+",
+        choices=ENGINES,
+        default=[],
+        help="also soakd with its own vLLM (no pass-through: its own lateness figures, at the "
+        "generate() call in process, at the sender's write for the server it launches)",
+    )
+    ap.add_argument("--no-vllm-bench", action="store_true", help="soakd's clients alone")
+    ap.add_argument("--engine-reps", type=int, default=1, help="reps that include the --soakd-engines")
+    ap.add_argument(
         "--budget-s",
         type=float,
         help="wall seconds for the whole benchmark from its start: a client run that would not end "
@@ -367,6 +528,9 @@ def main() -> None:
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-arrival-"))
     work.mkdir(parents=True, exist_ok=True)
     clients = client_names(args.soakd_senders)
+    engine_clients = [f"soakd {e}" for e in args.soakd_engines]
+    if args.no_vllm_bench:
+        clients.remove(VLLM_BENCH)
     # On the GPU the model's vocabulary is given to soakd, not probed (an id past the embedding would
     # be a device-side assert in the server, not a 400).
     vocab = model_vocab(args.model) if args.gpu else 0
@@ -378,27 +542,44 @@ def main() -> None:
         "requests": args.requests,
         "reps": args.reps,
         "gpu": args.gpu,
-        "clients": clients,
+        "clients": clients + engine_clients,
+        "scale_from": args.scale_from,
+        "scale_window_s": args.scale_window_s if args.scale_from is not None else None,
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "server_start_s": server_start_s,
         "rates": {},
     }
-    traces: dict[float, tuple[Path, list[int]]] = {}
+    traces: dict[float, Replayed] = {}
+    base_rate: float | None = args.scale_from
+    if base_rate is not None:
+        base_path = work / f"trace-{base_rate:g}.jsonl"
+        traces[base_rate] = generated(base_path, args.requests, base_rate, args.seed)
     for rate in args.rates:
-        trace = work / f"trace-{rate:g}.jsonl"
-        traces[rate] = (trace, write_trace(trace, args.requests, rate, args.seed))
-    runs: dict[float, dict[str, list[Json]]] = {rate: {c: [] for c in clients} for rate in args.rates}
+        if rate in traces:
+            continue
+        if base_rate is None:
+            traces[rate] = generated(work / f"trace-{rate:g}.jsonl", args.requests, rate, args.seed)
+        else:
+            base = traces[base_rate].soakd
+            out = work / f"trace-{rate:g}-scaled.jsonl"
+            traces[rate] = scaled(base, out, rate / base_rate, args.scale_window_s)
+        print(f"rate {rate:g}: {len(traces[rate].soakd_ms)} requests", file=sys.stderr, flush=True)
+    everyone = clients + engine_clients
+    runs: dict[float, dict[str, list[Json]]] = {rate: {c: [] for c in everyone} for rate in args.rates}
     overhead: dict[str, float] = {}  # a client's longest wall time beyond the trace's span so far
     skipped: list[str] = []
     errors: list[str] = []
     try:
         asyncio.run(warm_up(url, vocab))
         plan = [
-            (rep, rate, c) for rep in range(args.reps) for rate in args.rates for c in rotated(clients, rep)
+            (rep, rate, c)
+            for rep in range(args.reps)
+            for rate in args.rates
+            for c in rotated(clients, rep) + (engine_clients if rep < args.engine_reps else [])
         ]
         for rep, rate, client in plan:
-            trace, times = traces[rate]
-            span_s = times[-1] / 1000
+            replayed = traces[rate]
+            span_s = replayed.span_s
             name = f"rate {rate:g} rep {rep} {client}"
             need = span_s + overhead.get(client, FIRST_OVERHEAD_S)
             if deadline is not None and time.monotonic() + need > deadline:
@@ -414,7 +595,7 @@ def main() -> None:
             t_run = time.monotonic()
             row: Json | None = None
             try:
-                row = one_run(client, url, args, trace, times, rundir, vocab)
+                row = one_run(client, url, args, replayed, rundir, vocab)
             except Exception as err:  # noqa: BLE001 (a failed run is reported, the others go on)
                 errors.append(f"{name}: {type(err).__name__}: {err}"[:2000])
                 print(f"FAILED: {errors[-1]}", file=sys.stderr, flush=True)
@@ -438,31 +619,45 @@ def main() -> None:
     print(table(report), file=sys.stderr if args.json else sys.stdout)
 
 
-def one_run(
-    client: str, url: str, args: argparse.Namespace, trace: Path, times: list[int], rundir: Path, vocab: int
-) -> Json:
-    """One client's replay of `trace` through a fresh pass-through: its deviation figures and costs."""
+def one_run(client: str, url: str, args: argparse.Namespace, rep: Replayed, rundir: Path, vocab: int) -> Json:
+    """One client's replay through a fresh pass-through: its deviation figures and costs. A client
+    running soakd's own vLLM has no pass-through: its own lateness figures and costs alone."""
+    if (engine := engine_of(client)) is not None:
+        res = run_soakd(
+            "", rep.soakd, rundir, rep.span_s, replay_extra=rep.soakd_replay, engine=engine,
+            model=args.model, gpu=args.gpu,
+        )  # fmt: skip
+        return {**costs(res["usage"]), **res["own"]}
     out = rundir / "arrivals.jsonl"
     proxy, purl = start_proxy(url, out)
     since = time.time_ns()
     own: Json = {}
     try:
         if client == VLLM_BENCH:
-            res = run_vllm_bench(purl, args.model, trace, args.requests, rundir, args.seed)
+            times = rep.bench_ms
+            res = run_vllm_bench(purl, args.model, rep.bench, len(times), rundir, args.seed)
         else:
-            res = run_soakd(purl, trace, rundir, times[-1] / 1000, sender_of(client), vocab)
+            times = rep.soakd_ms
+            res = run_soakd(
+                purl, rep.soakd, rundir, rep.span_s, sender_of(client), vocab, replay_extra=rep.soakd_replay
+            )
             own = res["own"]
         usage = res["usage"]
     finally:
         stop_proxy(proxy)
-    dev = deviation(arrivals(out, args.requests, since), times)
-    return {**dev, "cpu_s": usage["cpu_s"], "rss_mb": usage["peak_rss_mb"], "wall_s": usage["wall_s"], **own}
+    dev = deviation(arrivals(out, len(times), since), times)
+    return {**dev, **costs(usage), **own}
+
+
+def costs(usage: Json) -> Json:
+    return {"cpu_s": usage["cpu_s"], "rss_mb": usage["peak_rss_mb"], "wall_s": usage["wall_s"]}
 
 
 def table(report: Json) -> str:
     out = [
-        "| rate | client | p50 ms | p99 ms | max ms | CPU s | peak RSS MB | own lateness p99 ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rate | client | p50 ms | p99 ms | max ms | CPU s | peak RSS MB | own lateness p99 ms "
+        "| own lateness max ms | connections opened in the replay |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(fig: Json | None) -> str:
@@ -471,7 +666,7 @@ def table(report: Json) -> str:
     for rate, clients in report["rates"].items():
         for client, fig in clients.items():
             cells = [cell(fig.get(k)) for k in ("p50_ms", "p99_ms", "max_ms", "cpu_s", "rss_mb")]
-            cells.append(cell(fig.get("own_late_p99_ms")))
+            cells += [cell(fig.get(k)) for k in ("own_late_p99_ms", "own_late_max_ms", "connections_opened")]
             n = len(fig["runs"])
             runs = "" if n == report["reps"] else f" ({n} of {report['reps']} runs)"
             out.append(f"| {rate} req/s | {client}{runs} | " + " | ".join(cells) + " |")

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Replay timing as the server sees it, on the H200 machine: benchmarks/bench_arrival.py --gpu against the
 # slim vLLM 0.26.0 api_server (Triton attention, eager) on the bundle's tiny random model; soakd with each
-# engine.sender ("process", "loop") beside `vllm bench serve`, the clients' order rotated per rep.
+# engine.sender ("process", "loop", "process-cold") beside `vllm bench serve`, the clients' order rotated
+# per rep; optionally the other rates scaled from one by replay.rate_scale (SCALE_FROM) and soakd with its
+# own vLLM in process and as a server it launches (ENGINES).
 # Runs from the repository root with the GPU bundle in .gpu_bundle/, soakd's wheels in .gpu_wheels/ and
 # the API server's and bench client's wheels in .gpu_wheels_server/ (each installed only where the image
 # cannot import it already):
@@ -18,6 +20,13 @@ read -r -a RATES <<< "${RATES:-10 100}"
 REQUESTS=${REQUESTS:-200}
 REPS=${REPS:-3}
 read -r -a SENDERS <<< "${SENDERS:-process loop}"
+# SCALE_FROM=10: the other rates from that rate's trace by replay.rate_scale (its first SCALE_WINDOW_S s).
+SCALE_FROM=${SCALE_FROM:-}
+SCALE_WINDOW_S=${SCALE_WINDOW_S:-6}
+# ENGINES="vllm-local vllm-server": soakd with its own vLLM too, in the first ENGINE_REPS reps.
+read -r -a ENGINES <<< "${ENGINES:-}"
+ENGINE_REPS=${ENGINE_REPS:-1}
+NO_BENCH=${NO_BENCH:-}  # 1: soakd's clients alone (no vllm bench serve)
 mkdir -p "$OUT"
 exec 3>&1 4>&2
 exec > >(tee "$OUT/run.log") 2>&1
@@ -131,15 +140,19 @@ stage "benchmark: rates ${RATES[*]}, $REQUESTS requests, $REPS reps, 3 clients; 
 rm -rf /tmp/arrival
 t=$(date +%s)
 rc=0
+EXTRA=()
+[[ -n "$SCALE_FROM" ]] && EXTRA+=(--scale-from "$SCALE_FROM" --scale-window-s "$SCALE_WINDOW_S")
+((${#ENGINES[@]})) && EXTRA+=(--soakd-engines "${ENGINES[@]}" --engine-reps "$ENGINE_REPS")
+[[ -n "$NO_BENCH" ]] && EXTRA+=(--no-vllm-bench)
 python3 benchmarks/bench_arrival.py --gpu --model /tmp/tiny_model --rates "${RATES[@]}" --requests "$REQUESTS" \
-  --reps "$REPS" --soakd-senders "${SENDERS[@]}" --json --keep /tmp/arrival --budget-s "$left" \
+  --reps "$REPS" --soakd-senders "${SENDERS[@]}" "${EXTRA[@]}" --json --keep /tmp/arrival --budget-s "$left" \
   > "$OUT/arrival.json" 2> "$OUT/arrival.log" || rc=$?
 stage "benchmark rc $rc: $(($(date +%s) - t)) s"
 tail -n 12 "$OUT/arrival.log"
 
 tail -n 150 /tmp/arrival/vllm-server.log > "$OUT/server-tail.log" 2>/dev/null || true
 {
-  for client in soakd-process soakd-loop vllm-bench; do
+  for client in soakd-process soakd-loop soakd-process-cold soakd-vllm-local soakd-vllm-server vllm-bench; do
     dirs=(/tmp/arrival/*-"$client")
     [[ -d "${dirs[0]}" ]] || continue
     for log in "${dirs[0]}"/soakd.log "${dirs[0]}"/vllm-bench.log; do
