@@ -192,8 +192,13 @@ class VllmServerEngine:
         log.info("engine_started", start_s=round(self._info.start_s, 2), config_id=self._info.config_id)
 
     def _vocab_hint(self) -> int | None:
-        """The model's vocabulary size from the plugin's hello (the engine's own model config)."""
+        """The model's vocabulary size from the plugin's hello (the engine's own model config), else
+        from the model folder's config.json: without the plugin (soakd not installed where the server's
+        vLLM finds entry points) probing would send ids past the embedding of a model whose tokenizer
+        is larger, and vLLM 0.26 dies on a device-side assert (measured on an H200)."""
         value = self._channel.facts().get("vocab_size") if self._channel is not None else None
+        if not isinstance(value, int):
+            value = model_config_vocab(Path(self._model))
         return value if isinstance(value, int) and 0 < value <= MAX_VOCAB else None
 
     async def _start_http(self, http: OpenAIEngine) -> None:
@@ -361,3 +366,19 @@ def _sizes(value: object) -> tuple[int, ...]:
     if not isinstance(value, list):
         return ()
     return tuple(sorted(int(x) for x in value if isinstance(x, int)))
+
+
+def model_config_vocab(model: Path) -> int | None:
+    """vocab_size from a local model folder's config.json (a multimodal model's text_config's); None
+    when the model is not a folder or does not say."""
+    try:
+        doc = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    text = doc.get("text_config")
+    value = doc.get("vocab_size")
+    if value is None and isinstance(text, dict):
+        value = text.get("vocab_size")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

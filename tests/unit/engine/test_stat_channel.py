@@ -15,7 +15,7 @@ from soakd.config import EngineConfig
 from soakd.engine.base import SpecSteps
 from soakd.engine.channel import SOCKET_ENV, StepChannel
 from soakd.engine.stats import StepStats, copy_spec_steps, step_from_wire, step_to_wire
-from soakd.engine.vllm_server import server_argv, server_config_id
+from soakd.engine.vllm_server import model_config_vocab, server_argv, server_config_id
 
 
 def test_wire_format_round_trips() -> None:
@@ -175,3 +175,15 @@ def test_stopping_a_server_whose_leader_exited_still_stops_its_children(tmp_path
             break
         time.sleep(0.02)  # poll for the child to go
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_vocabulary_of_a_model_folder_without_the_plugin(tmp_path: Path) -> None:
+    """Server mode without soakd's plugin takes the size from the model's config, never a probe."""
+    (tmp_path / "config.json").write_text('{"vocab_size": 512}')
+    assert model_config_vocab(tmp_path) == 512
+    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 262208}}')
+    assert model_config_vocab(tmp_path) == 262208
+    for bad in ('{"vocab_size": true}', '{"vocab_size": "512"}', "[512]", "not json"):
+        (tmp_path / "config.json").write_text(bad)
+        assert model_config_vocab(tmp_path) is None
+    assert model_config_vocab(tmp_path / "absent") is None  # a hub id, not a folder
