@@ -347,7 +347,7 @@ min_completed_ratio = 0.0
         encoding="utf-8",
     )
     argv = [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--no-progress", "--json"]
-    argv += ["--log-level", "warning"]
+    argv += ["--log-level", os.environ.get("BENCH_SOAKD_LOG_LEVEL", "warning")]
     usage = run_child(argv, workdir / "soakd.log")
     return {"usage": usage, "own": own_lateness(workdir / "runs") | sends_of(workdir / "runs")}
 
@@ -472,7 +472,7 @@ def engine_of(client: str) -> str | None:
 
 def rotated(clients: list[str], rep: int) -> list[str]:
     """The clients' order in rep `rep`: each goes first in turn."""
-    k = rep % len(clients)
+    k = rep % len(clients) if clients else 0
     return clients[k:] + clients[:k]
 
 
@@ -512,6 +512,9 @@ def main() -> None:
         "generate() call in process, at the sender's write for the server it launches)",
     )
     ap.add_argument("--no-vllm-bench", action="store_true", help="soakd's clients alone")
+    ap.add_argument(
+        "--engines-only", action="store_true", help="the --soakd-engines alone (no server started here)"
+    )
     ap.add_argument("--engine-reps", type=int, default=1, help="reps that include the --soakd-engines")
     ap.add_argument(
         "--budget-s",
@@ -531,13 +534,18 @@ def main() -> None:
     engine_clients = [f"soakd {e}" for e in args.soakd_engines]
     if args.no_vllm_bench:
         clients.remove(VLLM_BENCH)
+    if args.engines_only:
+        clients = []
     # On the GPU the model's vocabulary is given to soakd, not probed (an id past the embedding would
     # be a device-side assert in the server, not a 400).
     vocab = model_vocab(args.model) if args.gpu else 0
     t0 = time.monotonic()
-    server, url, _ = start_server(args.model, work, gpu=args.gpu)
+    server: subprocess.Popen[bytes] | None = None
+    url = ""
+    if clients:
+        server, url, _ = start_server(args.model, work, gpu=args.gpu)
+        print(f"server up in {time.monotonic() - t0:.1f} s at {url}", file=sys.stderr, flush=True)
     server_start_s = time.monotonic() - t0
-    print(f"server up in {server_start_s:.1f} s at {url}", file=sys.stderr, flush=True)
     report: Json = {
         "requests": args.requests,
         "reps": args.reps,
@@ -570,7 +578,8 @@ def main() -> None:
     skipped: list[str] = []
     errors: list[str] = []
     try:
-        asyncio.run(warm_up(url, vocab))
+        if server is not None:
+            asyncio.run(warm_up(url, vocab))
         plan = [
             (rep, rate, c)
             for rep in range(args.reps)
@@ -586,7 +595,7 @@ def main() -> None:
                 skipped.append(name)
                 print(f"skipped (time budget): {name}", file=sys.stderr, flush=True)
                 continue
-            if server.poll() is not None:
+            if server is not None and server.poll() is not None:
                 errors.append(f"the vLLM server exited with {server.returncode} before {name}")
                 print(errors[-1], file=sys.stderr, flush=True)
                 break
@@ -604,7 +613,8 @@ def main() -> None:
                 runs[rate][client].append(row)
                 print(f"{name}: {row}", file=sys.stderr, flush=True)
     finally:
-        stop_server(server)
+        if server is not None:
+            stop_server(server)
         for rate in args.rates:
             done = {client: rows for client, rows in runs[rate].items() if rows}
             if done:

@@ -27,6 +27,7 @@ SCALE_WINDOW_S=${SCALE_WINDOW_S:-6}
 read -r -a ENGINES <<< "${ENGINES:-}"
 ENGINE_REPS=${ENGINE_REPS:-1}
 NO_BENCH=${NO_BENCH:-}  # 1: soakd's clients alone (no vllm bench serve)
+ENGINES_ONLY=${ENGINES_ONLY:-}  # 1: the ENGINES alone (no api_server of the benchmark's own)
 mkdir -p "$OUT"
 exec 3>&1 4>&2
 exec > >(tee "$OUT/run.log") 2>&1
@@ -144,6 +145,7 @@ EXTRA=()
 [[ -n "$SCALE_FROM" ]] && EXTRA+=(--scale-from "$SCALE_FROM" --scale-window-s "$SCALE_WINDOW_S")
 ((${#ENGINES[@]})) && EXTRA+=(--soakd-engines "${ENGINES[@]}" --engine-reps "$ENGINE_REPS")
 [[ -n "$NO_BENCH" ]] && EXTRA+=(--no-vllm-bench)
+[[ -n "$ENGINES_ONLY" ]] && EXTRA+=(--engines-only)
 python3 benchmarks/bench_arrival.py --gpu --model /tmp/tiny_model --rates "${RATES[@]}" --requests "$REQUESTS" \
   --reps "$REPS" --soakd-senders "${SENDERS[@]}" "${EXTRA[@]}" --json --keep /tmp/arrival --budget-s "$left" \
   > "$OUT/arrival.json" 2> "$OUT/arrival.log" || rc=$?
