@@ -131,6 +131,7 @@ class Soak:
         self.started_utc = datetime.now(UTC).isoformat()
         self._journal: DueJournal | None = None
         self._journal_errors = 0
+        self._warmup_sent = 0  # warm-up requests sent before the replay (not the trace's)
         self._stop_task: asyncio.Task[None] | None = None
         self._parts: RunParts | None = None
         self._t_start = time.monotonic()
@@ -324,7 +325,7 @@ class Soak:
             def on_replayer(replayer: Replayer) -> None:
                 live.replayer = replayer  # so a stop signal during warm-up ends it
 
-            await warm_up(
+            self._warmup_sent += await warm_up(
                 engine,
                 list(itertools.islice(self.trace, n)),
                 prompts,
@@ -510,6 +511,11 @@ class Soak:
             **sinks.summaries(),
             **run_stack.summaries(),
         }
+        # Completions the server got that are not the trace's: a reader comparing the server's request
+        # count with the trace's finds the difference here.
+        engines = (doc.get("engine_telemetry") or {}).get("engines") or []
+        probes = sum(int(e.get("vocab_probe_requests", 0)) for e in engines if isinstance(e, dict))
+        doc["outside_trace"] = {"warmup_requests": self._warmup_sent, "vocab_probe_requests": probes}
         stop_failures = {**sinks.stop_failures, **run_stack.stop_failures}
         if stop_failures:
             doc["stop_failures"] = stop_failures

@@ -471,6 +471,17 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         f"{req['failed']} failed{lost_note}, {req['shed']} shed; "
         f"{req['output_tokens']} output tokens ({req['output_tokens'] / ran:.1f} tok/s)"
     )
+    outside = summary.get("outside_trace") or {}
+    extra = [
+        f"{n} {what}"
+        for what, n in (
+            ("warm-up", outside.get("warmup_requests", 0)),
+            ("vocabulary probe", outside.get("vocab_probe_requests", 0)),
+        )
+        if n
+    ]
+    if extra:
+        print(f"  also sent, not the trace's: {', '.join(extra)} requests (before the replay)")
     points = ", ".join(f"{k} {v}" for k, v in summary["points"].items())
     print(f"  points: {points}")
     if summary.get("influx"):

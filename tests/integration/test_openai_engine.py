@@ -94,6 +94,10 @@ async def test_discovers_the_server(vllm_server: Server, tiny_model: Path) -> No
         assert info.max_model_len == 2048
         assert info.vocab_size == vocab
         assert info.details["vocab_source"].startswith("probe")
+        # Said in the run's summary: completions the server got that are not the trace's (id 0, doubling
+        # bounds until one is refused, a bisection between the last two: about 2 log2(vocab)).
+        probes = engine.telemetry_summary()["vocab_probe_requests"]
+        assert isinstance(probes, int) and vocab.bit_length() <= probes <= 2 * vocab.bit_length() + 2
         assert 0 in info.reserved_ids  # <|endoftext|>, from /tokenizer_info
         assert engine.process_ids() == []
         assert info.details["url"] == vllm_server.url

@@ -114,6 +114,7 @@ class OpenAIEngine:
         self._sender_restarts = 0
         self._restart_times: deque[float] = deque()
         self._sends = _SendFigures()
+        self._probes = 0  # completions sent to find the vocabulary (not the trace's)
         self._info: EngineInfo | None = None
         self._model = ""
         self.on_send: SendHook | None = None
@@ -304,6 +305,7 @@ class OpenAIEngine:
 
     async def _accepts(self, token_id: int) -> bool:
         session = self._require_session()
+        self._probes += 1
         body = {"model": self._model, "prompt": [token_id], "max_tokens": 1, "temperature": 0.0}
         async with session.post(self._url + "/v1/completions", json=body, timeout=CONTROL_TIMEOUT) as resp:
             if resp.status == 200:
@@ -484,6 +486,8 @@ class OpenAIEngine:
         out: dict[str, object] = {"sender_restarts": self._sender_restarts} if self._sender_restarts else {}
         if self._sends.requests or self._sends.warmed:
             out["sends"] = self._sends.summary()
+        if self._probes:
+            out["vocab_probe_requests"] = self._probes
         return out
 
     async def stop(self) -> None:

@@ -28,10 +28,10 @@ async def warm_up(
     max_model_len: int,
     timeout_s: float,
     seed: int,
-) -> None:
-    """Send `first` all at once and wait for the answers. Its prompts use their own salt (`run_tag`), so
-    they warm no prefix the replay will look up. `on_replayer` gets the replayer before it runs (a stop
-    signal during warm-up ends it)."""
+) -> int:
+    """Send `first` all at once and wait for the answers; returns how many were sent. Its prompts use
+    their own salt (`run_tag`), so they warm no prefix the replay will look up. `on_replayer` gets the
+    replayer before it runs (a stop signal during warm-up ends it)."""
     records: list[RequestRecord] = []
     warm = Replayer(
         engine,
@@ -53,3 +53,4 @@ async def warm_up(
     took = time.monotonic() - t0
     fields: dict[str, FieldValue] = {"requests": len(records), "failed": stats.failed, "warmup_s": took}
     on_event("warmup", f"{stats.completed} warm-up requests in {took:.1f} s", **fields)
+    return len(records)

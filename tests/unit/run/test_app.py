@@ -37,6 +37,7 @@ async def test_a_soak_with_a_fake_engine(tmp_path: Path) -> None:
     warm = [r for r in engine.seen if "--1-" in r]
     assert len(warm) == 3  # warm-up requests are sent, with their own salt (loop -1)
     assert engine.prepared == [16]  # once, before the replay, for the admission limit's requests
+    assert result.summary["outside_trace"] == {"warmup_requests": 3, "vocab_probe_requests": 0}
     run_dir = result.run_dir
     for name in ("meta.json", "verdict.json", "summary.json"):
         assert (run_dir / name).is_file()

@@ -359,3 +359,7 @@ def test_the_printout_counts_the_whole_run(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert "80 scheduled, 72 completed, 8 failed (8 lost in flight at restarts)" in out
     assert "(16.0 tok/s)" in out
+    assert "not the trace's" not in out  # nothing else was sent
+    summary["outside_trace"] = {"warmup_requests": 0, "vocab_probe_requests": 12}
+    _print_summary(summary, Path("runs/r"))
+    assert "also sent, not the trace's: 12 vocabulary probe requests" in capsys.readouterr().out
