@@ -186,6 +186,14 @@ class _Tail:
     history: npt.NDArray[np.int32] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """A due request's prompt as the pacer built it ahead of its send."""
+
+    ids: list[int] | None
+    """Its token ids; None for a later turn of a session, whose ids follow the turn before's answer."""
+
+
 class Replayer:
     """Sends each scheduled request at its due time (open loop) through the admission gate."""
 
@@ -331,7 +339,7 @@ class Replayer:
                 assert built is not None
                 if not self._ahead:
                     await self._clock.sleep_until(deadline)
-                self._dispatch(item, deadline, due_wall_ns, built[0])
+                self._dispatch(item, deadline, due_wall_ns, built.ids)
             if self._duration_s is not None and not self._stop.is_set():
                 # The soak lasts its duration even when the last request is due earlier.
                 end = asyncio.create_task(self._clock.sleep_until(t0 + self._duration_s))
@@ -343,11 +351,11 @@ class Replayer:
         await self._drain()
         return self.stats
 
-    def _build(self, item: Scheduled, deadline: float, due_wall_ns: int) -> tuple[list[int] | None] | None:
-        """(the prompt's ids, or None for a later turn that chains) of a request that came due; None
-        when no prompt can be made for it: that request's failure, recorded, never the soak's."""
+    def _build(self, item: Scheduled, deadline: float, due_wall_ns: int) -> _Prompt | None:
+        """The prompt of a request that came due; None when none can be made for it: that request's
+        failure, recorded, never the soak's."""
         try:
-            return (None if self._chains(item) else self._prepare(item, None),)
+            return _Prompt(None if self._chains(item) else self._prepare(item, None))
         except ValueError as err:
             self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
             return None
