@@ -481,7 +481,7 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         if n
     ]
     if extra:
-        print(f"  also sent, not the trace's: {', '.join(extra)} requests (before the replay)")
+        print(f"  also sent, not the trace's: {', '.join(extra)} requests")
     points = ", ".join(f"{k} {v}" for k, v in summary["points"].items())
     print(f"  points: {points}")
     if summary.get("influx"):

@@ -43,8 +43,9 @@ class Stamps:
     sent: float | None = None
     """When the sender began the request (its due time reached); TTFT and E2E count from here."""
     written: float | None = None
-    """When its headers were written to the socket, after any connection was opened: its lateness
-    counts to here (None: not stamped, `sent` stands in)."""
+    """When its first bytes were handed to the socket, after any connection was opened: its lateness
+    counts to here (None: not stamped, `sent` stands in). Time spent opening a connection counts in
+    both its lateness and its TTFT (which runs from `sent`, as a client sees it)."""
     new_connection: bool = False
     """A connection was opened for it (none was free in the pool)."""
     first: float | None = None

@@ -44,8 +44,9 @@ class ServerGone(EngineError):
 
 @dataclass(slots=True)
 class SendTrace:
-    """What the HTTP client did for one request before its bytes left: when its headers were written to
-    the socket (the request as the server receives it) and whether a connection was opened for it."""
+    """What the HTTP client did for one request before its bytes left: when its first bytes (headers
+    with the body) were handed to the socket, i.e. the request as the server receives it, and whether a
+    connection was opened for it."""
 
     written: float | None = None
     new_connection: bool = False
@@ -59,14 +60,16 @@ def send_trace_config() -> aiohttp.TraceConfig:
         if isinstance(trace, SendTrace):
             trace.new_connection = True
 
-    async def headers_sent(_: aiohttp.ClientSession, ctx: SimpleNamespace, __: object) -> None:
+    async def chunk_sent(_: aiohttp.ClientSession, ctx: SimpleNamespace, __: object) -> None:
+        # aiohttp buffers the headers and writes them with the first body chunk, right after this
+        # hook returns (it does not yield), in the same step: the first chunk's hook is the send.
         trace = ctx.trace_request_ctx
         if isinstance(trace, SendTrace) and trace.written is None:
             trace.written = time.monotonic()
 
     config = aiohttp.TraceConfig()
     config.on_connection_create_end.append(created)
-    config.on_request_headers_sent.append(headers_sent)
+    config.on_request_chunk_sent.append(chunk_sent)
     return config
 
 

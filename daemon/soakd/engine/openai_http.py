@@ -26,10 +26,12 @@ from soakd.engine.completions import (
     CONTROL_TIMEOUT,
     ERROR_CHARS,
     RequestError,
+    SendTrace,
     ServerGone,
     error_message,
     error_of,
     open_connections,
+    send_trace_config,
     stream_completion,
 )
 from soakd.engine.sender import MAX_RESTARTS, RESTART_WINDOW_S, SenderProcess, stream_via, take_final
@@ -60,8 +62,8 @@ def base_url(url: str) -> str:
 
 
 class _SendFigures:
-    """How requests left the sender: how many opened a connection, and the time from the sender's start
-    on a request to its headers reaching the socket (opening a connection included)."""
+    """How the replay's requests left soakd: how many opened a connection, and the time from the start
+    of a request's send to its first bytes reaching the socket (opening a connection included)."""
 
     __slots__ = ("new_connections", "over_1ms", "over_10ms", "requests", "warmed", "write_max_s")
 
@@ -144,6 +146,7 @@ class OpenAIEngine:
             # No total limit: a long generation under load is a result, not a hang. A stuck request is
             # cut by the replay's drain timeout.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0),
+            trace_configs=[send_trace_config()],
         )
         t0 = time.monotonic()
         try:
@@ -371,10 +374,14 @@ class OpenAIEngine:
                 return
             if request.send_at is not None:
                 await _SYSTEM_CLOCK.sleep_until(request.send_at)
-            async for n in stream_completion(
-                session, self._url, body, request.request_id, request.output_ids, request.spec
-            ):
-                yield n
+            trace, sent = SendTrace(), time.monotonic()
+            try:
+                async for n in stream_completion(
+                    session, self._url, body, request.request_id, request.output_ids, request.spec, trace
+                ):
+                    yield n
+            finally:
+                self._sends.add(sent, trace.written, trace.new_connection)
         except ServerGone:
             self._dead = True
             raise
@@ -468,6 +475,8 @@ class OpenAIEngine:
         return self._sender.pid if self._sender is not None else None
 
     async def prepare_replay(self, concurrency: int) -> None:
+        # The figures are the replay's: warm-up requests (before this) opened connections of their own.
+        self._sends = _SendFigures()
         n = max(0, min(concurrency, self._cfg.warm_connections))
         if n == 0:
             return
@@ -476,10 +485,12 @@ class OpenAIEngine:
                 opened = await (await self._live_sender()).warm(n)
             else:
                 opened = await open_connections(self._require_session(), self._url, n)
-        except (EngineError, HarnessError) as err:
-            log.warning("warm_connections_failed", error=str(err))
+        # Opening connections ahead is an optimisation: its failure (a session closed by a restart, a
+        # sender that will not start) never ends a soak; the replay opens them as it goes.
+        except Exception as err:  # noqa: BLE001
+            log.warning("warm_connections_failed", error=f"{type(err).__name__}: {err}"[:200])
             return
-        self._sends.warmed += opened
+        self._sends.warmed = opened
         log.info("connections_warmed", wanted=n, opened=opened)
 
     def telemetry_summary(self) -> dict[str, object]:

@@ -207,8 +207,13 @@ class EngineSupervisor:
         return await self._engine.metrics_text()
 
     async def prepare_replay(self, concurrency: int) -> None:
-        if self._engine is not None and self._ready.is_set():
+        if self._engine is None or not self._ready.is_set():
+            return
+        # An engine's preparation is an optimisation; one that raises anyway does not end the soak.
+        try:
             await self._engine.prepare_replay(concurrency)
+        except Exception as err:  # noqa: BLE001
+            log.warning("prepare_replay_failed", error=f"{type(err).__name__}: {err}"[:200])
 
     def telemetry_summary(self) -> dict[str, object]:
         """Each engine's own summary (one per start, oldest first) and the lifecycle counts."""

@@ -377,8 +377,9 @@ def model_config_vocab(model: Path) -> int | None:
         return None
     if not isinstance(doc, dict):
         return None
+    # vLLM sizes the embedding from the text config where a multimodal model has one.
     text = doc.get("text_config")
-    value = doc.get("vocab_size")
-    if value is None and isinstance(text, dict):
-        value = text.get("vocab_size")
+    value = text.get("vocab_size") if isinstance(text, dict) else None
+    if value is None:
+        value = doc.get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None

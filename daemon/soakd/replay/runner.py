@@ -681,7 +681,8 @@ class Replayer:
             return None
         # Held by the engine before its sender got it (a restart or rebuild under way): not lateness.
         hold = max(0.0, (stamps.handed or request.send_at) - request.send_at)
-        # Late until its bytes left: a connection opened for it counts (the server saw it that late).
+        # Late until its first bytes left: a connection opened for it counts (the server saw it that
+        # late); its TTFT still runs from the send, as a client's does.
         left = stamps.written if stamps.written is not None else stamps.sent
         record.lateness_s = max(0.0, left - request.send_at - hold)
         self._note_late(record.lateness_s)

@@ -181,7 +181,8 @@ def test_the_vocabulary_of_a_model_folder_without_the_plugin(tmp_path: Path) -> 
     """Server mode without soakd's plugin takes the size from the model's config, never a probe."""
     (tmp_path / "config.json").write_text('{"vocab_size": 512}')
     assert model_config_vocab(tmp_path) == 512
-    (tmp_path / "config.json").write_text('{"text_config": {"vocab_size": 262208}}')
+    # A multimodal model's text config sizes the embedding vLLM builds.
+    (tmp_path / "config.json").write_text('{"vocab_size": 257152, "text_config": {"vocab_size": 262208}}')
     assert model_config_vocab(tmp_path) == 262208
     for bad in ('{"vocab_size": true}', '{"vocab_size": "512"}', "[512]", "not json"):
         (tmp_path / "config.json").write_text(bad)

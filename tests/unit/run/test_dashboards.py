@@ -157,6 +157,9 @@ class _StubEngine:
     def telemetry_summary(self) -> dict[str, object]:
         return {}
 
+    async def prepare_replay(self, concurrency: int) -> None:
+        return None
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
         if int(request.request_id.rsplit("-", 1)[1]) % 5 == 4:
             raise RuntimeError("stub engine failure")
