@@ -52,6 +52,37 @@ class SendTrace:
     new_connection: bool = False
 
 
+class SendFigures:
+    """How the replay's requests left soakd: how many opened a connection, and the time from the start
+    of a request's send to its first bytes reaching the socket (opening a connection included)."""
+
+    __slots__ = ("new_connections", "over_1ms", "over_10ms", "requests", "warmed", "write_max_s")
+
+    def __init__(self) -> None:
+        self.requests = self.new_connections = self.warmed = self.over_1ms = self.over_10ms = 0
+        self.write_max_s = 0.0
+
+    def add(self, sent: float | None, written: float | None, new_connection: bool) -> None:
+        if sent is None or written is None:
+            return
+        self.requests += 1
+        self.new_connections += new_connection
+        delay = max(0.0, written - sent)
+        self.write_max_s = max(self.write_max_s, delay)
+        self.over_1ms += delay > 0.001
+        self.over_10ms += delay > 0.010
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "requests": self.requests,
+            "connections_warmed": self.warmed,
+            "connections_opened": self.new_connections,
+            "write_max_ms": round(self.write_max_s * 1000, 3),
+            "write_over_1ms": self.over_1ms,
+            "write_over_10ms": self.over_10ms,
+        }
+
+
 def send_trace_config() -> aiohttp.TraceConfig:
     """aiohttp hooks that fill the SendTrace passed as a request's `trace_request_ctx`."""
 

@@ -26,6 +26,7 @@ from soakd.engine.completions import (
     CONTROL_TIMEOUT,
     ERROR_CHARS,
     RequestError,
+    SendFigures,
     SendTrace,
     ServerGone,
     error_message,
@@ -61,37 +62,6 @@ def base_url(url: str) -> str:
     return text[: -len("/v1")] if text.endswith("/v1") else text
 
 
-class _SendFigures:
-    """How the replay's requests left soakd: how many opened a connection, and the time from the start
-    of a request's send to its first bytes reaching the socket (opening a connection included)."""
-
-    __slots__ = ("new_connections", "over_1ms", "over_10ms", "requests", "warmed", "write_max_s")
-
-    def __init__(self) -> None:
-        self.requests = self.new_connections = self.warmed = self.over_1ms = self.over_10ms = 0
-        self.write_max_s = 0.0
-
-    def add(self, sent: float | None, written: float | None, new_connection: bool) -> None:
-        if sent is None or written is None:
-            return
-        self.requests += 1
-        self.new_connections += new_connection
-        delay = max(0.0, written - sent)
-        self.write_max_s = max(self.write_max_s, delay)
-        self.over_1ms += delay > 0.001
-        self.over_10ms += delay > 0.010
-
-    def summary(self) -> dict[str, object]:
-        return {
-            "requests": self.requests,
-            "connections_warmed": self.warmed,
-            "connections_opened": self.new_connections,
-            "write_max_ms": round(self.write_max_s * 1000, 3),
-            "write_over_1ms": self.over_1ms,
-            "write_over_10ms": self.over_10ms,
-        }
-
-
 class OpenAIEngine:
     """A running OpenAI-compatible server, reached over one shared HTTP connection pool."""
 
@@ -115,7 +85,7 @@ class OpenAIEngine:
         self._sender_lock = asyncio.Lock()
         self._sender_restarts = 0
         self._restart_times: deque[float] = deque()
-        self._sends = _SendFigures()
+        self._sends = SendFigures()
         self._probes = 0  # completions sent to find the vocabulary (not the trace's)
         self._info: EngineInfo | None = None
         self._model = ""
@@ -476,7 +446,7 @@ class OpenAIEngine:
 
     async def prepare_replay(self, concurrency: int) -> None:
         # The figures are the replay's: warm-up requests (before this) opened connections of their own.
-        self._sends = _SendFigures()
+        self._sends = SendFigures()
         n = max(0, min(concurrency, self._cfg.warm_connections))
         if n == 0:
             return
