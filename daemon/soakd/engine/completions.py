@@ -104,14 +104,17 @@ def send_trace_config() -> aiohttp.TraceConfig:
     return config
 
 
-async def open_connections(session: aiohttp.ClientSession, url: str, n: int) -> int:
+async def open_connections(
+    session: aiohttp.ClientSession, url: str, n: int, *, each: aiohttp.ClientTimeout = CONTROL_TIMEOUT
+) -> int:
     """Open n connections to the server at once (concurrent GET /health, so none can reuse another's)
     and leave them in the session's pool: the replay's first burst then finds them open instead of
-    connecting while its requests are due. Returns how many answered 200."""
+    connecting while its requests are due. Returns how many answered 200; `each`: one
+    GET's time limit."""
 
     async def one() -> bool:
         try:
-            async with session.get(url + "/health", timeout=CONTROL_TIMEOUT) as resp:
+            async with session.get(url + "/health", timeout=each) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):

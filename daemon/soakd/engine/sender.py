@@ -28,7 +28,7 @@ import os
 import struct
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,19 +187,23 @@ class SenderProcess:
         """Hand a request over; its progress and final frames arrive on the returned queue."""
         if self._proc is None or self._proc.stdin is None or self._exited:
             raise EngineError("the sender process is not running")
-        self._next += 1
-        key = self._next
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._pending[key] = _Pending(queue)
         header = {
             "op": "send",
-            "key": key,
             "at": request.send_at,
             "rid": request.request_id,
             "ids": request.output_ids is not None,
             "spec": request.spec is not None,
         }
-        self._proc.stdin.write(frame(header, body))
+        return self._post(header, body)
+
+    def _post(self, header: dict[str, Any], body: bytes = b"") -> tuple[int, asyncio.Queue[dict[str, Any]]]:
+        """Write a frame under a fresh key; the child's answers to it arrive on the returned queue."""
+        assert self._proc is not None and self._proc.stdin is not None
+        self._next += 1
+        key = self._next
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._pending[key] = _Pending(queue)
+        self._proc.stdin.write(frame({**header, "key": key}, body))
         return key, queue
 
     def forget(self, key: int, *, cancel: bool) -> None:
@@ -214,11 +218,7 @@ class SenderProcess:
         it could not, or took longer than a few seconds)."""
         if self._proc is None or self._proc.stdin is None or not self.running:
             return 0
-        self._next += 1
-        key = self._next
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._pending[key] = _Pending(queue)
-        self._proc.stdin.write(frame({"op": "warm", "key": key, "n": connections}))
+        key, queue = self._post({"op": "warm", "n": connections})
         try:
             header = await asyncio.wait_for(queue.get(), _WARM_TIMEOUT_S)
         except TimeoutError:
@@ -346,24 +346,24 @@ class _Child:
         connection, aiohttp's first request, the alarm thread's start."""
         import aiohttp
 
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            async with self.session.get(self._url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
-                await r.read()
+        await open_connections(self.session, self._url, 1, each=aiohttp.ClientTimeout(total=5.0))
         await self._clock.sleep_until(time.monotonic() + 0.001)
 
     def handle(self, header: dict[str, Any], body: bytes) -> None:
         op = header.get("op")
         key = int(header.get("key", 0))
         if op == "send":
-            task = asyncio.create_task(self._one(key, header, body))
-            self._tasks[key] = task
-            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+            self._spawn(key, self._one(key, header, body))
         elif op == "cancel" and (running := self._tasks.get(key)) is not None:
             running.cancel()
         elif op == "warm":
-            task = asyncio.create_task(self._warm(key, int(header.get("n", 0))))
-            self._tasks[key] = task
-            task.add_done_callback(lambda _: self._tasks.pop(key, None))
+            self._spawn(key, self._warm(key, int(header.get("n", 0))))
+
+    def _spawn(self, key: int, work: Coroutine[Any, Any, None]) -> None:
+        """Run one keyed piece of work (a request, a warm); it is cancelled by key or at close."""
+        task = asyncio.create_task(work)
+        self._tasks[key] = task
+        task.add_done_callback(lambda _: self._tasks.pop(key, None))
 
     async def _warm(self, key: int, n: int) -> None:
         opened = await open_connections(self.session, self._url, n)
