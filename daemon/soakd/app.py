@@ -444,9 +444,8 @@ class Soak:
                     record.input_tokens,
                     record.output_tokens,
                     ok=record.ok,
-                    ttft_s=record.ttft_s,
+                    ttft_offered_s=record.ttft_offered_s,
                     tpot_s=record.tpot_s,
-                    queue_s=record.queue_s,
                 )
             writer([sample])
 

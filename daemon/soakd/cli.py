@@ -471,6 +471,8 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         f"{req['failed']} failed{lost_note}, {req['shed']} shed; "
         f"{req['output_tokens']} output tokens ({req['output_tokens'] / ran:.1f} tok/s)"
     )
+    for line in _latency_lines(req):
+        print(line)
     outside = summary.get("outside_trace") or {}
     extra = [
         f"{n} {what}"
@@ -489,6 +491,34 @@ def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         print(f"  influx: {influx['lines_shipped']} lines shipped, backlog {influx['backlog_lines']}")
     for line in _hardware_lines(summary):
         print(line)
+
+
+def _latency_lines(req: dict[str, Any]) -> list[str]:
+    """TTFT as offered (the user's view) first, the server's view beside it, and the admission wait."""
+
+    def p99(name: str) -> float | None:
+        stats = req.get(name)
+        value = stats.get("p99_ms") if isinstance(stats, dict) else None
+        return float(value) if isinstance(value, int | float) else None
+
+    offered, sent = p99("ttft_offered"), p99("ttft")
+    if offered is None and sent is None:
+        return []
+
+    def ms(v: float | None) -> str:
+        return "no data" if v is None else f"{v:,.0f} ms"
+
+    out = [
+        f"  latency: TTFT p99 as offered {ms(offered)} (from the due time), from the send {ms(sent)}; "
+        f"E2E p99 as offered {ms(p99('e2e_offered'))}"
+    ]
+    share = req.get("admission_wait_share")
+    if isinstance(share, int | float) and share > 0:
+        out.append(
+            f"  admission ceiling bound: {100 * share:.0f} % of requests waited at replay.max_concurrency, "
+            f"p99 wait {ms(p99('queue'))} (inside TTFT as offered)"
+        )
+    return out
 
 
 def _hardware_lines(summary: dict[str, Any]) -> list[str]:

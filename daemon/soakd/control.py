@@ -79,13 +79,14 @@ class ControlInputs:
 @dataclass(frozen=True, slots=True)
 class Slo:
     """The per-request limits goodput counts against ([criteria] ttft_p99_ms / tpot_p99_ms; None: none).
-    TTFT here is what the user saw: the admission wait plus the engine's time to first token."""
+    TTFT here is what the user saw: TTFT as offered, from the request's due time (admission wait and
+    lateness included)."""
 
     ttft_s: float | None = None
     tpot_s: float | None = None
 
-    def met(self, ttft_s: float | None, tpot_s: float | None, queue_s: float) -> bool:
-        if self.ttft_s is not None and (ttft_s is None or queue_s + ttft_s > self.ttft_s):
+    def met(self, ttft_offered_s: float | None, tpot_s: float | None) -> bool:
+        if self.ttft_s is not None and (ttft_offered_s is None or ttft_offered_s > self.ttft_s):
             return False
         return self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
 
@@ -190,16 +191,15 @@ class Controller:
         output_tokens: int,
         *,
         ok: bool = True,
-        ttft_s: float | None = None,
+        ttft_offered_s: float | None = None,
         tpot_s: float | None = None,
-        queue_s: float = 0.0,
     ) -> None:
         """A finished request: its tokens count as goodput when it met the SLO; its lengths are the
         workload signature for turning speculation back on."""
         self._workload[0] += input_tokens
         self._workload[1] += output_tokens
         self._workload[2] += 1
-        if ok and output_tokens > 0 and self.slo.met(ttft_s, tpot_s, queue_s):
+        if ok and output_tokens > 0 and self.slo.met(ttft_offered_s, tpot_s):
             self._good_tokens += output_tokens
 
     async def tick(self) -> None:

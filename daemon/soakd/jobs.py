@@ -209,9 +209,9 @@ class Jobs:
         if replayed < self.cfg.criteria.abort_grace:
             return
         gaps = live.interruptions()
-        failed = first_abort(
-            self.cfg.criteria, live.metrics, run_context(replayed, len(gaps), lost_in_flight(gaps))
-        )
+        lost = lost_in_flight(gaps)
+        live.metrics.lost_in_flight = lost  # an abort_on check counts them as the verdict does
+        failed = first_abort(self.cfg.criteria, live.metrics, run_context(replayed, len(gaps), lost))
         if failed is None:
             return
         reason = f"criterion failed: {failed.expr} (measured {failed.value:.4g})"

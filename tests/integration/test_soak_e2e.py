@@ -153,6 +153,7 @@ timeout = "2s"
 ttft_p99_ms = 60000.0
 tpot_p99_ms = 5000.0
 max_interruptions = 1
+checks = ["errors == 0"]  # fails: the kill loses what was in flight, and the check must see it
 """,
         encoding="utf-8",
     )
@@ -227,6 +228,14 @@ max_interruptions = 1
     assert verdict["requests"]["scheduled"] == sum(records.values()) + len(lost) == want
     assert verdict["requests"]["failed"] >= len(lost)
     assert verdict["lost_in_flight"] == len(lost)
+    # One accounting: `metrics` (what checks and `compare` read) and the checks count them too.
+    metrics = verdict["metrics"]
+    assert metrics["requests"] == want and metrics["errors"] == verdict["requests"]["failed"] >= len(lost)
+    assert metrics["completed"] == verdict["requests"]["completed"]
+    assert metrics["completed_ratio"] == pytest.approx(verdict["requests"]["completed_ratio"])
+    (errors_check,) = [c for c in verdict["criteria"] if c["expr"] == "errors == 0"]
+    assert not errors_check["passed"] and errors_check["value"] == metrics["errors"]
+    assert code == 1 and verdict["verdict"] == "FAIL"
     (gap,) = verdict["interruptions"]
     assert gap["down_s"] > 0 and gap["at_s"] >= max(due.values())
     assert verdict["exit_code"] == code
@@ -300,5 +309,6 @@ max_interruptions = 1
     again = json.loads(rep.stdout)
     assert again["verdict"] == verdict["verdict"] and again["interruptions"] == verdict["interruptions"]
     assert again["requests"] == verdict["requests"]  # the lost ones counted again, from the run folder
+    assert again["metrics"]["errors"] == metrics["errors"] and again["metrics"]["requests"] == want
 
     print(f"\nresume: replaying again {resume_s:.1f} s after the restart; lost in flight {len(lost)}")

@@ -6,7 +6,8 @@ One check is `METRIC OP NUMBER`, k6-threshold style:
     AGG     := pNN | pNN.N | min | max | mean | sustained_ratio
     OP      := < | <= | > | >= | == | !=
 
-- a latency distribution (ttft_ms, tpot_ms, e2e_ms, lateness_ms) takes pNN, min, max or mean;
+- a latency distribution (ttft_offered_ms, e2e_offered_ms: from the due time; ttft_ms, tpot_ms, e2e_ms:
+  from the send; lateness_ms, queue_ms) takes pNN, min, max or mean;
 - a windowed series (tokens_per_s, spec_acceptance, graph_hit_rate, sm_clock_ratio, temp_c ...) takes
   min/max/mean over windows (`window=`, default 1m), or `sustained_ratio(S, last=1h, first=1h)`: its
   value over the last span divided by its value over the first; one with a whole-run meaning (a ratio of
@@ -40,7 +41,16 @@ OPS: dict[str, Callable[[float, float], bool]] = {
     "<": operator.lt,
     ">": operator.gt,
 }
-DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "e2e_ms", "lateness_ms")
+# The user's view first (from the due time), then the server's (from the send) and its parts.
+DISTRIBUTIONS = (
+    "ttft_offered_ms",
+    "e2e_offered_ms",
+    "ttft_ms",
+    "tpot_ms",
+    "e2e_ms",
+    "lateness_ms",
+    "queue_ms",
+)
 # Windowed series, and whether the bare name means something over the whole run (see metrics.SERIES).
 SERIES_TOTAL = {
     "tokens_per_s": True,
@@ -65,6 +75,7 @@ SCALARS = (
     "shed",
     "error_rate",
     "completed_ratio",
+    "admission_wait_share",
     "output_tokens",
     "input_tokens",
     "throttle_time_pct",

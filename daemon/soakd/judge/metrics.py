@@ -164,6 +164,9 @@ class RunMetrics:
 
     def __init__(self, requests: RequestFolder | None = None) -> None:
         self.requests = requests if requests is not None else RequestFolder()
+        self.lost_in_flight = 0
+        """Requests in flight at the crashes the run was resumed from (its checkpoint's interruptions):
+        scheduled and failed in every count read here, as in the verdict's criteria."""
         self._buckets: dict[int, _Bucket] = {}
         self._req_first_ns: int | None = None
         self._req_last_ns: int | None = None
@@ -346,7 +349,8 @@ class RunMetrics:
     # -- reading -----------------------------------------------------------------------------------
 
     def summary(self) -> RequestSummary:
-        return self.requests.summary()
+        """The whole run's requests: the records folded, and those lost in flight at crashes."""
+        return self.requests.summary().with_lost(self.lost_in_flight)
 
     @property
     def span_s(self) -> float:
@@ -440,6 +444,7 @@ class RunMetrics:
             "shed": float(s.shed),
             "error_rate": s.error_rate,
             "completed_ratio": s.completed_ratio,
+            "admission_wait_share": s.admission_wait_share,
             "output_tokens": float(s.output_tokens),
             "input_tokens": float(s.input_tokens),
         }

@@ -65,6 +65,11 @@ class RequestRecord:
     """Mean gap between streamed deltas (a delta may carry several tokens under speculation)."""
     e2e_s: float | None = None
     """Send to last token."""
+    ttft_offered_s: float | None = None
+    """TTFT as offered: from the due time (after the trace's transforms) to the first output token, the
+    admission wait, lateness and connection time included: what the trace's user would have waited."""
+    e2e_offered_s: float | None = None
+    """E2E as offered: from the due time to the last token."""
     input_tokens: int = 0
     """Prompt tokens sent (after clipping to the engine's context)."""
     input_tokens_trace: int = 0
@@ -100,7 +105,7 @@ class RequestRecord:
             "output_tokens_expected": self.output_tokens_expected,
             "due_ns": self.due_wall_ns,
         }
-        for name in ("ttft_s", "tpot_s", "itl_mean_s", "e2e_s"):
+        for name in ("ttft_s", "tpot_s", "itl_mean_s", "e2e_s", "ttft_offered_s", "e2e_offered_s"):
             value = getattr(self, name)
             if value is not None:
                 fields[name] = float(value)
@@ -631,6 +636,11 @@ class Replayer:
         if first is not None:
             record.ttft_s = first - sent
             record.e2e_s = last - sent
+            # From the due time, as the trace's user waited: soakd's own admission gate included (a
+            # client-side queue left out of the figure is coordinated omission). Never less than the
+            # server's view: a send stamped a hair before its due time is not a head start.
+            record.ttft_offered_s = max(record.ttft_s, first - deadline)
+            record.e2e_offered_s = max(record.e2e_s, last - deadline)
             if received > 1:
                 record.tpot_s = (last - first) / (received - 1)
             if deltas:

@@ -67,6 +67,7 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
         add("goodput", human(good), "tokens/s of requests within the TTFT and TPOT limits")
     else:
         add("goodput", "not measured", "measured by the control loop ([control] enabled)")
+    _latency(m, add)
     if control is not None:
         sustained = control.get("sustained")
         start = control.get("start")
@@ -121,6 +122,28 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
             warn=True,
         )
     return out
+
+
+def _latency(m: Mapping[str, Any], add: Any) -> None:
+    """TTFT as the trace's users saw it, the server's view beside it, and whether soakd's own admission
+    ceiling put a wait between them."""
+    offered, sent = m.get("p99(ttft_offered_ms)"), m.get("p99(ttft_ms)")
+    if offered is None and sent is None:
+        return
+    add(
+        "TTFT p99 as offered",
+        f"{human(offered)} ms",
+        f"from each request's due time in the trace; from the send (the server's view) {human(sent)} ms",
+    )
+    share, wait = m.get("admission_wait_share"), m.get("p99(queue_ms)")
+    if isinstance(share, int | float) and share > 0:
+        add(
+            "admission ceiling bound",
+            f"{pct(share)} of requests waited",
+            f"p99 wait {human(wait)} ms at soakd's replay.max_concurrency before the send: inside TTFT as "
+            "offered, outside the server's view",
+            warn=True,
+        )
 
 
 def _goodput(control: Mapping[str, Any] | None) -> float | None:

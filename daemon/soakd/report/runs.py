@@ -111,7 +111,9 @@ def verdict_of(
 ) -> Verdict:
     """The verdict over the run's folded points and its interruptions (nothing is written)."""
     lost = lost_in_flight(interruptions)
-    requests = metrics.summary().with_lost(lost)
+    # One accounting: the criteria, `metrics`, `checks` and everything that reads them count the lost.
+    metrics.lost_in_flight = lost
+    requests = metrics.summary()
     results = evaluate(
         criteria,
         requests,

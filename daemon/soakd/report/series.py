@@ -54,7 +54,16 @@ FIELDS: dict[str, tuple[str, ...] | None] = {
     "spec_decode": None,
     "allocator": ("fragmentation",),
     "control": ("ceiling",),
-    "requests": ("output_tokens", "input_tokens", "ttft_s", "tpot_s", "e2e_s", "lateness_s", "error"),
+    "requests": (
+        "output_tokens",
+        "input_tokens",
+        "ttft_s",
+        "ttft_offered_s",
+        "tpot_s",
+        "e2e_s",
+        "lateness_s",
+        "error",
+    ),
     "events": None,
 }
 MEASUREMENTS = tuple(FIELDS)
@@ -363,7 +372,9 @@ class _Fold:
             name, self.bucket_s, self, {"mid": dict(zip(bk.idx.tolist(), counts.tolist(), strict=True))}
         )
 
-    def percentiles(self, m: str, group: str, fname: str, qs: tuple[float, ...], scale: float) -> list[Any]:
+    def percentiles(
+        self, m: str, group: str, fname: str, qs: tuple[float, ...], scale: float, label: str = ""
+    ) -> list[Any]:
         bk = self.b._bucketed((m, group, fname), self.t0, self.lat_ns)
         if bk is None:
             return []
@@ -374,7 +385,7 @@ class _Fold:
                 i: float(np.percentile(bk.values[s:e], q)) * scale
                 for i, s, e in zip(bk.idx.tolist(), bk.starts.tolist(), ends.tolist(), strict=True)
             }
-            out.append(_series(f"p{q:g}", self.lat_s, self, {"mid": vals}))
+            out.append(_series(f"p{q:g}{label}", self.lat_s, self, {"mid": vals}))
         return [s for s in out if s is not None]
 
 
@@ -454,7 +465,11 @@ _PANEL_META: dict[str, dict[str, Any]] = {
     "power": {"title": "GPU power", "unit": "W"},
     "temperature": {"title": "GPU temperature", "unit": "°C"},
     "throughput": {"title": "Throughput (output tokens)", "unit": "tokens/s"},
-    "ttft": {"title": "Time to first token", "unit": "ms", "log": True},
+    "ttft": {
+        "title": "Time to first token: as offered (from the due time) and from the send",
+        "unit": "ms",
+        "log": True,
+    },
     "tpot": {"title": "Time per output token", "unit": "ms", "log": True},
     "spec_acceptance": {"title": "Spec-decode acceptance per draft position", "unit": "accepted share"},
     "spec_drift": {"title": "Spec-decode acceptance drift from the run's first window", "unit": "relative"},
@@ -508,7 +523,15 @@ def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
             b,
             counts=[s for s in failed if s is not None],
         ),
-        "ttft": _panel("ttft", f.percentiles("requests", "ok", "ttft_s", (50, 99), 1000.0), cfg, b),
+        # The user's view first (from the due time), the server's beside it: apart, they show the wait
+        # soakd's admission ceiling added.
+        "ttft": _panel(
+            "ttft",
+            f.percentiles("requests", "ok", "ttft_offered_s", (50, 99), 1000.0, " as offered")
+            + f.percentiles("requests", "ok", "ttft_s", (99,), 1000.0, " from the send"),
+            cfg,
+            b,
+        ),
         "tpot": _panel("tpot", f.percentiles("requests", "ok", "tpot_s", (50, 99), 1000.0), cfg, b),
         "spec_acceptance": _panel(
             "spec_acceptance",

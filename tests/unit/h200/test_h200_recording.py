@@ -44,6 +44,12 @@ def test_rejudging_the_recorded_spool_reproduces_the_verdict(run_dir: Path) -> N
     assert again["criteria"][-1]["name"] == "interruptions" and again["criteria"][-1]["value"] == 0
     for a, b in zip(again["criteria"][:-1], recorded["criteria"], strict=True):
         assert a["name"] == b["name"]
+        if a["name"] == "ttft_p99_ms":
+            # Judged as offered now (from the due time); the recording judged it from the send, which
+            # is still there as the server's view.
+            assert again["metrics"]["p99(ttft_ms)"] == pytest.approx(b["value"])
+            assert a["value"] >= b["value"]
+            continue
         assert a["value"] == pytest.approx(b["value"])
     assert again["requests"]["scheduled"] == recorded["requests"]["scheduled"] == 474
 

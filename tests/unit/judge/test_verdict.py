@@ -131,3 +131,64 @@ def test_a_figure_that_could_not_be_measured_is_null_in_the_written_json(tmp_pat
     write_json_atomic(path, doc)
     expected = {"ttft": {"p99_ms": None, "max_ms": None}, "rows": [1.5, None], "n": 3}
     assert _strict(path.read_text()) == expected
+
+
+def queued(ttft: float, queue: float, *, offered: bool = True) -> Sample:
+    """An answered request that waited `queue` s at the admission gate (offered: stamped from its due time,
+    else a record written before the due-time fields)."""
+    fields: dict[str, float | int | str] = {
+        "lateness_s": 0.002,
+        "queue_s": queue,
+        "ttft_s": ttft,
+        "tpot_s": 0.01,
+        "e2e_s": ttft + 0.04,
+        "input_tokens": 10,
+        "output_tokens": 5,
+    }
+    if offered:
+        fields |= {"ttft_offered_s": queue + 0.002 + ttft, "e2e_offered_s": queue + 0.002 + ttft + 0.04}
+    return Sample("requests", fields, 1, tags={"status": "ok"})
+
+
+@pytest.mark.parametrize("offered", [True, False])
+def test_the_ttft_criterion_judges_the_wait_from_the_due_time(offered: bool) -> None:
+    # The ceiling bound: half the requests waited a minute at soakd's gate; the server answered in 100 ms.
+    samples = [queued(0.1, 60.0 if i % 2 else 0.0, offered=offered) for i in range(100)]
+    s = summarize(samples)
+    assert s.ttft is not None and s.ttft.p99_ms == pytest.approx(100.0)
+    assert s.ttft_offered is not None and s.ttft_offered.p99_ms == pytest.approx(60_102.0)
+    assert s.e2e_offered is not None and s.e2e_offered.max_ms == pytest.approx(60_142.0)
+    assert s.waited == 50 and s.admission_wait_share == pytest.approx(0.5)
+    assert s.queue is not None and s.queue.p99_ms == pytest.approx(60_000.0)
+    cfg = load(None, {"criteria.ttft_p99_ms": 5000}).criteria
+    ttft = next(r for r in evaluate(cfg, s, ran_s=120, planned_s=120) if r.name == "ttft_p99_ms")
+    # The send-relative p99 (100 ms) would pass; the user's (60 s) does not, and the line says both.
+    assert not ttft.passed and ttft.value == pytest.approx(60_102.0)
+    assert "from the send 100 ms" in ttft.detail and "50 % waited" in ttft.detail
+    unbound = summarize([queued(0.1, 0.0) for _ in range(10)])
+    assert unbound.admission_wait_share == 0.0
+    line = next(r for r in evaluate(cfg, unbound, ran_s=120, planned_s=120) if r.name == "ttft_p99_ms")
+    assert line.passed and "ceiling" not in line.detail
+
+
+def test_requests_lost_in_flight_count_in_every_figure_of_the_verdict() -> None:
+    from soakd.judge.metrics import RunMetrics
+    from soakd.report.runs import verdict_of
+
+    metrics = RunMetrics().add_all(req("ok") for _ in range(19))
+    cfg = load(
+        None, {"criteria.checks": ["errors == 0", "completed_ratio >= 0.95", "requests == 24"]}
+    ).criteria
+    gap = {"at_s": 30.0, "down_s": 4.0, "lost_in_flight": 5, "resumed_utc": "x"}
+    verdict = verdict_of("r", cfg, metrics, ran_s=120, planned_s=120, interrupted=False, interruptions=[gap])
+    m = verdict.metrics
+    assert (m["requests"], m["completed"], m["errors"]) == (24.0, 19.0, 5.0)
+    assert m["completed_ratio"] == pytest.approx(19 / 24) and m["error_rate"] == pytest.approx(5 / 24)
+    assert verdict.requests.scheduled == 24 and verdict.requests.failed == 5
+    checks = {r.expr: r for r in verdict.criteria if r.expr}
+    # The checks read the same accounting: 5 of 24 lost is neither `errors == 0` nor 95 % completed.
+    assert not checks["errors == 0"].passed and checks["errors == 0"].value == 5.0
+    assert not checks["completed_ratio >= 0.95"].passed
+    assert checks["requests == 24"].passed
+    named = {r.name: r for r in verdict.criteria if not r.expr}
+    assert named["completed_ratio"].value == pytest.approx(m["completed_ratio"])

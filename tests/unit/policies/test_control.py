@@ -316,10 +316,10 @@ def test_input_harm_by_scope_thermal_first() -> None:
 def test_goodput_counts_only_requests_within_the_slo(tmp_path: Path) -> None:
     ctrl, world, _, _, clock = make(tmp_path, BATCH.replace('"tokens"', '"goodput"'))
     ctrl.slo = Slo(ttft_s=1.0, tpot_s=0.05)
-    ctrl.observe_request(10, 100, ttft_s=0.2, tpot_s=0.01, queue_s=0.5)  # met
-    ctrl.observe_request(10, 50, ttft_s=0.2, tpot_s=0.01, queue_s=0.9)  # waited too long in the queue
-    ctrl.observe_request(10, 30, ttft_s=0.2, tpot_s=0.2)  # too slow per token
-    ctrl.observe_request(10, 40, ok=False, ttft_s=0.1, tpot_s=0.01)  # failed
+    ctrl.observe_request(10, 100, ttft_offered_s=0.7, tpot_s=0.01)  # met
+    ctrl.observe_request(10, 50, ttft_offered_s=1.1, tpot_s=0.01)  # waited too long in the queue
+    ctrl.observe_request(10, 30, ttft_offered_s=0.2, tpot_s=0.2)  # too slow per token
+    ctrl.observe_request(10, 40, ok=False, ttft_offered_s=0.1, tpot_s=0.01)  # failed
     run_for(ctrl, world, clock, 1)
     assert ctrl.batch._history[-1].good_tokens == 100.0
 

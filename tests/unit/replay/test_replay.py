@@ -341,6 +341,26 @@ async def test_snapshot_shows_the_backlog_when_the_engine_cannot_keep_up() -> No
     assert max(r.queue_s for r in records) == pytest.approx(5 * 1.5 - 0.5)
 
 
+async def test_latency_as_offered_counts_the_admission_wait_from_the_due_time() -> None:
+    # One slot, each request 1.5 s in the engine, one due every 0.1 s: the ceiling binds.
+    clock = FakeClock(-START)
+    engine = FakeEngine(clock, step_s=0.5, chunk=2)
+    rep, records = make(engine, [spec(i, i * 0.1) for i in range(6)], clock, limit=1)
+    await rep.run()
+    by = {r.index: r for r in records}
+    for r in records:
+        assert r.ok and r.ttft_s == pytest.approx(0.5) and r.e2e_s == pytest.approx(1.5)
+        # Due at index * 0.1 s; first token 0.5 s after the slot it waited for.
+        assert r.ttft_offered_s == pytest.approx(r.queue_s + r.lateness_s + r.ttft_s)
+        assert r.e2e_offered_s == pytest.approx(r.queue_s + r.lateness_s + r.e2e_s)
+    # The last waited for five requests before it (7.5 s) less its 0.5 s offset: the user saw 7.5 s.
+    assert by[5].ttft_offered_s == pytest.approx(5 * 1.5 - 0.5 + 0.5)
+    assert by[0].ttft_offered_s == pytest.approx(by[0].ttft_s)  # the first found a free slot
+    sample = by[5].to_sample(0)
+    assert sample.fields["ttft_offered_s"] == pytest.approx(7.5)
+    assert sample.fields["e2e_offered_s"] == pytest.approx(8.5)
+
+
 class EchoIdsEngine(TimedEngine):
     """Reports generated token ids (97, 98, ...) as a real engine does."""
 
