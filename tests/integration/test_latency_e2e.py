@@ -79,7 +79,8 @@ def test_a_binding_ceiling_is_in_ttft_as_offered_and_fails_what_the_send_view_pa
     assert offered >= wait > 0
     assert offered > 3 * sent, (offered, sent)  # a ratio measured in this run, not a fixed time
     print(
-        f"\nceiling bound: TTFT p99 as offered {offered:.0f} ms, from the send {sent:.0f} ms, wait {wait:.0f} ms"
+        f"\nceiling bound: TTFT p99 as offered {offered:.0f} ms, from the send {sent:.0f} ms, "
+        f"wait {wait:.0f} ms"
     )
     req = verdict["requests"]
     assert req["ttft_offered"]["p99_ms"] == pytest.approx(offered)
