@@ -495,8 +495,8 @@ def _reason(log_file: Path, code: int) -> str:
 # The table's columns: header, metric, whether a delta is shown.
 _COLUMNS = [
     ("decode tok/s", "tokens_per_s"),
-    ("TTFT p50 ms", "p50(ttft_ms)"),
-    ("TTFT p99 ms", "p99(ttft_ms)"),
+    ("TTFT p50 ms as offered", "p50(ttft_offered_ms)"),
+    ("TTFT p99 ms as offered", "p99(ttft_offered_ms)"),
     ("TPOT p50 ms", "p50(tpot_ms)"),
 ]
 

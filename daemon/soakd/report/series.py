@@ -62,6 +62,7 @@ FIELDS: dict[str, tuple[str, ...] | None] = {
         "tpot_s",
         "e2e_s",
         "lateness_s",
+        "queue_s",
         "error",
     ),
     "events": None,
@@ -188,8 +189,13 @@ class SeriesBuilder:
             if value is not None:
                 self._put((m, group, name), s.time_ns, value)
                 stored = True
-        if m == "requests" and "error" in s.fields:
-            stored = True
+        if m == "requests":
+            stored = stored or "error" in s.fields
+            ttft = _num(s.fields.get("ttft_s"))
+            if ttft is not None and "ttft_offered_s" not in s.fields:
+                # Recorded before the due-time view was stamped: its parts add up to it (as the verdict's).
+                late = (_num(s.fields.get("queue_s")) or 0.0) + (_num(s.fields.get("lateness_s")) or 0.0)
+                self._put((m, group, "ttft_offered_s"), s.time_ns, ttft + late)
         ratios = dict(_RATIOS.get(m, {}))
         if m == "spec_decode":
             for name in s.fields:

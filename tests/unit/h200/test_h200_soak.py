@@ -141,3 +141,20 @@ def test_graph_hit_rate_before_and_after_the_recapture_and_the_smi_counter(tmp_p
     # Drafts stayed accepted (a model that repeats itself): no drift over the run.
     assert all(v > 0.99 for v in fig["spec_acceptance_by_minute"].values())
     assert fig["cpu"]["soakd_pct_mean"] > 0
+
+
+def test_the_report_of_a_run_whose_ceiling_bound_says_so_where_the_verdict_is_read(tmp_path: Path) -> None:
+    # The ten-minute H200 soak: soakd's admission ceiling held 56 % of its requests before their send.
+    run = unpack("soak10m", tmp_path)
+    assert main(["report", str(run), "--rejudge"]) == 0
+    doc = json.loads((run / "report.json").read_text())
+    heads = {h["label"]: h for h in doc["headline"]}
+    offered = doc["verdict"]["metrics"]["p99(ttft_offered_ms)"]
+    assert heads["TTFT p99 as offered"]["value"] == f"{offered:,.0f} ms"
+    assert "from the send (the server's view) 1,761 ms" in heads["TTFT p99 as offered"]["note"]
+    assert heads["admission ceiling bound"]["warn"] and heads["admission ceiling bound"]["value"].startswith("56")
+    html = (run / "report.html").read_text()
+    assert "admission ceiling (replay.max_concurrency) bound:</strong> 56" in html
+    assert "time to first token, as offered (from the due time)" in html
+    panel = doc["data"]["panels"]["ttft"]
+    assert [s["name"] for s in panel["series"]] == ["p50 as offered", "p99 as offered", "p99 from the send"]
