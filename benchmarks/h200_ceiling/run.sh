@@ -14,6 +14,7 @@
 # OUT gets: run.log (this script's stages), stdout.txt / stderr.log (soakd's), stop.txt (the stop),
 # meta.json, verdict.json, summary.json, report.json, checkpoint.json, engine.log, files.txt (the run
 # folder's listing), spool.lp.gz, engine_death.txt, figures.txt, gpu_after.txt.
+# shellcheck disable=SC2012  # run folders are named <UTC time>-<name>-<4 hex>: ls is safe
 set -uo pipefail
 OUT=${1:?results folder}
 REPLAY_S=${REPLAY_S:-45}
@@ -24,7 +25,9 @@ RUNS=/tmp/runs
 mkdir -p "$OUT" "$RUNS"
 T0=$(date +%s)
 elapsed() { echo $(($(date +%s) - T0)); }
+dt() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a - b }'; }
 log() { echo "[$(elapsed) s] $*" | tee -a "$OUT/run.log"; }
+note() { echo "$*" >> "$OUT/stop.txt"; }
 
 # The install, bounded (gpu_env.sh installs only once per machine, then only sets the environment).
 log "install"
@@ -60,7 +63,7 @@ PGID=$(ps -o pgid= -p "$PID" | tr -d ' ')
 if [[ -n $PGID && $PGID != "$PID" ]]; then
   # setsid forked after all: the group is its child's.
   child=$(pgrep -P "$PID" | head -n 1)
-  PGID=$(ps -o pgid= -p "$child" | tr -d ' ')
+  [[ -n $child ]] && PGID=$(ps -o pgid= -p "$child" | tr -d ' ')
 fi
 PGID=${PGID:-$PID}
 log "soakd pid $PID, pgid $PGID, sid $(ps -o sid= -p "$PID" | tr -d ' ')"
@@ -68,12 +71,14 @@ echo "pid $PID pgid $PGID" > "$OUT/stop.txt"
 
 # Alive: not exited, or exited and not yet reaped (a zombie answers kill -0, so its state is read).
 alive() { local st; st=$(ps -o stat= -p "$PID" 2>/dev/null); [[ -n $st && $st != Z* ]]; }
-group_left() { pgrep -g "$PGID" 2>/dev/null; }
-run_dir() {
-  local d
-  d=$(comm -13 <(echo "$before") <(ls -d "$RUNS"/*/ 2>/dev/null | sort) | tail -n 1)
-  echo "${d:-$(ls -td "$RUNS"/*/ 2>/dev/null | head -n 1)}"
+# The group's live processes (soakd's session too: a child that made a group of its own is still in it;
+# zombies are gone but for their exit status, not counted).
+group_left() {
+  ps -eo pid=,pgid=,sid=,stat= | awk -v g="$PGID" -v me="$PID" '($2 == g || $3 == g) && $1 != me && $4 !~ /^Z/ { print $1 }'
 }
+group_ps() { ps -eo pid,ppid,pgid,sid,stat,etime,args | awk -v g="$PGID" 'NR == 1 || $3 == g || $4 == g'; }
+# The run folder this run made (none before soakd made it); new_run_dir || newest at the end.
+new_run_dir() { comm -13 <(echo "$before") <(ls -d "$RUNS"/*/ 2>/dev/null | sort) | tail -n 1; }
 count_requests() { cat "$1"spool/seg-*.lp 2>/dev/null | grep -c '^requests,'; }
 
 # Wait for the replay: `requests` lines in the new run's spool, growing, for REPLAY_S seconds.
@@ -84,7 +89,7 @@ n=0
 reason="SIGINT_BY_S (${SIGINT_BY_S} s after the script's start) reached"
 while alive; do
   if (($(elapsed) >= SIGINT_BY_S)); then break; fi
-  [[ -z $RUN ]] && RUN=$(run_dir)
+  [[ -z $RUN ]] && RUN=$(new_run_dir)
   if [[ -n $RUN ]]; then
     n=$(count_requests "$RUN")
     if ((n > 0)) && [[ -z $first ]]; then
@@ -104,9 +109,9 @@ if alive; then
   log "SIGINT to group $PGID: $reason"
   T_INT=$(date +%s.%N)
   kill -INT -- "-$PGID"
-  echo "sigint_at_s_after_start $(echo "$T_INT - $T_START" | bc)" >> "$OUT/stop.txt"
-  echo "sigint_reason $reason" >> "$OUT/stop.txt"
-  echo "requests_lines_at_sigint $n" >> "$OUT/stop.txt"
+  note "sigint_at_s_after_soakd_start $(dt "$T_INT" "$T_START")"
+  note "sigint_reason $reason"
+  note "requests_lines_at_sigint $n"
   limit=$WAIT_S
   ((END_S - $(elapsed) < limit)) && limit=$((END_S - $(elapsed)))
   ((limit < 10)) && limit=10
@@ -114,44 +119,50 @@ if alive; then
   while alive && (($(date +%s) < deadline)); do sleep 0.2; done
   T_EXIT=$(date +%s.%N)
   if alive; then
-    echo "soakd_exited no (still running after ${limit} s: group killed)" >> "$OUT/stop.txt"
-    echo "group_at_kill" >> "$OUT/stop.txt"
-    ps -o pid,ppid,pgid,stat,etime,args -g "$PGID" >> "$OUT/stop.txt" 2>&1
+    note "soakd_exited no (still running after ${limit} s: group killed)"
+    note "group_at_kill:"
+    group_ps >> "$OUT/stop.txt" 2>&1
     kill -KILL -- "-$PGID"
     wait "$PID"
-    echo "exit_code $? (SIGKILL)" >> "$OUT/stop.txt"
+    note "exit_code $? (SIGKILL)"
   else
     wait "$PID"
     rc=$?
-    echo "soakd_exited yes" >> "$OUT/stop.txt"
-    echo "exit_code $rc" >> "$OUT/stop.txt"
-    echo "sigint_to_exit_s $(echo "$T_EXIT - $T_INT" | bc)" >> "$OUT/stop.txt"
+    note "soakd_exited yes"
+    note "exit_code $rc"
+    note "sigint_to_exit_s $(dt "$T_EXIT" "$T_INT")"
   fi
-  log "soakd gone $(echo "$T_EXIT - $T_INT" | bc) s after the SIGINT"
+  log "soakd gone $(dt "$T_EXIT" "$T_INT") s after the SIGINT"
 else
   wait "$PID"
   rc=$?
-  echo "soakd_exited before any SIGINT, exit_code $rc, $(($(date +%s) - ${T_START%.*})) s after its start" >> "$OUT/stop.txt"
+  note "soakd_exited before any SIGINT, exit_code $rc, $(($(date +%s) - ${T_START%.*})) s after its start"
   log "soakd ended on its own (rc $rc) before the SIGINT"
 fi
 
-# What outlived soakd in its group (the engine core, workers, the sender), then the GPU's view.
-sleep 2
+# What outlived soakd in its group (the engine core, workers, the sender): at its exit, and 10 s later;
+# then the GPU's view.
+T_GONE=$(date +%s.%N)
 left=$(group_left)
+note "group_at_soakd_exit $(grep -c . <<< "$left") processes"
+[[ -n $left ]] && group_ps >> "$OUT/stop.txt" 2>&1
+deadline=$(($(date +%s) + 10))
+while [[ -n $left ]] && (($(date +%s) < deadline)); do sleep 0.2; left=$(group_left); done
 if [[ -n $left ]]; then
-  echo "group_survivors yes ($(echo "$left" | wc -l) processes, 2 s after soakd's exit)" >> "$OUT/stop.txt"
-  ps -o pid,ppid,pgid,stat,etime,args -g "$PGID" >> "$OUT/stop.txt" 2>&1
+  note "group_survivors yes ($(grep -c . <<< "$left") processes 10 s after soakd's exit; killed)"
+  group_ps >> "$OUT/stop.txt" 2>&1
   kill -KILL -- "-$PGID" 2>/dev/null
   sleep 1
-  echo "group_after_sigkill $(group_left | wc -l) processes" >> "$OUT/stop.txt"
+  note "group_after_sigkill $(group_left | grep -c .) processes"
 else
-  echo "group_survivors no" >> "$OUT/stop.txt"
+  note "group_survivors no (group empty $(dt "$(date +%s.%N)" "$T_GONE") s after soakd's exit)"
 fi
 timeout 20 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv > "$OUT/gpu_after.txt" 2>&1
-echo "gpu_compute_apps_after $(($(grep -c . "$OUT/gpu_after.txt") - 1))" >> "$OUT/stop.txt"
+note "gpu_compute_apps_after $(($(grep -c . "$OUT/gpu_after.txt") - 1))"
 
 # The run folder.
-RUN=${RUN:-$(run_dir)}
+[[ -n $RUN ]] || RUN=$(new_run_dir)
+[[ -n $RUN ]] || RUN=$(ls -td "$RUNS"/*/ 2>/dev/null | head -n 1)
 if [[ -n $RUN && -d $RUN ]]; then
   log "collecting $RUN"
   ls -la "$RUN" "$RUN"spool > "$OUT/files.txt" 2>&1
@@ -188,7 +199,9 @@ def load(name):
 
 
 def fmt(v):
-    return f"{v:,.1f}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
 
 
 v = load("verdict.json")
@@ -197,8 +210,8 @@ print(f"exit_code {v.get('exit_code')}  verdict {v.get('verdict')}  interrupted 
 print("criteria:")
 for c in v.get("criteria") or []:
     mark = "ok  " if c.get("passed") else "FAIL"
-    name = c.get("expr") or c.get("name")
-    print(f"  {mark} {name} {c.get('op', '')} {fmt(c.get('threshold'))}: {fmt(c.get('value'))} {c.get('detail') or ''}")
+    rule = c.get("expr") or f"{c.get('name')} {c.get('op', '')} {fmt(c.get('threshold'))}"
+    print(f"  {mark} {rule}: {fmt(c.get('value'))} {c.get('detail') or ''}".rstrip())
 m = v.get("metrics") or {}
 print("metrics (ms):            p50        p99        max")
 for d in ("ttft_offered_ms", "ttft_ms", "e2e_offered_ms", "e2e_ms", "queue_ms"):
