@@ -931,6 +931,22 @@ def test_alert_queries_group_by_host_and_gpu_over_the_rules_range(alert_rules: l
             assert f'"{denominator}" > 0' in query, f"{uid}: {denominator}"
 
 
+def test_latency_alerts_judge_the_user_s_view(alert_rules: list[dict[str, Any]]) -> None:
+    # No rule judges a latency from the send (the server's view hides soakd's admission wait).
+    for rule in alert_rules:
+        refs = references(alert_query(rule))
+        if refs.measurement == "requests":
+            assert not set(FROM_THE_SEND) & (refs.fields | refs.either), rule["uid"]
+    # The admission-wait rule: a p99 wait over the default ttft_p99_ms alone breaks TTFT as offered,
+    # whatever the engine does (set both together).
+    (rule,) = [r for r in alert_rules if r["uid"] == "soakd-admission-wait"]
+    assert alert_query(rule).startswith(
+        'SELECT percentile("queue_s", 99) FROM "requests" WHERE "status" = \'ok\''
+    )
+    (condition,) = rule["data"][2]["model"]["conditions"]
+    assert condition["evaluator"] == {"type": "gt", "params": [load(None).criteria.ttft_p99_ms / 1000]}
+
+
 def test_alert_rules_cover_the_brief(alert_rules: list[dict[str, Any]], schema: SoakSchema) -> None:
     read = {uid: references(alert_query(r)) for uid, r in ((r["uid"], r) for r in alert_rules)}
     fields = schema.fields | OPTIONAL
@@ -946,6 +962,7 @@ def test_alert_rules_cover_the_brief(alert_rules: list[dict[str, Any]], schema: 
         ("spec_decode", "acceptance_drift"),
         ("requests", "error"),
         ("sink", "backlog_age_s"),
+        ("requests", "queue_s"),
     }
     have = {(refs.measurement, f) for refs in read.values() for f in refs.fields}
     assert wanted <= have, wanted - have
