@@ -11,10 +11,16 @@ does not reach is in a short allow-list, each entry with its reason.
 The power-cap alert's condition (query, reduce, threshold, evaluated as Grafana evaluates them) holds on
 the throttled soak and not on a clean stretch of the H200 recording, run through soakd's own GPU
 collector. No engine start of its own: a few seconds on top of the shared soak.
+
+The latency panels lead with the user's view (TTFT and E2E as offered, from each request's due time in
+the trace); a run whose ceiling bound (requests written as soakd writes them, two of them held 60 s at
+its admission gate) shows that wait in the as-offered figures, the admission stat and its alert rule,
+and not in the server's view (from the send).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -36,6 +42,7 @@ from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.nvml import NvmlCollector, RecordedNvml
 from soakd.config import parse_duration
 from soakd.metric import parse_line
+from soakd.replay.runner import RequestRecord
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +54,19 @@ NVML_BURN = ROOT / "tests" / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl
 H200_DB = "h200_live"
 CLEAN_DB = "clean_gpu"
 MAX_DATA_POINTS = 1000  # about a panel's width in pixels: Grafana's default for $__interval
+CEILING_DB = "ceiling_bound"
+
+# The panels' as-offered targets (TTFT and E2E from each request's due time). Where the replay runner
+# does not stamp those fields yet, a soak has none, and these targets may be empty on it.
+OFFERED_TARGETS = {
+    "TTFT p99 as offered (from due time) A",
+    "E2E p99 as offered (from due time) A",
+    "TTFT p50 / p99 as offered (from due time), and from the send A",
+    "E2E p50 / p99 as offered (from due time), and from the send A",
+}
+RUNNER_WRITES_OFFERED = {"ttft_offered_s", "e2e_offered_s"} <= {
+    f.name for f in dataclasses.fields(RequestRecord)
+}
 
 # Checked on the recorded live H200 soak instead: a CPU engine has no CUDA graphs and no CUDA caching
 # allocator, and a recorded GPU has no NVML event stream.
@@ -73,6 +93,9 @@ ALLOWED_EMPTY = {
     "Acceptance rate: overall and per draft position E": "k = 3: no position 3",
     # psutil sees no temperature sensor in a VM or container.
     "Max temperature A": "no host sensors here",
+    # 2 requests/s on the CPU engine never fill the admission ceiling: no ok request waited over 1 ms
+    # (the ceiling_bound run below has some).
+    "Admission ceiling: requests that waited A": "the ceiling never bound",
     # The trace's outputs stop at 96 tokens and its sessions after a few turns: later buckets of the
     # acceptance profile are never reached (soakd's bucket edges; the unit test checks the names).
     **{f"Acceptance by output-token position {r}": "outputs <= 96 tokens" for r in "CDEFGHI"},
@@ -252,14 +275,15 @@ def test_every_panel_and_alert_query_returns_data_on_a_real_soak(
     targets = list(panel_targets(dash))
     # Both lists name real targets and rules (a typo would silently skip a check).
     names = {where for where, _, _ in targets} | {f"alert {r['uid']}" for r in alert_rules()}
-    assert set(ON_A_LIVE_GPU) <= names and set(ALLOWED_EMPTY) <= names
+    assert set(ON_A_LIVE_GPU) <= names and set(ALLOWED_EMPTY) <= names and names >= OFFERED_TARGETS
+    allowed_empty = set(ALLOWED_EMPTY) | (set() if RUNNER_WRITES_OFFERED else OFFERED_TARGETS)
     problems: list[str] = []
     for where, query, min_interval in targets:
         run = h200_run if where in ON_A_LIVE_GPU else soak_run
         series = influxql(url, run.database, interpolate(query, run, min_interval))
-        if values(series) == 0 and where not in ALLOWED_EMPTY:
+        if values(series) == 0 and where not in allowed_empty:
             problems.append(f"{where}: no data on {run.run_id}")
-        elif values(series) and where in ALLOWED_EMPTY:
+        elif values(series) and where in allowed_empty:
             problems.append(f"{where}: has data, take it off the allow-list")
     for rule in alert_rules():
         where = f"alert {rule['uid']}"
@@ -319,6 +343,89 @@ def test_rules_stay_quiet_on_healthy_runs(server_soak: ServerSoak, soak_run: Run
         rules["soakd-cuda-graph-hit-rate"], url, h200_run.database, h200_run.last_ns // 10**6 + 1000
     )
     assert graphs and set(graphs.values()) == {False}, graphs
+    # No request of the soak waited at soakd's admission ceiling long enough to matter.
+    waits = evaluate(rules["soakd-admission-wait"], url, soak_run.database, soak_run.last_ns // 10**6 + 1000)
+    assert waits and set(waits.values()) == {False}, waits
+
+
+# ---------------------------------------------------------------------------------------------------
+# the user's view: a run whose admission ceiling bound
+
+
+@pytest.fixture(scope="module")
+def ceiling_run(influxdb: Server) -> Run:
+    """Twenty ok requests 10 s apart, ending now, with the fields soakd writes on a requests point: each
+    answered in 0.4 s to the first token and 1.02 s to the last from its send, and two of them held 60 s
+    at soakd's admission gate before it (the ceiling bound), so 60 s more as offered (from the due time:
+    admission wait + lateness + TTFT from the send)."""
+    host = socket.gethostname() + "-ceiling"
+    end_ns = time.time_ns()
+    lines = []
+    for i in range(20):
+        queue_s = 60.0 if i in (5, 15) else 0.00003
+        lateness_s, ttft_s, e2e_s = 0.002, 0.4, 1.02
+        now_ns = end_ns - (19 - i) * 10 * 10**9
+        due_ns = now_ns - int((queue_s + lateness_s + e2e_s) * 1e9)
+        fields = {
+            "lateness_s": lateness_s,
+            "queue_s": queue_s,
+            "ttft_s": ttft_s,
+            "tpot_s": 0.02,
+            "itl_mean_s": 0.02,
+            "e2e_s": e2e_s,
+            "ttft_offered_s": queue_s + lateness_s + ttft_s,
+            "e2e_offered_s": queue_s + lateness_s + e2e_s,
+        }
+        text = ",".join(f"{k}={v!r}" for k, v in fields.items())
+        ints = f"input_tokens=512i,output_tokens=32i,output_tokens_expected=32i,index={i}i,due_ns={due_ns}i"
+        lines.append(f"requests,host={host},run_id=ceiling,status=ok {text},{ints} {now_ns}")
+    write_lines(influxdb.url, CEILING_DB, lines)
+    points = [parse_line(line) for line in lines]
+    return run_of(CEILING_DB, [p.time_ns for p in points], {"ceiling"})
+
+
+def test_the_admission_wait_is_in_the_user_s_view_and_not_in_the_server_s(
+    influxdb: Server, ceiling_run: Run
+) -> None:
+    dash = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    url = influxdb.url
+
+    def column(where: str) -> list[float]:
+        """Every value a target returns, as Grafana sends it for this run."""
+        ((query, min_interval),) = [(q, i) for w, q, i in panel_targets(dash) if w == where]
+        series = influxql(url, CEILING_DB, interpolate(query, ceiling_run, min_interval))
+        return [float(v) for s in series for row in s["values"] for v in row[1:] if v is not None]
+
+    # The criterion's stat: p99 TTFT as offered holds the 60 s wait; its second value, from the send,
+    # does not (20 requests: InfluxDB's nearest-rank p99 is the largest).
+    stat = "TTFT p99 as offered (from due time)"
+    assert column(f"{stat} A") == [pytest.approx(60.402)]
+    assert column(f"{stat} B") == [pytest.approx(0.4)]
+    stat = "E2E p99 as offered (from due time)"
+    assert column(f"{stat} A") == [pytest.approx(61.022)]
+    assert column(f"{stat} B") == [pytest.approx(1.02)]
+    # The time series: some minute's p99 as offered is the wait, no minute's from the send.
+    panel = "TTFT p50 / p99 as offered (from due time), and from the send"
+    assert max(column(f"{panel} A")) == pytest.approx(60.402)
+    assert max(column(f"{panel} B")) == pytest.approx(0.4)
+    # The admission stats: 2 of the 20 waited (the share Grafana computes, A / B, joined at the one time
+    # both counts answer at), their p99 wait 60 s.
+    stat = "Admission ceiling: requests that waited"
+    counts = []
+    for ref in "AB":
+        ((query, _),) = [(q, i) for w, q, i in panel_targets(dash) if w == f"{stat} {ref}"]
+        counts += [
+            row
+            for s in influxql(url, CEILING_DB, interpolate(query, ceiling_run, "1s"))
+            for row in s["values"]
+        ]
+    (t_waited, waited), (t_answered, answered) = counts
+    assert t_waited == t_answered and (waited, answered) == (2, 20) and waited / answered == 0.1
+    assert column("Admission wait p99 A") == [pytest.approx(60.0)]
+    # And the alert rule: the wait fires it.
+    (rule,) = [r for r in alert_rules() if r["uid"] == "soakd-admission-wait"]
+    fired = evaluate(rule, url, CEILING_DB, ceiling_run.last_ns // 10**6 + 1000)
+    assert list(fired.values()) == [True], fired
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -348,6 +455,8 @@ H200_SOAK_EMPTY = {
     "Backlog age and outage A": "spool only: no InfluxDB sink ran",
     "Forwarder failures and rejected lines A": "spool only",
     "InfluxDB backlog A": "spool only",
+    # Recorded before soakd stamped the due-time view: the server's view (from the send) is there.
+    **{where: "recorded before ttft_offered_s and e2e_offered_s" for where in OFFERED_TARGETS},
     # Recorded before soakd watched its own event loop (the run that showed why it should).
     "Event-loop lag A": "recorded before the loop watch",
     "Event-loop lag B": "recorded before the loop watch",

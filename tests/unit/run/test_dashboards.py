@@ -14,6 +14,7 @@ points; tests/integration/test_dashboards_influx.py runs them, and the alert rul
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import os
@@ -40,6 +41,7 @@ from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.stats import StepStats
 from soakd.engine.worker_ext import cuda_fields
 from soakd.engine.worker_ext import memory_stats as worker_memory_stats
+from soakd.replay.runner import RequestRecord
 from soakd.sinks.spool import iter_lines, iter_samples
 
 yaml = pytest.importorskip("yaml")  # PyYAML comes with vLLM
@@ -76,7 +78,15 @@ PROFILE_OPTIONAL = {
     for lo in edges[1:]
     for kind in ("accepted", "drafted", "rate")
 }
+# The user's view of latency, from each request's due time in the trace: TTFT and E2E as offered (the
+# admission wait, pacing lateness and connection included), beside the server's view from the send
+# (ttft_s, e2e_s). The dashboard leads with them; a tree whose replay runner does not stamp them yet reads
+# them as optional, and once it does, the schema soak must carry them (checked below).
+OFFERED = {("requests", "ttft_offered_s"), ("requests", "e2e_offered_s")}
+RUNNER_WRITES_OFFERED = {name for _, name in OFFERED} <= {f.name for f in dataclasses.fields(RequestRecord)}
 OPTIONAL = HOST_OPTIONAL | PROFILE_OPTIONAL | GPU_OPTIONAL | CONTROL_OPTIONAL
+if not RUNNER_WRITES_OFFERED:
+    OPTIONAL |= OFFERED
 OPTIONAL_MEASUREMENTS = {m for m, _ in GPU_OPTIONAL}
 # Targets the schema soak leaves empty: control actions and throttle transitions need a throttle episode
 # longer than the detector's dwell (the real soak in tests/integration/test_dashboards_influx.py has one).
@@ -331,6 +341,9 @@ def test_the_schema_soak_covers_what_the_dashboard_shows(schema: SoakSchema) -> 
     assert {("allocator", "fragmentation"), ("allocator", "rss_bytes")} <= schema.fields
     assert ("allocator", "worker") in schema.tags
     assert {("vllm_metrics", "ttft_count"), ("vllm_metrics", "counter_resets")} <= schema.fields
+    assert ("requests", "queue_s") in schema.fields
+    if RUNNER_WRITES_OFFERED:
+        assert schema.fields >= OFFERED
     # The profile buckets the soak does not reach are named like the ones it does.
     for prefix, edges in (("out", OUTPUT_EDGES), ("turn", TURN_EDGES)):
         for kind in ("accepted", "drafted", "rate"):
@@ -550,6 +563,74 @@ def test_the_runs_table_links_each_run_to_its_own_time_range(dashboard: dict[str
     assert hidden == {"Time": True, "start_ms": True, "end_ms": True}
 
 
+# The server's view of a latency (from the send) and the user's view of the same (from the due time).
+FROM_THE_SEND = {"ttft_s": "ttft_offered_s", "e2e_s": "e2e_offered_s"}
+# Like with like: the server's own /metrics means beside soakd's from the send (the server never sees the
+# wait in soakd); the as-offered figures are in the Latency row.
+CROSS_CHECK = "TTFT and E2E: server vs soakd (mean)"
+
+
+def test_latency_panels_lead_with_the_user_s_view(dashboard: dict[str, Any]) -> None:
+    # Every TTFT and E2E panel shows the figure as offered (from the request's due time in the trace:
+    # soakd's admission wait, its lateness and the connection included) first, and the server's view
+    # (from the send) beside it, named as such.
+    seen = 0
+    for panel in content_panels(dashboard):
+        queries = [t["query"] for t in panel["targets"] if 'FROM "requests"' in t["query"]]
+        sent = {f for f in FROM_THE_SEND if any(f'"{f}"' in q for q in queries)}
+        if not sent:
+            continue
+        if panel["title"] == CROSS_CHECK:
+            assert "from the send" in panel["description"] and "as-offered" in panel["description"]
+            continue
+        seen += 1
+        first = panel["targets"][0]["query"]
+        for name in sent:
+            assert f'"{FROM_THE_SEND[name]}"' in first and f'"{name}"' not in first, panel["title"]
+        assert "as offered (from due time)" in panel["title"], panel["title"]
+        assert "from the send" in panel["description"] and "server's view" in panel["description"]
+    assert seen == 4  # the TTFT and E2E stats of the overview, the TTFT and E2E series of the Latency row
+    # The stat of what the criterion judges reads TTFT as offered; the server's view is its second value.
+    (criterion,) = [p for p in content_panels(dashboard) if "ttft_p99_ms criterion" in p["description"]]
+    assert criterion in rows(dashboard)["Overview"]
+    offered, send = criterion["targets"]
+    assert offered["query"].startswith('SELECT percentile("ttft_offered_s", 99) FROM "requests"')
+    assert send["query"].startswith('SELECT percentile("ttft_s", 99) FROM "requests"')
+    assert (offered["alias"], send["alias"]) == ("as offered", "from the send")
+    assert all("\"status\" = 'ok'" in t["query"] for t in criterion["targets"])  # as the verdict: ok only
+
+
+def test_the_admission_ceiling_stats_sit_with_the_latency_stats(dashboard: dict[str, Any]) -> None:
+    overview = rows(dashboard)["Overview"]
+    (share,) = [p for p in overview if any('"queue_s" > 0.001' in t["query"] for t in p["targets"])]
+    (wait,) = [p for p in overview if any('percentile("queue_s", 99)' in t["query"] for t in p["targets"])]
+    queries = {t["refId"]: t["query"] for t in share["targets"]}
+    # A request waited when its admission wait is over 1 ms (a free slot is taken in microseconds), of the
+    # ok requests, as the verdict's note counts them; the share is A / B.
+    assert '"queue_s" > 0.001' in queries["A"] and '"queue_s" >' not in queries["B"]
+    assert all("\"status\" = 'ok'" in q for q in [*queries.values(), wait["targets"][0]["query"]])
+    # Table results name their columns by the queries' aliases, which the calculation divides; both are
+    # counts, which InfluxDB answers at the range's start, so Grafana joins them into one row (a selector
+    # such as percentile answers at its point's time, hence the p99 wait in a stat of its own).
+    assert {t["resultFormat"] for t in share["targets"]} == {"table"}
+    (calc,) = [t["options"] for t in share["transformations"] if t["id"] == "calculateField"]
+    binary = calc["binary"]
+    assert calc["mode"] == "binary" and binary["operator"] == "/"
+    assert queries["A"].startswith(f'SELECT count("queue_s") AS "{binary["left"]}" ')
+    assert queries["B"].startswith(f'SELECT count("queue_s") AS "{binary["right"]}" ')
+    (organize,) = [t["options"] for t in share["transformations"] if t["id"] == "organize"]
+    hidden = {name for name, off in organize["excludeByName"].items() if off}
+    assert hidden == {"Time", binary["left"], binary["right"]}
+    assert share["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert wait["fieldConfig"]["defaults"]["unit"] == "s"
+    for panel in (share, wait):
+        assert "as offered" in panel["description"] and "server's view" in panel["description"]
+    # Right under the TTFT stat they explain, side by side.
+    ttft = next(p for p in overview if p["title"].startswith("TTFT p99 as offered"))
+    g, w, t = share["gridPos"], wait["gridPos"], ttft["gridPos"]
+    assert g["y"] == w["y"] == t["y"] + t["h"] and g["x"] <= t["x"] < g["x"] + g["w"] == w["x"]
+
+
 def test_the_run_point_carries_the_run_s_span(schema: SoakSchema) -> None:
     assert {("run", "start_ms"), ("run", "end_ms")} <= schema.fields
 
@@ -709,7 +790,11 @@ def test_every_measurement_field_and_tag_a_query_reads_is_written_by_soakd(
     assert not problems, "\n".join(problems)
     # and the dashboard reads the headline of every measurement
     for pair in [
+        ("requests", "ttft_offered_s"),
+        ("requests", "e2e_offered_s"),
         ("requests", "ttft_s"),
+        ("requests", "e2e_s"),
+        ("requests", "queue_s"),
         ("requests", "tpot_s"),
         ("engine", "generation_tokens"),
         ("engine", "kv_cache_usage_max"),
@@ -848,6 +933,22 @@ def test_alert_queries_group_by_host_and_gpu_over_the_rules_range(alert_rules: l
             assert f'"{denominator}" > 0' in query, f"{uid}: {denominator}"
 
 
+def test_latency_alerts_judge_the_user_s_view(alert_rules: list[dict[str, Any]]) -> None:
+    # No rule judges a latency from the send (the server's view hides soakd's admission wait).
+    for rule in alert_rules:
+        refs = references(alert_query(rule))
+        if refs.measurement == "requests":
+            assert not set(FROM_THE_SEND) & (refs.fields | refs.either), rule["uid"]
+    # The admission-wait rule: a p99 wait over the default ttft_p99_ms alone breaks TTFT as offered,
+    # whatever the engine does (set both together).
+    (rule,) = [r for r in alert_rules if r["uid"] == "soakd-admission-wait"]
+    assert alert_query(rule).startswith(
+        'SELECT percentile("queue_s", 99) FROM "requests" WHERE "status" = \'ok\''
+    )
+    (condition,) = rule["data"][2]["model"]["conditions"]
+    assert condition["evaluator"] == {"type": "gt", "params": [load(None).criteria.ttft_p99_ms / 1000]}
+
+
 def test_alert_rules_cover_the_brief(alert_rules: list[dict[str, Any]], schema: SoakSchema) -> None:
     read = {uid: references(alert_query(r)) for uid, r in ((r["uid"], r) for r in alert_rules)}
     fields = schema.fields | OPTIONAL
@@ -863,6 +964,7 @@ def test_alert_rules_cover_the_brief(alert_rules: list[dict[str, Any]], schema: 
         ("spec_decode", "acceptance_drift"),
         ("requests", "error"),
         ("sink", "backlog_age_s"),
+        ("requests", "queue_s"),
     }
     have = {(refs.measurement, f) for refs in read.values() for f in refs.fields}
     assert wanted <= have, wanted - have
