@@ -20,7 +20,6 @@ and not in the server's view (from the send).
 
 from __future__ import annotations
 
-import dataclasses
 import gzip
 import json
 import math
@@ -42,7 +41,6 @@ from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.nvml import NvmlCollector, RecordedNvml
 from soakd.config import parse_duration
 from soakd.metric import parse_line
-from soakd.replay.runner import RequestRecord
 
 pytestmark = pytest.mark.integration
 
@@ -56,16 +54,12 @@ CLEAN_DB = "clean_gpu"
 MAX_DATA_POINTS = 1000  # about a panel's width in pixels: Grafana's default for $__interval
 CEILING_DB = "ceiling_bound"
 
-# The panels' as-offered targets (TTFT and E2E from each request's due time). Where the replay runner
-# does not stamp those fields yet, a soak has none, and these targets may be empty on it.
+# The panels' as-offered targets (TTFT and E2E from each request's due time): every soak has them.
 OFFERED_TARGETS = {
     "TTFT p99 as offered (from due time) A",
     "E2E p99 as offered (from due time) A",
     "TTFT p50 / p99 as offered (from due time), and from the send A",
     "E2E p50 / p99 as offered (from due time), and from the send A",
-}
-RUNNER_WRITES_OFFERED = {"ttft_offered_s", "e2e_offered_s"} <= {
-    f.name for f in dataclasses.fields(RequestRecord)
 }
 
 # Checked on the recorded live H200 soak instead: a CPU engine has no CUDA graphs and no CUDA caching
@@ -276,7 +270,7 @@ def test_every_panel_and_alert_query_returns_data_on_a_real_soak(
     # Both lists name real targets and rules (a typo would silently skip a check).
     names = {where for where, _, _ in targets} | {f"alert {r['uid']}" for r in alert_rules()}
     assert set(ON_A_LIVE_GPU) <= names and set(ALLOWED_EMPTY) <= names and names >= OFFERED_TARGETS
-    allowed_empty = set(ALLOWED_EMPTY) | (set() if RUNNER_WRITES_OFFERED else OFFERED_TARGETS)
+    allowed_empty = set(ALLOWED_EMPTY)
     problems: list[str] = []
     for where, query, min_interval in targets:
         run = h200_run if where in ON_A_LIVE_GPU else soak_run

@@ -152,7 +152,8 @@ def test_the_report_of_a_run_whose_ceiling_bound_says_so_where_the_verdict_is_re
     offered = doc["verdict"]["metrics"]["p99(ttft_offered_ms)"]
     assert heads["TTFT p99 as offered"]["value"] == f"{offered:,.0f} ms"
     assert "from the send (the server's view) 1,761 ms" in heads["TTFT p99 as offered"]["note"]
-    assert heads["admission ceiling bound"]["warn"] and heads["admission ceiling bound"]["value"].startswith("56")
+    bound = heads["admission ceiling bound"]
+    assert bound["warn"] and bound["value"].startswith("56")
     html = (run / "report.html").read_text()
     assert "admission ceiling (replay.max_concurrency) bound:</strong> 56" in html
     assert "time to first token, as offered (from the due time)" in html

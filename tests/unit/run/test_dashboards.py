@@ -14,7 +14,6 @@ points; tests/integration/test_dashboards_influx.py runs them, and the alert rul
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import json
 import os
@@ -41,7 +40,6 @@ from soakd.engine.base import EngineInfo, GenerationRequest
 from soakd.engine.stats import StepStats
 from soakd.engine.worker_ext import cuda_fields
 from soakd.engine.worker_ext import memory_stats as worker_memory_stats
-from soakd.replay.runner import RequestRecord
 from soakd.sinks.spool import iter_lines, iter_samples
 
 yaml = pytest.importorskip("yaml")  # PyYAML comes with vLLM
@@ -80,13 +78,9 @@ PROFILE_OPTIONAL = {
 }
 # The user's view of latency, from each request's due time in the trace: TTFT and E2E as offered (the
 # admission wait, pacing lateness and connection included), beside the server's view from the send
-# (ttft_s, e2e_s). The dashboard leads with them; a tree whose replay runner does not stamp them yet reads
-# them as optional, and once it does, the schema soak must carry them (checked below).
+# (ttft_s, e2e_s). The dashboard leads with them: the schema soak must carry them (checked below).
 OFFERED = {("requests", "ttft_offered_s"), ("requests", "e2e_offered_s")}
-RUNNER_WRITES_OFFERED = {name for _, name in OFFERED} <= {f.name for f in dataclasses.fields(RequestRecord)}
 OPTIONAL = HOST_OPTIONAL | PROFILE_OPTIONAL | GPU_OPTIONAL | CONTROL_OPTIONAL
-if not RUNNER_WRITES_OFFERED:
-    OPTIONAL |= OFFERED
 OPTIONAL_MEASUREMENTS = {m for m, _ in GPU_OPTIONAL}
 # Targets the schema soak leaves empty: control actions and throttle transitions need a throttle episode
 # longer than the detector's dwell (the real soak in tests/integration/test_dashboards_influx.py has one).
@@ -342,8 +336,7 @@ def test_the_schema_soak_covers_what_the_dashboard_shows(schema: SoakSchema) -> 
     assert ("allocator", "worker") in schema.tags
     assert {("vllm_metrics", "ttft_count"), ("vllm_metrics", "counter_resets")} <= schema.fields
     assert ("requests", "queue_s") in schema.fields
-    if RUNNER_WRITES_OFFERED:
-        assert schema.fields >= OFFERED
+    assert schema.fields >= OFFERED
     # The profile buckets the soak does not reach are named like the ones it does.
     for prefix, edges in (("out", OUTPUT_EDGES), ("turn", TURN_EDGES)):
         for kind in ("accepted", "drafted", "rate"):
