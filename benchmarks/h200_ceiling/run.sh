@@ -230,7 +230,12 @@ print("failed requests by kind:", json.dumps(req.get("errors") or {}, sort_keys=
 EOF
 
 log "done"
+# At most 8 files come back from the machine: the three read first stay, the rest go into one archive.
+PACK=$(mktemp -d)
+find "$OUT" -maxdepth 1 -type f ! -name stop.txt ! -name figures.txt ! -name engine_death.txt \
+  -exec mv {} "$PACK/" \;
+tar czf "$OUT/run-files.tar.gz" -C "$PACK" . && rm -rf "$PACK"
 echo "== stop.txt"; cat "$OUT/stop.txt"
 echo "== figures.txt"; cat "$OUT/figures.txt"
 echo "== engine_death.txt (counts)"; head -n 6 "$OUT/engine_death.txt" 2>/dev/null
-echo "== stderr.log (last lines)"; tail -n 15 "$OUT/stderr.log"
+echo "== stderr.log (last lines)"; tar xzOf "$OUT/run-files.tar.gz" ./stderr.log | tail -n 15

@@ -27,7 +27,7 @@ from soakd.control import ControlInputs, Controller, Slo, input_harm, input_thro
 from soakd.engine.base import ACTIVE_SEQS_ENV, Engine, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor, apply_change
 from soakd.engine.vllm_local import SCHEDULER_CLS
-from soakd.errors import ConfigError
+from soakd.errors import ConfigError, EngineError
 from soakd.jobs import JobHealth, Jobs, ProgressFn
 from soakd.lifecycle import Component, Stack
 from soakd.live import LiveRun
@@ -200,7 +200,11 @@ def make_controller(
     )
 
     def engine_info() -> EngineInfo | None:
-        return engine.info if engine.alive() else None
+        # Alive but between engines (a restart or rebuild under way): none to act on this tick.
+        try:
+            return engine.info if engine.alive() else None
+        except EngineError:
+            return None
 
     inputs = ControlInputs(
         throttled=throttled,

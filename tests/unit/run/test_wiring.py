@@ -85,3 +85,15 @@ def test_a_rebuilt_engine_retags_and_a_new_draft_setting_restarts_drift() -> Non
     assert (collector.config_id, resets) == ("b", [])
     collector.engine_started(_info("c", spec=1))
     assert (collector.config_id, resets) == ("c", [True])
+
+
+def test_the_controller_sees_no_engine_between_engines_instead_of_an_error(tmp_path: Path) -> None:
+    # Measured on an H200: while an engine restarted, every control tick raised "engine not started".
+    from soakd.wiring import make_controller
+
+    b = _build(tmp_path, ["engine"])
+    cfg = Config.model_validate({"control": {"enabled": True}, "telemetry": {"collectors": ["engine"]}})
+    drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
+    controller = make_controller(cfg, tmp_path, b.engine, [], b.engine_collector, drift, b.live, b.writer)
+    assert controller is not None
+    assert b.engine.alive() and controller.inputs.engine() is None  # supervised, no engine yet
