@@ -316,8 +316,14 @@ def _compare_parser(sub: Any) -> None:
     cmp = sub.add_parser(
         "compare",
         help="two runs side by side: metrics with deltas, verdicts, environment",
+        description="Baseline A against candidate B: rates, ratios and latency percentiles with their "
+        "deltas, judged better/worse/same by direction and tolerance (totals shown, not judged), the "
+        "verdicts, criteria, environment and config differences. Runs of different traces are refused "
+        "(--allow-unlike compares them anyway); a different length (over 10%%) or engine config is "
+        "warned of on the first lines.",
         epilog="exit codes: 0 compared; 1 with --fail-on-regression, a metric worse by more than PCT% "
-        "or runs of different traces; 2 bad arguments or an unreadable run",
+        "or runs of different traces; 2 bad arguments, an unreadable run, or runs of different traces "
+        "without --allow-unlike",
     )
     cmp.add_argument("run_a", metavar="RUN_A", help="baseline: run directory or run id")
     cmp.add_argument("run_b", metavar="RUN_B", help="candidate: run directory or run id")
@@ -331,7 +337,12 @@ def _compare_parser(sub: Any) -> None:
         metavar="PCT",
         help="exit 1 if any metric is worse than A by more than PCT%% (or the runs are not comparable)",
     )
-    cmp.add_argument("--json", action="store_true")
+    cmp.add_argument(
+        "--allow-unlike",
+        action="store_true",
+        help="compare runs of different (or unknown) traces anyway, under a NOT COMPARABLE line",
+    )
+    cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON document")
 
 
 def _matrix_parser(sub: Any) -> None:
@@ -616,6 +627,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     base = _load_config(args.config, {})
     out_dir = base.resolve(base.run.output_dir)
     comp = compare_runs(find_run(args.run_a, out_dir), find_run(args.run_b, out_dir), args.tolerance)
+    if not comp.comparable and not args.allow_unlike:
+        # Deltas over different traffic would read as the change's doing: no table unless asked for.
+        why = comp.warnings[0].removeprefix("NOT COMPARABLE: ")
+        raise UsageError(f"not compared: {why}; --allow-unlike compares them anyway")
     if args.json:
         print(json_text(comp.to_dict(), indent=2, default=str))
     else:
