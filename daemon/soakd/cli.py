@@ -446,18 +446,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     soak = Soak(cfg, progress=progress.update, resume=args.resume)
     try:
         result = asyncio.run(soak.run())
+        progress.finish(result.summary)
     finally:
         progress.close()
         console.restore()
+    report = None
     if cfg.run.report and result.stopped_by != "SIGTERM":
         from soakd.report.finished import report_after_run
 
-        report_after_run(result.run_dir)
+        report = report_after_run(result.run_dir)
     if args.json:
         doc = {**result.summary, "verdict_detail": result.verdict.to_dict(), "run_dir": str(result.run_dir)}
         print(json_text(doc, indent=2, default=str))
     else:
-        _print_summary(result.summary, result.run_dir)
+        _print_summary(result.summary, result.run_dir, report)
         print("\n".join(result.verdict.lines()))
     if result.error:
         # The verdict is written (FAIL), but the run did not end normally: not a plain FAIL.
@@ -470,18 +472,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return result.verdict.exit_code
 
 
-def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+def _print_summary(summary: dict[str, Any], run_dir: Path, report: Path | None = None) -> None:
+    from soakd.progress import summary_tokens_per_s
+
     # The whole run (across resumed processes) where the summary has it; older summaries: the replayer's.
     req = summary.get("requests") or summary["replay"]
-    ran = max(float(summary["ran_s"]), 1e-9)
     lost = int(req.get("lost_in_flight") or 0)
     print(f"run {summary['run_id']} -> {run_dir}")
     lost_note = f" ({lost} lost in flight at restarts)" if lost else ""
     print(
         f"  requests: {req['scheduled']} scheduled, {req['completed']} completed, "
         f"{req['failed']} failed{lost_note}, {req['shed']} shed; "
-        f"{req['output_tokens']} output tokens ({req['output_tokens'] / ran:.1f} tok/s)"
+        f"{req['output_tokens']} output tokens ({summary_tokens_per_s(summary):.1f} tok/s)"
     )
+    if report is not None:
+        print(f"  report: {report}")
     outside = summary.get("outside_trace") or {}
     extra = [
         f"{n} {what}"

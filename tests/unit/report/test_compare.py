@@ -199,7 +199,12 @@ def test_runs_of_different_lengths_are_judged_by_rates(runs: dict[str, Path], tm
         # The same load, 10 req/s and 1,000 tok/s with 1 % errors, for `s` seconds.
         totals = {"requests": 10 * s, "errors": 0.1 * s, "output_tokens": 1000 * s, "input_tokens": 2000 * s}
         rates = {"tokens_per_s": 1000.0, "requests_per_s": 10.0, "error_rate": 0.01, "p99(ttft_ms)": 400.0}
-        more = {"replay_s": s, "duration_s": s, "engine_restarts": restarts, "p99(ttft_offered_ms)": offered_p99}
+        more = {
+            "replay_s": s,
+            "duration_s": s,
+            "engine_restarts": restarts,
+            "p99(ttft_offered_ms)": offered_p99,
+        }
         return _with_metrics(runs["server"], tmp_path / name, s, {**totals, **rates, **more})
 
     comp = compare_runs(run("long", 120.0, 2.0, 500.0), run("short", 30.0, 1.0, 510.0))
