@@ -205,7 +205,36 @@ def test_an_expression_criterion_shows_its_expression_and_a_run_without_points_r
     doc = build_doc(Path("/nonexistent"), {"run_id": "r"}, verdict, SeriesBuilder().build({}), source="spool")
     page = render_html(doc)
     assert "<th>expression</th>" in page and "p99(ttft) / p50(ttft)" in page
-    assert page.count('<div class="nodata">no data (') == 12
+    # Panels without data are one line naming each and why, not a box each; no events is one line too.
+    assert "<figure" not in page and page.count('id="not-recorded"') == 1
+    line = page.split('id="not-recorded"', 1)[1].split("</p>", 1)[0]
+    assert line.count('<span id="plot-') == 11 and "SM clock" in line
+    assert "No events in this run." in page
+
+
+@pytest.mark.parametrize(
+    ("meta", "says"),
+    [
+        (
+            {"config": {"telemetry": {"collectors": ["host", "engine"]}}},
+            "not read: the gpu collector was off",
+        ),
+        (
+            {"config": {"telemetry": {"collectors": ["gpu"]}}, "gpu": {"source": "none", "reason": "no GPU"}},
+            "none: no GPU (GPU telemetry was off)",
+        ),
+        (
+            {"config": {"telemetry": {"collectors": ["gpu"]}}, "engine": {"details": {"platform": "cpu"}}},
+            "none: the engine ran on the CPU platform",
+        ),
+        ({"config": {"telemetry": {"collectors": ["gpu"]}}}, "not recorded in meta.json (runs before soakd"),
+    ],
+)
+def test_the_gpu_table_says_why_a_run_has_no_gpu(meta: dict[str, Any], says: str) -> None:
+    doc = build_doc(Path("/nonexistent"), meta, {"run_id": "r"}, SeriesBuilder().build({}), source="spool")
+    gpu = next(g["items"] for g in doc["environment"] if g["group"] == "GPU")
+    assert says in gpu[0][1]
+    assert gpu[-1] == ["GPU series", "none in this run"]
     assert doc["digest"]["files"] == []
 
 

@@ -85,3 +85,14 @@ def test_a_rebuilt_engine_retags_and_a_new_draft_setting_restarts_drift() -> Non
     assert (collector.config_id, resets) == ("b", [])
     collector.engine_started(_info("c", spec=1))
     assert (collector.config_id, resets) == ("c", [True])
+
+
+def test_no_gpu_is_written_down_for_meta_json(tmp_path: Path, monkeypatch: typing.Any) -> None:
+    from soakd.collectors import registry
+    from soakd.collectors.gpu import GpuProbe
+
+    monkeypatch.setattr(registry, "probe_nvml", lambda: GpuProbe(0, reason="NVML Shared Library Not Found"))
+    b = _build(tmp_path, ["gpu"])
+    assert build_collectors(b, "start") == []
+    # The report then says what is true of this run, not "runs before soakd wrote them".
+    assert b.gpu_meta == {"source": "none", "reason": "NVML Shared Library Not Found", "devices": []}
