@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from soakd.cli import main
-from soakd.report.compare import compare_metrics, compare_runs, direction, lines
+from soakd.report.compare import compare_metrics, compare_runs, lines
+from soakd.report.metric_kinds import direction
 from soakd.testing import recorded_run_dir
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
