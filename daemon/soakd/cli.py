@@ -109,6 +109,18 @@ def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
                 _log_level_everywhere(sub)
 
 
+def _described_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's `--help` opens with a description: its own where it has one, else the line
+    the list of subcommands shows for it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                sub = action.choices[choice.dest]
+                if sub.description is None and choice.help:
+                    sub.description = f"{choice.help[0].upper()}{choice.help[1:]}."
+                _described_everywhere(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="soakd",
@@ -135,11 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     _trace_parser(sub)
     _tools_parsers(sub)
     _log_level_everywhere(p)
+    _described_everywhere(p)
     return p
 
 
 def _run_parser(sub: Any) -> None:
-    run = sub.add_parser("run", help="replay a trace through the engine and judge the result")
+    run = sub.add_parser(
+        "run",
+        help="replay a trace through the engine and judge the result",
+        description="Start the engine (or attach to a server with --target), send the trace's requests "
+        "on its clock for run.duration while the collectors record GPU, host and engine telemetry, then "
+        "judge the criteria: verdict.json, summary.json, meta.json and the sign-off report.html in a new "
+        "run folder under run.output_dir.",
+    )
     run.add_argument("--config", type=Path, help="config file (default: built-in defaults)")
     run.add_argument("--trace", help="trace file (overrides trace.path)")
     run.add_argument("--duration", help="how long to replay, e.g. 10m, 8h (overrides run.duration)")
@@ -163,7 +183,12 @@ def _run_parser(sub: Any) -> None:
 
 
 def _report_parser(sub: Any) -> None:
-    rep = sub.add_parser("report", help="a finished run's verdict and its sign-off report")
+    rep = sub.add_parser(
+        "report",
+        help="a finished run's verdict and its sign-off report",
+        description="Show a finished run's verdict and write its sign-off report (report.html and "
+        "report.json in the run folder), from its spool or InfluxDB; --rejudge judges it again.",
+    )
     rep.add_argument("run", help="run directory or run id")
     rep.add_argument(
         "--config",
@@ -203,7 +228,12 @@ def _report_parser(sub: Any) -> None:
 
 
 def _check_parser(sub: Any) -> None:
-    chk = sub.add_parser("check", help="validate the config and say what soakd would connect to")
+    chk = sub.add_parser(
+        "check",
+        help="validate the config and say what soakd would connect to",
+        description="Validate the config and the trace, and say what a run would use and whether each "
+        "answers: the model, vLLM, the GPUs NVML sees, InfluxDB (exit 1 when one does not).",
+    )
     chk.add_argument("--config", type=Path)
     chk.add_argument("--trace")
     _engine_flags(chk)
