@@ -31,7 +31,7 @@ def test_bad_config_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     cfg.write_text('[run]\noutput_dir = "runs"\n[replay]\nspeeed = 2\n')
     code, _, err = run(["run", "--config", str(cfg)], capsys)
     assert code == 2
-    assert one_line_error(err) == f"soakd: error: {cfg}:4: replay.speeed: unknown key"
+    assert one_line_error(err) == f"soakd: error: {cfg}:4: replay.speeed: unknown key (did you mean 'speed'?)"
     assert not (tmp_path / "runs").exists()
 
 
