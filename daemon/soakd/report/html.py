@@ -447,14 +447,15 @@ def render_html(doc: Mapping[str, Any]) -> str:
     plotter = _Plotter(data)
     # A panel without data is one entry of a single line, not a box of its own: on a CPU run most of
     # the page would otherwise be "no data".
-    figures, missing = [], []
+    figures: list[dict[str, Any]] = []
+    missing: dict[str, list[dict[str, str]]] = {}
     for name in PANEL_ORDER:
         panel = data["panels"][name]
-        entry = {"id": name, "title": panel["title"], "why": panel["why"]}
         if panel["why"]:
-            missing.append(entry)
+            # Grouped by why: a collector that was off is said once for all its panels.
+            missing.setdefault(panel["why"], []).append({"id": name, "title": panel["title"]})
         else:
-            figures.append({**entry, "svg": plotter.panel(name, panel)})
+            figures.append({"id": name, "title": panel["title"], "svg": plotter.panel(name, panel)})
     events = data.get("events", [])
     actions = data["panels"]["actions"]
     has_actions = any(e["kind"] in ACTION_KINDS for e in events)

@@ -357,3 +357,20 @@ def test_report_shows_the_recorded_verdict_and_judges_again_only_when_asked(
     assert main(["report", str(run), "--no-report", "--exit-code"]) == 1  # the verdict now on record
     out = capsys.readouterr().out
     assert out.count("FAIL  run") == 2
+
+
+def test_a_run_without_gpu_telemetry_draws_only_what_it_measured(tmp_path: Path) -> None:
+    from soakd.testing import recorded_run_dir
+
+    run = recorded_run_dir(tmp_path, "server", data=H200)
+    meta = json.loads((run / "meta.json").read_text())
+    meta["config"]["telemetry"]["collectors"] = ["host", "engine"]
+    (run / "meta.json").write_text(json.dumps(meta))
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    line = page.split('id="not-recorded"', 1)[1].split("</p>", 1)[0]
+    # The three GPU panels under one reason, said once; no box or figure for any of them.
+    off = "the gpu collector was not enabled (telemetry.collectors)"
+    assert line.count(off) == 1 and line.index("SM clock") < line.index("GPU temperature") < line.index(off)
+    assert 'id="plot-sm_clock" class="plot"' not in page and 'id="plot-throughput" class="plot"' in page
+    assert "not read: the gpu collector was off" in page
