@@ -66,8 +66,9 @@ def _delta(name: str, a: float | None, b: float | None, tolerance_pct: float) ->
     delta = b - a
     rel = delta / abs(a) if a != 0 else (0.0 if delta == 0 else None)
     # Within the tolerance (relative to A) is noise, and so is a change of at most ZERO_NOISE in the
-    # metric's unit (ms, ratio, %, count, byte) around zero: 0 -> 1 error is a change, a fragmentation
-    # growth of -5e-5 -> 0 (+100 %) is not.
+    # metric's unit (ms, ratio, %, count, byte) around zero: a fragmentation growth of -5e-5 -> 0
+    # (+100 %) is not a change. Ratios of counts (EXACT) have no such floor: an error rate of 0 -> 1e-4
+    # is one error in 10,000 requests.
     floor = 0.0 if name in EXACT else ZERO_NOISE
     if (rel is not None and abs(rel) * 100.0 <= tolerance_pct) or abs(delta) <= floor:
         return MetricDelta(name, a, b, delta, rel, way, "same")
