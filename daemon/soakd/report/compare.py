@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from soakd.redact import redacted
-from soakd.report.metric_kinds import EXACT, RANK, Direction, direction, with_rates
+from soakd.report.metric_kinds import EXACT, RANK, Direction, direction, is_total, with_rates
 from soakd.report.runs import load_metrics, read_json
 from soakd.rundir import META_FILE, VERDICT_FILE
 
@@ -346,8 +346,10 @@ def lines(comp: Comparison) -> list[str]:
         delta = "-" if m.delta is None else fmt_value(m.name, m.delta)
         if m.delta is not None and m.delta > 0:
             delta = "+" + delta
+        # A total's change is the runs' lengths as much as anything: said, so nobody reads it as a finding.
+        status = f"{m.status} (total)" if is_total(m.name) and m.status == "changed" else m.status
         rows.append(
-            [m.name, fmt_value(m.name, m.a), fmt_value(m.name, m.b), delta, fmt_rel(m.rel, m.delta), m.status]
+            [m.name, fmt_value(m.name, m.a), fmt_value(m.name, m.b), delta, fmt_rel(m.rel, m.delta), status]
         )
     out += _table(rows)
     if comp.criteria:

@@ -10,6 +10,7 @@ Direction = Literal["lower", "higher", "none"]
 # Names whose better side is not readable off their form (see `direction`).
 HIGHER = {
     "tokens_per_s",
+    "input_tokens_per_s",
     "requests_per_s",
     "completed_ratio",
     "graph_hit_rate",
@@ -66,11 +67,16 @@ RATES: dict[str, tuple[str, str]] = {
 EXACT = {"error_rate", "shed_ratio", "lost_in_flight_ratio"}
 
 
+def is_total(name: str) -> bool:
+    """A count over the whole run (it grows with the run's length): shown, never judged."""
+    return name in TOTALS or name.startswith("events(")
+
+
 def direction(name: str) -> Direction:
     """Which way is better for a metric of the criteria language's names (judge.metrics); totals
     (requests, errors, output_tokens, replay_s, engine_restarts, events(KIND) ...) have no better side:
     their rates do."""
-    if name in TOTALS or name.startswith("events("):
+    if is_total(name):
         return "none"
     if name in HIGHER:
         return "higher"

@@ -11,7 +11,7 @@ import pytest
 
 from soakd.cli import main
 from soakd.report.compare import compare_metrics, compare_runs, lines
-from soakd.report.metric_kinds import direction
+from soakd.report.metric_kinds import RATES, direction
 from soakd.testing import recorded_run_dir
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
@@ -116,6 +116,7 @@ def test_tolerance_and_zero_baselines() -> None:
     # Totals are not judged, whatever their better side would be: their rates are.
     assert direction("errors") == direction("engine_restarts") == direction("events(downscale)") == "none"
     assert direction("engine_restarts_per_h") == direction("shed_ratio") == "lower"
+    assert {n: direction(n) for n in RATES if direction(n) == "none"} == {}  # every rate is judged
     assert direction("max(e2e_ms)") == direction("p90(lateness_ms)") == direction("max(temp_c)") == "lower"
 
 
@@ -216,6 +217,7 @@ def test_runs_of_different_lengths_are_judged_by_rates(runs: dict[str, Path], tm
         assert by[total].direction == "none" and by[total].status == "changed", total
     # Their rates are judged: the same throughput and error rate, restarts 60/h -> 120/h.
     assert by["input_tokens_per_s"].a == by["input_tokens_per_s"].b == pytest.approx(2000.0)
+    assert by["input_tokens_per_s"].direction == "higher"
     assert by["input_tokens_per_s"].status == by["error_rate"].status == by["tokens_per_s"].status == "same"
     restarts = by["engine_restarts_per_h"]
     assert (restarts.a, restarts.b, restarts.status) == (pytest.approx(60.0), pytest.approx(120.0), "worse")
@@ -223,6 +225,8 @@ def test_runs_of_different_lengths_are_judged_by_rates(runs: dict[str, Path], tm
     # The latency as offered comes first when the runs have it.
     assert comp.metrics[0].name == "p99(ttft_offered_ms)" and comp.metrics[0].status == "same"
     assert comp.to_dict()["a"]["ran_s"] == 120.0
+    row = next(line for line in lines(comp) if line.startswith("requests "))
+    assert row.split() == ["requests", "1,200", "300", "-900", "-75.0%", "changed", "(total)"]
     # Within 10 % of A's length is no warning.
     near = compare_runs(tmp_path / "long", run("near", 110.0, 2.0, 500.0))
     assert not any(w.startswith("DIFFERENT LENGTHS") for w in near.warnings)
