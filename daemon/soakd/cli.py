@@ -117,7 +117,9 @@ def _described_everywhere(parser: argparse.ArgumentParser) -> None:
             for choice in action._choices_actions:
                 sub = action.choices[choice.dest]
                 if sub.description is None and choice.help:
-                    sub.description = f"{choice.help[0].upper()}{choice.help[1:]}."
+                    # A help line is %-formatted by argparse, a description is not.
+                    text = choice.help.replace("%%", "%")
+                    sub.description = f"{text[0].upper()}{text[1:]}."
                 _described_everywhere(sub)
 
 
@@ -349,7 +351,7 @@ def _compare_parser(sub: Any) -> None:
         description="Baseline A against candidate B: rates, ratios and latency percentiles with their "
         "deltas, judged better/worse/same by direction and tolerance (totals shown, not judged), the "
         "verdicts, criteria, environment and config differences. Runs of different traces are refused "
-        "(--allow-unlike compares them anyway); a different length (over 10%%) or engine config is "
+        "(--allow-unlike compares them anyway); a different length (over 10%) or engine config is "
         "warned of on the first lines.",
         epilog="exit codes: 0 compared; 1 with --fail-on-regression, a metric worse by more than PCT% "
         "or runs of different traces; 2 bad arguments, an unreadable run, or runs of different traces "

@@ -337,6 +337,7 @@ def test_every_subcommand_has_a_description() -> None:
     found = walk(build_parser(), "soakd")
     assert len(found) > 15  # run, report, compare, matrix, check, trace ..., telemetry record, model ...
     assert [p for p, d in found if not d] == []
+    assert [p for p, d in found if d and "%%" in d] == []  # descriptions are not %-formatted
     run = dict(found)["soakd run"]
     assert run is not None and "report.html" in run
     # A subcommand without its own description gets its one-line help, as a sentence.
