@@ -109,6 +109,20 @@ def _log_level_everywhere(parser: argparse.ArgumentParser) -> None:
                 _log_level_everywhere(sub)
 
 
+def _described_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's `--help` opens with a description: its own where it has one, else the line
+    the list of subcommands shows for it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                sub = action.choices[choice.dest]
+                if sub.description is None and choice.help:
+                    # A help line is %-formatted by argparse, a description is not.
+                    text = choice.help.replace("%%", "%")
+                    sub.description = f"{text[0].upper()}{text[1:]}."
+                _described_everywhere(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="soakd",
@@ -135,11 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
     _trace_parser(sub)
     _tools_parsers(sub)
     _log_level_everywhere(p)
+    _described_everywhere(p)
     return p
 
 
 def _run_parser(sub: Any) -> None:
-    run = sub.add_parser("run", help="replay a trace through the engine and judge the result")
+    run = sub.add_parser(
+        "run",
+        help="replay a trace through the engine and judge the result",
+        description="Start the engine (or attach to a server with --target), send the trace's requests "
+        "on its clock for run.duration while the collectors record GPU, host and engine telemetry, then "
+        "judge the criteria: verdict.json, summary.json, meta.json and the sign-off report.html in a new "
+        "run folder under run.output_dir.",
+    )
     run.add_argument("--config", type=Path, help="config file (default: built-in defaults)")
     run.add_argument("--trace", help="trace file (overrides trace.path)")
     run.add_argument("--duration", help="how long to replay, e.g. 10m, 8h (overrides run.duration)")
@@ -163,7 +185,12 @@ def _run_parser(sub: Any) -> None:
 
 
 def _report_parser(sub: Any) -> None:
-    rep = sub.add_parser("report", help="a finished run's verdict and its sign-off report")
+    rep = sub.add_parser(
+        "report",
+        help="a finished run's verdict and its sign-off report",
+        description="Show a finished run's verdict and write its sign-off report (report.html and "
+        "report.json in the run folder), from its spool or InfluxDB; --rejudge judges it again.",
+    )
     rep.add_argument("run", help="run directory or run id")
     rep.add_argument(
         "--config",
@@ -203,7 +230,12 @@ def _report_parser(sub: Any) -> None:
 
 
 def _check_parser(sub: Any) -> None:
-    chk = sub.add_parser("check", help="validate the config and say what soakd would connect to")
+    chk = sub.add_parser(
+        "check",
+        help="validate the config and say what soakd would connect to",
+        description="Validate the config and the trace, and say what a run would use and whether each "
+        "answers: the model, vLLM, the GPUs NVML sees, InfluxDB (exit 1 when one does not).",
+    )
     chk.add_argument("--config", type=Path)
     chk.add_argument("--trace")
     _engine_flags(chk)
@@ -316,8 +348,14 @@ def _compare_parser(sub: Any) -> None:
     cmp = sub.add_parser(
         "compare",
         help="two runs side by side: metrics with deltas, verdicts, environment",
+        description="Baseline A against candidate B: rates, ratios and latency percentiles with their "
+        "deltas, judged better/worse/same by direction and tolerance (totals shown, not judged), the "
+        "verdicts, criteria, environment and config differences. Runs of different traces are refused "
+        "(--allow-unlike compares them anyway); a different length (over 10%) or engine config is "
+        "warned of on the first lines.",
         epilog="exit codes: 0 compared; 1 with --fail-on-regression, a metric worse by more than PCT% "
-        "or runs of different traces; 2 bad arguments or an unreadable run",
+        "or runs of different traces; 2 bad arguments, an unreadable run, or runs of different traces "
+        "without --allow-unlike",
     )
     cmp.add_argument("run_a", metavar="RUN_A", help="baseline: run directory or run id")
     cmp.add_argument("run_b", metavar="RUN_B", help="candidate: run directory or run id")
@@ -331,7 +369,12 @@ def _compare_parser(sub: Any) -> None:
         metavar="PCT",
         help="exit 1 if any metric is worse than A by more than PCT%% (or the runs are not comparable)",
     )
-    cmp.add_argument("--json", action="store_true")
+    cmp.add_argument(
+        "--allow-unlike",
+        action="store_true",
+        help="compare runs of different (or unknown) traces anyway, under a NOT COMPARABLE line",
+    )
+    cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON document")
 
 
 def _matrix_parser(sub: Any) -> None:
@@ -435,18 +478,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
     soak = Soak(cfg, progress=progress.update, resume=args.resume)
     try:
         result = asyncio.run(soak.run())
+        progress.finish(result.summary)
     finally:
         progress.close()
         console.restore()
+    report = None
     if cfg.run.report and result.stopped_by != "SIGTERM":
         from soakd.report.finished import report_after_run
 
-        report_after_run(result.run_dir)
+        report = report_after_run(result.run_dir)
     if args.json:
         doc = {**result.summary, "verdict_detail": result.verdict.to_dict(), "run_dir": str(result.run_dir)}
         print(json_text(doc, indent=2, default=str))
     else:
-        _print_summary(result.summary, result.run_dir)
+        _print_summary(result.summary, result.run_dir, report)
         print("\n".join(result.verdict.lines()))
     if result.error:
         # The verdict is written (FAIL), but the run did not end normally: not a plain FAIL.
@@ -459,20 +504,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return result.verdict.exit_code
 
 
-def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:
+def _print_summary(summary: dict[str, Any], run_dir: Path, report: Path | None = None) -> None:
+    from soakd.progress import summary_tokens_per_s
+
     # The whole run (across resumed processes) where the summary has it; older summaries: the replayer's.
     req = summary.get("requests") or summary["replay"]
-    ran = max(float(summary["ran_s"]), 1e-9)
     lost = int(req.get("lost_in_flight") or 0)
     print(f"run {summary['run_id']} -> {run_dir}")
     lost_note = f" ({lost} lost in flight at restarts)" if lost else ""
     print(
         f"  requests: {req['scheduled']} scheduled, {req['completed']} completed, "
         f"{req['failed']} failed{lost_note}, {req['shed']} shed; "
-        f"{req['output_tokens']} output tokens ({req['output_tokens'] / ran:.1f} tok/s)"
+        f"{req['output_tokens']} output tokens ({summary_tokens_per_s(summary):.1f} tok/s)"
     )
     for line in _latency_lines(req):
         print(line)
+    if report is not None:
+        print(f"  report: {report}")
     outside = summary.get("outside_trace") or {}
     extra = [
         f"{n} {what}"
@@ -646,6 +694,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     base = _load_config(args.config, {})
     out_dir = base.resolve(base.run.output_dir)
     comp = compare_runs(find_run(args.run_a, out_dir), find_run(args.run_b, out_dir), args.tolerance)
+    if not comp.comparable and not args.allow_unlike:
+        # Deltas over different traffic would read as the change's doing: no table unless asked for.
+        why = comp.warnings[0].removeprefix("NOT COMPARABLE: ")
+        raise UsageError(f"not compared: {why}; --allow-unlike compares them anyway")
     if args.json:
         print(json_text(comp.to_dict(), indent=2, default=str))
     else:

@@ -8,6 +8,7 @@ Over 500 lines because every section and its bounds are here, one class each: th
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -605,7 +606,7 @@ def load(
         key = ".".join(loc) if loc else "(top level)"
         file, line = _blame(source, text, loc, overridden)
         line = _item_line(text, line, first.get("input")) if file is not None else line
-        raise ConfigError(_reason(first), file=file, line=line, key=key) from None
+        raise ConfigError(_reason(first, Config), file=file, line=line, key=key) from None
     if cfg.replay.end and cfg.replay.end <= cfg.replay.start:
         file, line = _blame(source, text, ["replay", "end"], overridden)
         raise ConfigError(
@@ -645,14 +646,41 @@ def _item_line(text: str, line: int | None, value: object) -> int | None:
     return line
 
 
-def _reason(error: Any) -> str:
+def _reason(error: Any, model: type[BaseModel] | None = None) -> str:
+    """An error's one-line reason; an unknown key of `model` (the root its location starts at) with the
+    closest known key at that place, for a typo."""
     kind = error["type"]
     if kind == "extra_forbidden":
-        return "unknown key"
+        loc = [str(x) for x in error["loc"] if not isinstance(x, int)]
+        known = _known_keys(model, loc[:-1]) if model is not None and loc else []
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6) if loc else []
+        return f"unknown key (did you mean {close[0]!r}?)" if close else "unknown key"
     msg = str(error["msg"])
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     return msg[:1].lower() + msg[1:]
+
+
+def _known_keys(model: type[BaseModel], path: Sequence[str]) -> list[str]:
+    """The keys a table at `path` under `model` may hold (none when the path leads to no model)."""
+    node: Any = model
+    for key in path:
+        field = node.model_fields.get(key) if isinstance(node, type) and issubclass(node, BaseModel) else None
+        if field is None:
+            return []
+        node = _model_in(field.annotation)
+    return list(node.model_fields) if isinstance(node, type) and issubclass(node, BaseModel) else []
+
+
+def _model_in(annotation: Any) -> Any:
+    """The model a field holds, through lists, optionals and Annotated; None if it holds none."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 def _key_path(data: Any, loc: Sequence[int | str]) -> list[str]:

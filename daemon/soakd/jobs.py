@@ -4,6 +4,7 @@ the fixed-rate tickers beside them, as one part that starts with the run and sto
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -37,6 +38,50 @@ from soakd.ticker import Ticker
 log = structlog.get_logger(__name__)
 
 ProgressFn = Callable[[float, float, ReplayStats], None]
+
+# APScheduler's own lines go through this logger, less its line per skipped run (SkipLog says those).
+_SCHEDULER_LOG = logging.getLogger("apscheduler.scheduler.soakd")
+_SCHEDULER_LOG.addFilter(lambda record: not str(record.msg).startswith('Execution of job "%s" skipped'))
+SKIP_SAY_EVERY_S = 60.0
+
+
+class SkipLog:
+    """Runs of a job skipped because its previous run was still running (APScheduler's max_instances):
+    counted per job and said at most once per `every_s` per job, with how many since, rather than one
+    line per skip (a busy loop skips a 1 s job every second, flooding the journal)."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, every_s: float = SKIP_SAY_EVERY_S
+    ) -> None:
+        self.skipped: dict[str, int] = {}
+        self._clock = clock
+        self._every_s = every_s
+        self._unsaid: dict[str, int] = {}
+        self._said_at: dict[str, float] = {}
+
+    def add(self, job: str) -> None:
+        self.skipped[job] = self.skipped.get(job, 0) + 1
+        self._unsaid[job] = self._unsaid.get(job, 0) + 1
+        now = self._clock()
+        last = self._said_at.get(job)
+        if last is None or now - last >= self._every_s:
+            self._say(job, now)
+
+    def flush(self) -> None:
+        """Say what is not said yet (the run ends): no skip goes unsaid."""
+        for job in list(self._unsaid):
+            self._say(job, self._clock())
+
+    def _say(self, job: str, now: float) -> None:
+        log.warning(
+            "job_skipped",
+            job=job,
+            skipped=self._unsaid.pop(job),
+            total=self.skipped[job],
+            reason="its previous run was still running",
+            said_at_most_every_s=self._every_s,
+        )
+        self._said_at[job] = now
 
 
 class Jobs:
@@ -79,10 +124,12 @@ class Jobs:
         self._progress = progress
         self.missed = 0
         self.errors = 0
+        self.skips = SkipLog()
         self.last_collect = time.monotonic()
         self._sync: asyncio.Future[None] | None = None
         self.scheduler = AsyncIOScheduler(
-            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30}
+            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30},
+            logger=_SCHEDULER_LOG,
         )
         self.scheduler.add_listener(
             self._on_job_event, EVENT_JOB_MISSED | EVENT_JOB_ERROR | EVENT_JOB_MAX_INSTANCES
@@ -94,6 +141,8 @@ class Jobs:
             # Missed, or skipped because the previous run still ran (a slow tier outlasting its
             # interval): either way a run that did not happen.
             self.missed += 1
+            if event.code == EVENT_JOB_MAX_INSTANCES:
+                self.skips.add(event.job_id)
         else:
             self.errors += 1
             log.error("job_failed", job=event.job_id, error=repr(getattr(event, "exception", None)))
@@ -138,6 +187,7 @@ class Jobs:
             self._runner.run_once()
         finally:
             self.scheduler.shutdown(wait=False)
+            self.skips.flush()
             for ticker in self.tickers:
                 ticker.stop()
             if self._sync is not None:
@@ -145,7 +195,7 @@ class Jobs:
 
     def summary(self) -> Mapping[str, Any]:
         return {
-            "scheduler": {"missed": self.missed, "errors": self.errors},
+            "scheduler": {"missed": self.missed, "errors": self.errors, "skipped": dict(self.skips.skipped)},
             "tickers": {
                 t.name: {"runs": t.runs, "missed": t.missed, "errors": t.errors} for t in self.tickers
             },

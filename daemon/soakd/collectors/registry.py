@@ -115,6 +115,8 @@ def _gpu(b: Build) -> Sequence[Collector]:
         if gpu.count == 0:
             # Said once, then the soak runs on with host and engine telemetry.
             log.warning("gpu_telemetry_off", reason=gpu.reason or "no GPU found")
+            # meta.json says so, and the report then says why it shows no GPU.
+            b.gpu_meta = {"source": "none", "reason": gpu.reason or "no GPU found", "devices": []}
             return []
         import pynvml
 

@@ -1,8 +1,11 @@
 """Compare two finished runs: their metrics side by side with deltas, verdicts, criteria and environments.
 
 Run A is the baseline, run B the candidate. A metric's delta is judged by its direction (latency and
-memory: lower is better; throughput and hit rates: higher is better; counts of what happened, like
-requests or duration, have none) and a tolerance, so that run-to-run noise reads as "same".
+memory: lower is better; throughput and hit rates: higher is better) and a tolerance, so that
+run-to-run noise reads as "same". Totals (requests, tokens, errors, restarts) grow with a run's length:
+they are shown but never judged; their rates and ratios are. Before any figure, the runs' likeness:
+different traces make the comparison meaningless (the CLI refuses it unless told otherwise), a
+different length or engine config is warned of on the first lines.
 """
 
 from __future__ import annotations
@@ -14,55 +17,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 from soakd.redact import redacted
+from soakd.report.metric_kinds import EXACT, RANK, Direction, direction, is_total, with_rates
 from soakd.report.runs import load_metrics, read_json
 from soakd.rundir import META_FILE, VERDICT_FILE
 
-Direction = Literal["lower", "higher", "none"]
 Status = Literal["better", "worse", "same", "changed", "n/a"]
 
 DEFAULT_TOLERANCE_PCT = 5.0
 ZERO_NOISE = 1e-3
 
-# Names whose better side is not readable off their form (see `direction`).
-_HIGHER = {
-    "tokens_per_s",
-    "requests_per_s",
-    "completed_ratio",
-    "graph_hit_rate",
-    "spec_acceptance",
-    "min(spec_acceptance)",
-    "prefix_hit_rate",
-    "min(sm_clock_ratio)",
-}
-_LOWER = {
-    "errors",
-    "error_rate",
-    "shed",
-    "throttle_time_pct",
-    "host_throttle_time_pct",
-    "throttle_episodes",
-    "max(temp_c)",
-    "fragmentation_growth",
-    "engine_restarts",
-    "interruptions",
-    "lost_in_flight",
-    "soakd_cpu_pct",
-    "harness_saturated_s",
-}
+# Replayed durations further apart than this (percent of A's) are warned of.
+LENGTH_TOLERANCE_PCT = 10.0
 # Differences in these config keys are expected between any two runs and say nothing about them.
 _CONFIG_NOISE = {"run.name", "run.output_dir", "run.host"}
-
-
-def direction(name: str) -> Direction:
-    """Which way is better for a metric of the criteria language's names (judge.metrics); counts of
-    what the trace or the controller made happen (requests, output_tokens, replay_s, engine_rebuilds,
-    recaptures) have no better side."""
-    if name in _HIGHER:
-        return "higher"
-    # Latency distributions (p50(ttft_ms), max(e2e_ms), ...) and peaks of memory.
-    if name in _LOWER or name.startswith("peak_") or name.endswith("_ms)"):
-        return "lower"
-    return "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,42 +51,11 @@ class MetricDelta:
         return math.inf if self.rel is None else abs(self.rel) * 100.0
 
 
-# The table's order: what a reviewer reads first (throughput, latency, outcome), then the rest by name
-# (verdict.json keeps its metrics sorted by name, which would put `completed` first).
-_ORDER = [
-    "tokens_per_s",
-    "requests_per_s",
-    *(
-        f"{q}({d})"
-        for d in ("ttft_ms", "tpot_ms", "e2e_ms", "lateness_ms")
-        for q in ("p50", "p90", "p99", "max")
-    ),
-    "requests",
-    "completed",
-    "errors",
-    "shed",
-    "error_rate",
-    "completed_ratio",
-    "spec_acceptance",
-    "min(spec_acceptance)",
-    "graph_hit_rate",
-    "prefix_hit_rate",
-    "peak_gpu_mem_bytes",
-    "peak_engine_rss_bytes",
-    "peak_allocator_reserved_bytes",
-    "soakd_cpu_pct",
-    "fragmentation_growth",
-    "throttle_time_pct",
-    "host_throttle_time_pct",
-]
-_RANK = {name: i for i, name in enumerate(_ORDER)}
-
-
 def compare_metrics(
     a: dict[str, float | None], b: dict[str, float | None], tolerance_pct: float = DEFAULT_TOLERANCE_PCT
 ) -> list[MetricDelta]:
     """Deltas of every metric either side has: the main ones first, then the rest by name."""
-    names = sorted(set(a) | set(b), key=lambda n: (_RANK.get(n, len(_RANK)), n))
+    names = sorted(set(a) | set(b), key=lambda n: (RANK.get(n, len(RANK)), n))
     return [_delta(n, a.get(n), b.get(n), tolerance_pct) for n in names]
 
 
@@ -130,9 +66,11 @@ def _delta(name: str, a: float | None, b: float | None, tolerance_pct: float) ->
     delta = b - a
     rel = delta / abs(a) if a != 0 else (0.0 if delta == 0 else None)
     # Within the tolerance (relative to A) is noise, and so is a change of at most ZERO_NOISE in the
-    # metric's unit (ms, ratio, %, count, byte) around zero: 0 -> 1 error is a change, a fragmentation
-    # growth of -5e-5 -> 0 (+100 %) is not.
-    if (rel is not None and abs(rel) * 100.0 <= tolerance_pct) or abs(delta) <= ZERO_NOISE:
+    # metric's unit (ms, ratio, %, count, byte) around zero: a fragmentation growth of -5e-5 -> 0
+    # (+100 %) is not a change. Ratios of counts (EXACT) have no such floor: an error rate of 0 -> 1e-4
+    # is one error in 10,000 requests.
+    floor = 0.0 if name in EXACT else ZERO_NOISE
+    if (rel is not None and abs(rel) * 100.0 <= tolerance_pct) or abs(delta) <= floor:
         return MetricDelta(name, a, b, delta, rel, way, "same")
     if way == "none":
         return MetricDelta(name, a, b, delta, rel, way, "changed")
@@ -150,6 +88,8 @@ class RunSide:
     """PASS, FAIL, or "not judged" (no verdict.json: `soakd report` writes one)."""
     criteria: dict[str, dict[str, Any]]
     meta: dict[str, Any] = field(repr=False)
+    ran_s: float | None = None
+    """How long the replay ran (verdict.json's `ran_s`), None when unknown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +124,13 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         def side(s: RunSide) -> dict[str, Any]:
-            return {"run_dir": s.run_dir, "run_id": s.run_id, "verdict": s.verdict, "criteria": s.criteria}
+            return {
+                "run_dir": s.run_dir,
+                "run_id": s.run_id,
+                "verdict": s.verdict,
+                "ran_s": s.ran_s,
+                "criteria": s.criteria,
+            }
 
         return {
             "a": side(self.a),
@@ -210,12 +156,14 @@ def read_side(run_dir: Path) -> RunSide:
         for c in verdict.get("criteria", [])
         if isinstance(c, dict) and "name" in c
     }
+    ran_s = verdict.get("ran_s")
     return RunSide(
         run_dir=str(run_dir),
         run_id=str(meta.get("run_id") or verdict.get("run_id") or run_dir.name),
         verdict=str(verdict.get("verdict", "not judged")),
         criteria=criteria,
         meta=meta,
+        ran_s=float(ran_s) if isinstance(ran_s, int | float) and math.isfinite(ran_s) else None,
     )
 
 
@@ -280,18 +228,51 @@ def trace_warning(sha_a: Any, sha_b: Any) -> str | None:
     return None
 
 
+def length_warning(a_s: float | None, b_s: float | None) -> str | None:
+    """The line for runs whose replays differ in length by more than LENGTH_TOLERANCE_PCT of A's."""
+    if not a_s or b_s is None:
+        return None
+    rel = (b_s - a_s) / a_s
+    if abs(rel) * 100.0 <= LENGTH_TOLERANCE_PCT:
+        return None
+    return (
+        f"DIFFERENT LENGTHS: A replayed {a_s:,.0f} s, B {b_s:,.0f} s ({rel * 100:+.0f} %, beyond "
+        f"{LENGTH_TOLERANCE_PCT:g} %): a short run's tails and peaks are not a long one's; "
+        "totals are not judged"
+    )
+
+
+def engine_warning(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> str | None:
+    """The line for runs whose engine sections differ (the keys named; the values are in the config
+    differences), or, without a recorded config, whose engine config ids differ."""
+    a = _flatten(redacted(_get(meta_a, "config", "engine") or {}), "engine")
+    b = _flatten(redacted(_get(meta_b, "config", "engine") or {}), "engine")
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if not keys and not (a and b):
+        ida, idb = _get(meta_a, "engine", "config_id"), _get(meta_b, "engine", "config_id")
+        keys = ["engine config id"] if ida and idb and ida != idb else []
+    if not keys:
+        return None
+    shown = ", ".join(keys[:6]) + (f" and {len(keys) - 6} more" if len(keys) > 6 else "")
+    return f"DIFFERENT ENGINE CONFIG: {shown} (values under config differences)"
+
+
 def compare_runs(a_dir: Path, b_dir: Path, tolerance_pct: float = DEFAULT_TOLERANCE_PCT) -> Comparison:
     """Baseline A against candidate B, from their run directories."""
     a, b = read_side(a_dir), read_side(b_dir)
-    metrics = compare_metrics(load_metrics(a_dir), load_metrics(b_dir), tolerance_pct)
+    ma, mb = with_rates(load_metrics(a_dir)), with_rates(load_metrics(b_dir))
+    metrics = compare_metrics(ma, mb, tolerance_pct)
     names = list(a.criteria) + [n for n in b.criteria if n not in a.criteria]
     criteria = [(n, a.criteria.get(n), b.criteria.get(n)) for n in names]
     env_a, env_b = environment(a.meta), environment(b.meta)
     env = [EnvItem(k, env_a[k], env_b[k]) for k in env_a]
-    warnings = []
+    # Most serious first: the first line a reader sees is why the figures below may not be like for like.
     trace = trace_warning(env_a["trace sha256"], env_b["trace sha256"])
-    if trace:
-        warnings.append(trace)
+    length = length_warning(
+        a.ran_s if a.ran_s is not None else ma.get("duration_s") or ma.get("replay_s"),
+        b.ran_s if b.ran_s is not None else mb.get("duration_s") or mb.get("replay_s"),
+    )
+    warnings = [w for w in (trace, length, engine_warning(a.meta, b.meta)) if w]
     for key in ("model", "vLLM version", "platform", "GPU"):
         if env_a[key] is not None and env_b[key] is not None and env_a[key] != env_b[key]:
             warnings.append(f"different {key}: {env_a[key]} vs {env_b[key]}")
@@ -314,7 +295,7 @@ def fmt_value(name: str, value: float | None) -> str:
         return "-"
     if name.endswith("_bytes"):
         return fmt_bytes(value)
-    if name.endswith("_ms)") or name in ("tokens_per_s", "requests_per_s", "replay_s"):
+    if name.endswith(("_ms)", "_per_s", "_per_h", "_pct")) or name == "replay_s":
         return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
     if float(value).is_integer():
         return f"{value:,.0f}"
@@ -365,8 +346,10 @@ def lines(comp: Comparison) -> list[str]:
         delta = "-" if m.delta is None else fmt_value(m.name, m.delta)
         if m.delta is not None and m.delta > 0:
             delta = "+" + delta
+        # A total's change is the runs' lengths as much as anything: said, so nobody reads it as a finding.
+        status = f"{m.status} (total)" if is_total(m.name) and m.status == "changed" else m.status
         rows.append(
-            [m.name, fmt_value(m.name, m.a), fmt_value(m.name, m.b), delta, fmt_rel(m.rel, m.delta), m.status]
+            [m.name, fmt_value(m.name, m.a), fmt_value(m.name, m.b), delta, fmt_rel(m.rel, m.delta), status]
         )
     out += _table(rows)
     if comp.criteria:

@@ -102,9 +102,10 @@ def write_sign_off(
     write_report(doc, html, json_path)
 
 
-def report_after_run(run_dir: Path) -> None:
-    """The sign-off report of a run that just ended, from its spool and the verdict it wrote. The engine
-    is stopped by now; a report that cannot be made is logged and leaves the exit code alone."""
+def report_after_run(run_dir: Path) -> Path | None:
+    """The sign-off report of a run that just ended, from its spool and the verdict it wrote; its path,
+    or None when it could not be made (logged: the exit code is left alone). The engine is stopped by
+    now."""
     t0 = time.monotonic()
     try:
         meta = read_json(run_dir / META_FILE)
@@ -116,5 +117,6 @@ def report_after_run(run_dir: Path) -> None:
         write_report(doc, run_dir / REPORT_HTML, run_dir / REPORT_JSON)
     except Exception as err:  # noqa: BLE001 - the run is judged already; the report is an extra
         log.error("report_not_written", run_dir=str(run_dir), error=f"{type(err).__name__}: {err}"[:300])
-        return
+        return None
     log.info("report_written", path=str(run_dir / REPORT_HTML), seconds=round(time.monotonic() - t0, 2))
+    return run_dir / REPORT_HTML

@@ -114,12 +114,23 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
     saturated = m.get("harness_saturated_s")
     behind = isinstance(late, int | float) and late > LATE_P99_MS
     if behind or (isinstance(saturated, int | float) and saturated > 0):
+        # Framed red only when a criterion on it failed: a note on a PASS must not look like the FAIL.
+        judged = _judged_by(verdict, ("lateness", "harness_saturated"))
+        failed = [c for c in judged if not c.get("passed")]
+        judgement = (
+            f"; failed {', '.join(str(c.get('name')) for c in failed)}"
+            if failed
+            else f"; within {', '.join(str(c.get('name')) for c in judged)}"
+            if judged
+            else "; no criterion of this run judges it"
+        )
         add(
             "replay lateness",
             f"p99 {human(late)} ms",
             "requests went out this late against the trace's schedule (held back by replay.max_pending, "
-            f"or soakd's loop busy {human(saturated or 0.0)} s): the load was lighter than the trace's",
-            warn=True,
+            f"or soakd's loop busy {human(saturated or 0.0)} s): the load was lighter than the trace's"
+            + judgement,
+            warn=bool(failed),
         )
     return out
 
@@ -144,6 +155,16 @@ def _latency(m: Mapping[str, Any], add: Any) -> None:
             "offered, outside the server's view",
             warn=True,
         )
+
+
+def _judged_by(verdict: Mapping[str, Any], words: tuple[str, ...]) -> list[Mapping[str, Any]]:
+    """The verdict's criteria whose name or expression mentions any of `words`."""
+    found = verdict.get("criteria")
+    return [
+        c
+        for c in (found if isinstance(found, list) else [])
+        if isinstance(c, Mapping) and any(w in f"{c.get('name')} {c.get('expr') or ''}" for w in words)
+    ]
 
 
 def _goodput(control: Mapping[str, Any] | None) -> float | None:

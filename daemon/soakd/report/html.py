@@ -81,7 +81,10 @@ def _gpu_rows(
     """The GPUs: meta.json's facts (driver, each device), then what the GPU series say."""
     gpu_meta = meta.get("gpu") if isinstance(meta.get("gpu"), Mapping) else None
     gpu: list[tuple[str, Any]] = []
-    if gpu_meta is not None:
+    collectors = _get(cfg, "telemetry.collectors")
+    if gpu_meta is not None and gpu_meta.get("source") == "none":
+        gpu.append(("GPU", f"none: {gpu_meta.get('reason') or 'no GPU found'} (GPU telemetry was off)"))
+    elif gpu_meta is not None:
         assert isinstance(gpu_meta, Mapping)
         gpu.append(("driver", gpu_meta.get("driver")))
         gpu.append(("CUDA (driver)", gpu_meta.get("cuda_driver")))
@@ -97,6 +100,12 @@ def _gpu_rows(
                 if dev.get("power_limit_mw"):
                     facts.append(f"power limit {dev['power_limit_mw'] / 1000:g} W")
                 gpu.append((f"GPU {i}", ", ".join(facts)))
+    elif (
+        isinstance(collectors, list) and "gpu" not in collectors and not _get(cfg, "telemetry.gpu_recording")
+    ):
+        gpu.append(("GPU", "not read: the gpu collector was off (telemetry.collectors)"))
+    elif _get(meta, "engine.details.platform") == "cpu":
+        gpu.append(("GPU", "none: the engine ran on the CPU platform"))
     else:
         gpu.append(("name, driver, CUDA", "not recorded in meta.json (runs before soakd wrote them)"))
     for g in data.get("gpus", []):
@@ -436,17 +445,17 @@ def render_html(doc: Mapping[str, Any]) -> str:
 
     data = doc["data"]
     plotter = _Plotter(data)
-    figures = []
+    # A panel without data is one entry of a single line, not a box of its own: on a CPU run most of
+    # the page would otherwise be "no data".
+    figures: list[dict[str, Any]] = []
+    missing: dict[str, list[dict[str, str]]] = {}
     for name in PANEL_ORDER:
         panel = data["panels"][name]
-        figures.append(
-            {
-                "id": name,
-                "title": panel["title"],
-                "why": panel["why"],
-                "svg": None if panel["why"] else plotter.panel(name, panel),
-            }
-        )
+        if panel["why"]:
+            # Grouped by why: a collector that was off is said once for all its panels.
+            missing.setdefault(panel["why"], []).append({"id": name, "title": panel["title"]})
+        else:
+            figures.append({"id": name, "title": panel["title"], "svg": plotter.panel(name, panel)})
     events = data.get("events", [])
     actions = data["panels"]["actions"]
     has_actions = any(e["kind"] in ACTION_KINDS for e in events)
@@ -469,6 +478,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
         has_expr=any("expr" in c for c in verdict.get("criteria", [])),
         requests=verdict.get("requests") or {},
         figures=figures,
+        missing=missing,
         actions_svg=plotter.actions(actions, events) if events else None,
         actions_note=None
         if has_actions

@@ -56,6 +56,15 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path: Path) -> Non
         ("[control.batch]\nfloor = 0\n", 2, "control.batch.floor", "greater than or equal to 1"),
         ("[control.batch]\nlever = 'magic'\n", 2, "control.batch.lever", "'admission'"),
         ("[nope]\nx = 1\n", 1, "nope", "unknown key"),
+        # A typo gets the closest key of its table, in lists of tables too; nothing close, nothing said.
+        ("[run]\ndurration = '10m'\n", 2, "run.durration", "unknown key (did you mean 'duration'?)"),
+        ("[replya]\nspeed = 2\n", 1, "replya", "unknown key (did you mean 'replay'?)"),
+        (
+            "[[engine.changes]]\nat = '5m'\nmax_num_seq = 3\n",
+            3,
+            "engine.changes.0.max_num_seq",
+            "unknown key (did you mean 'max_num_seqs'?)",
+        ),
     ],
 )
 def test_errors_name_file_line_and_key(tmp_path: Path, text: str, line: int, key: str, reason: str) -> None:
@@ -66,6 +75,7 @@ def test_errors_name_file_line_and_key(tmp_path: Path, text: str, line: int, key
     assert err.line == line
     assert err.key == key
     assert reason in err.reason
+    assert reason != "unknown key" or err.reason == reason  # "bogus", "nope": no guess
     assert str(err).startswith(f"{path}:{line}: {key}: ")
     assert "\n" not in str(err)
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from soakd.cli import main
-from soakd.report.compare import compare_metrics, compare_runs, direction, lines
+from soakd.report.compare import compare_metrics, compare_runs, lines
+from soakd.report.metric_kinds import RATES, direction
 from soakd.testing import recorded_run_dir
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "h200"
@@ -25,6 +26,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_same_trace_runs_side_by_side_with_directions(runs: dict[str, Path]) -> None:
     comp = compare_runs(runs["server"], runs["rebuild"])
     assert comp.comparable and not any("NOT COMPARABLE" in w for w in comp.warnings)
+    # Same trace, but 40 s against 80 s of replay and another engine: said before any figure.
+    text = lines(comp)
+    assert text[0] == (
+        "!! DIFFERENT LENGTHS: A replayed 40 s, B 80 s (+101 %, beyond 10 %): a short run's tails and "
+        "peaks are not a long one's; totals are not judged"
+    )
+    assert text[1].startswith("!! DIFFERENT ENGINE CONFIG: engine.") and "engine.kind" in text[1]
     by = {m.name: m for m in comp.metrics}
     # The rebuild stalled requests for 37 s: TTFT p99 869 ms -> 38.8 s.
     ttft = by["p99(ttft_ms)"]
@@ -61,6 +69,7 @@ def test_same_trace_runs_side_by_side_with_directions(runs: dict[str, Path]) -> 
 
 
 def test_different_traces_are_flagged_not_comparable(runs: dict[str, Path]) -> None:
+    # The API still compares them (the CLI refuses without --allow-unlike), the trace line first.
     comp = compare_runs(runs["soak"], runs["server"])
     assert not comp.comparable
     text = lines(comp)
@@ -87,22 +96,27 @@ def test_a_different_gpu_is_named(runs: dict[str, Path], tmp_path: Path) -> None
 
 
 def test_tolerance_and_zero_baselines() -> None:
-    a = {"p99(ttft_ms)": 100.0, "tokens_per_s": 50.0, "errors": 0.0, "graph_hit_rate": None, "requests": 10.0}
-    b = {"p99(ttft_ms)": 104.0, "tokens_per_s": 60.0, "errors": 2.0, "graph_hit_rate": 0.9, "requests": 10.0}
+    a = {"p99(ttft_ms)": 100.0, "tokens_per_s": 50.0, "error_rate": 0.0, "graph_hit_rate": None}
+    b = {"p99(ttft_ms)": 104.0, "tokens_per_s": 60.0, "error_rate": 1e-4, "graph_hit_rate": 0.9}
+    a["requests"] = b["requests"] = 10.0
     by = {m.name: m for m in compare_metrics(a, b, tolerance_pct=5.0)}
     assert by["p99(ttft_ms)"].status == "same"
     assert by["tokens_per_s"].status == "better" and by["tokens_per_s"].rel == pytest.approx(0.2)
-    # From zero errors any error is worse, by more than any percentage.
+    # From no errors any error is worse, by more than any percentage: 1 in 10,000 is not rounding noise.
     assert (
-        by["errors"].status == "worse"
-        and by["errors"].rel is None
-        and by["errors"].worse_by_pct() == float("inf")
+        by["error_rate"].status == "worse"
+        and by["error_rate"].rel is None
+        and by["error_rate"].worse_by_pct() == float("inf")
     )
     assert by["graph_hit_rate"].status == "n/a" and by["requests"].status == "same"
     tight = {m.name: m for m in compare_metrics(a, b, tolerance_pct=1.0)}
     assert tight["p99(ttft_ms)"].status == "worse"
     assert direction("peak_gpu_mem_bytes") == "lower" and direction("min(spec_acceptance)") == "higher"
     assert direction("replay_s") == direction("output_tokens") == direction("recaptures") == "none"
+    # Totals are not judged, whatever their better side would be: their rates are.
+    assert direction("errors") == direction("engine_restarts") == direction("events(downscale)") == "none"
+    assert direction("engine_restarts_per_h") == direction("shed_ratio") == "lower"
+    assert {n: direction(n) for n in RATES if direction(n) == "none"} == {}  # every rate is judged
     assert direction("max(e2e_ms)") == direction("p90(lateness_ms)") == direction("max(temp_c)") == "lower"
 
 
@@ -124,10 +138,18 @@ def test_cli_text_json_and_exit_codes(
     assert main(["compare", str(runs["rebuild"]), str(runs["server"]), "--fail-on-regression", "50"]) == 1
     assert capsys.readouterr().err.count("regression:") == 1  # not fragmentation_growth -4.7e-5 -> 0
     capsys.readouterr()
-    # Different traces: a gate cannot pass on runs it cannot compare.
+    # Different traces: refused, one line, unless asked for; then a gate cannot pass on them.
     assert main(["compare", str(runs["soak"]), str(runs["soak"]), "--fail-on-regression", "10"]) == 0
-    assert main(["compare", str(runs["soak"]), str(runs["server"]), "--fail-on-regression", "1000000"]) == 1
-    assert "NOT COMPARABLE" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["compare", str(runs["soak"]), str(runs["server"])]) == 2
+    refused = capsys.readouterr()
+    assert refused.out == "" and refused.err.count("\n") == 1
+    assert refused.err.startswith("soakd: error: not compared: the runs replayed different traces (sha256 ")
+    assert refused.err.rstrip().endswith("--allow-unlike compares them anyway")
+    gate = ["--fail-on-regression", "1000000", "--allow-unlike"]
+    assert main(["compare", str(runs["soak"]), str(runs["server"]), *gate]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith("!! NOT COMPARABLE") and "NOT COMPARABLE" in captured.err
 
 
 @pytest.mark.parametrize(
@@ -163,3 +185,48 @@ def test_a_damaged_meta_is_bad_input(
     assert main(["compare", str(runs["server"]), str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"soakd: error: {bad / 'meta.json'}:1: not JSON")
+
+
+def _with_metrics(src: Path, dst: Path, ran_s: float, metrics: dict[str, float]) -> Path:
+    """A copy of a recorded run whose verdict.json says it replayed `ran_s` s and measured `metrics`."""
+    shutil.copytree(src, dst)
+    verdict = json.loads((dst / "verdict.json").read_text())
+    verdict.update(ran_s=ran_s, metrics=metrics)
+    (dst / "verdict.json").write_text(json.dumps(verdict))
+    return dst
+
+
+def test_runs_of_different_lengths_are_judged_by_rates(runs: dict[str, Path], tmp_path: Path) -> None:
+    def run(name: str, s: float, restarts: float, offered_p99: float) -> Path:
+        # The same load, 10 req/s and 1,000 tok/s with 1 % errors, for `s` seconds.
+        totals = {"requests": 10 * s, "errors": 0.1 * s, "output_tokens": 1000 * s, "input_tokens": 2000 * s}
+        rates = {"tokens_per_s": 1000.0, "requests_per_s": 10.0, "error_rate": 0.01, "p99(ttft_ms)": 400.0}
+        more = {
+            "replay_s": s,
+            "duration_s": s,
+            "engine_restarts": restarts,
+            "p99(ttft_offered_ms)": offered_p99,
+        }
+        return _with_metrics(runs["server"], tmp_path / name, s, {**totals, **rates, **more})
+
+    comp = compare_runs(run("long", 120.0, 2.0, 500.0), run("short", 30.0, 1.0, 510.0))
+    assert lines(comp)[0].startswith("!! DIFFERENT LENGTHS: A replayed 120 s, B 30 s (-75 %, beyond 10 %)")
+    by = {m.name: m for m in comp.metrics}
+    # Four times the totals in the long run: shown, not judged.
+    for total in ("requests", "errors", "output_tokens", "input_tokens", "engine_restarts"):
+        assert by[total].direction == "none" and by[total].status == "changed", total
+    # Their rates are judged: the same throughput and error rate, restarts 60/h -> 120/h.
+    assert by["input_tokens_per_s"].a == by["input_tokens_per_s"].b == pytest.approx(2000.0)
+    assert by["input_tokens_per_s"].direction == "higher"
+    assert by["input_tokens_per_s"].status == by["error_rate"].status == by["tokens_per_s"].status == "same"
+    restarts = by["engine_restarts_per_h"]
+    assert (restarts.a, restarts.b, restarts.status) == (pytest.approx(60.0), pytest.approx(120.0), "worse")
+    assert {m.name for m in comp.regressions(10.0)} == {"engine_restarts_per_h"}
+    # The latency as offered comes first when the runs have it.
+    assert comp.metrics[0].name == "p99(ttft_offered_ms)" and comp.metrics[0].status == "same"
+    assert comp.to_dict()["a"]["ran_s"] == 120.0
+    row = next(line for line in lines(comp) if line.startswith("requests "))
+    assert row.split() == ["requests", "1,200", "300", "-900", "-75.0%", "changed", "(total)"]
+    # Within 10 % of A's length is no warning.
+    near = compare_runs(tmp_path / "long", run("near", 110.0, 2.0, 500.0))
+    assert not any(w.startswith("DIFFERENT LENGTHS") for w in near.warnings)

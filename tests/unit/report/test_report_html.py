@@ -205,7 +205,36 @@ def test_an_expression_criterion_shows_its_expression_and_a_run_without_points_r
     doc = build_doc(Path("/nonexistent"), {"run_id": "r"}, verdict, SeriesBuilder().build({}), source="spool")
     page = render_html(doc)
     assert "<th>expression</th>" in page and "p99(ttft) / p50(ttft)" in page
-    assert page.count('<div class="nodata">no data (') == 12
+    # Panels without data are one line naming each and why, not a box each; no events is one line too.
+    assert "<figure" not in page and page.count('id="not-recorded"') == 1
+    line = page.split('id="not-recorded"', 1)[1].split("</p>", 1)[0]
+    assert line.count('<span id="plot-') == 11 and "SM clock" in line
+    assert "No events in this run." in page
+
+
+@pytest.mark.parametrize(
+    ("meta", "says"),
+    [
+        (
+            {"config": {"telemetry": {"collectors": ["host", "engine"]}}},
+            "not read: the gpu collector was off",
+        ),
+        (
+            {"config": {"telemetry": {"collectors": ["gpu"]}}, "gpu": {"source": "none", "reason": "no GPU"}},
+            "none: no GPU (GPU telemetry was off)",
+        ),
+        (
+            {"config": {"telemetry": {"collectors": ["gpu"]}}, "engine": {"details": {"platform": "cpu"}}},
+            "none: the engine ran on the CPU platform",
+        ),
+        ({"config": {"telemetry": {"collectors": ["gpu"]}}}, "not recorded in meta.json (runs before soakd"),
+    ],
+)
+def test_the_gpu_table_says_why_a_run_has_no_gpu(meta: dict[str, Any], says: str) -> None:
+    doc = build_doc(Path("/nonexistent"), meta, {"run_id": "r"}, SeriesBuilder().build({}), source="spool")
+    gpu = next(g["items"] for g in doc["environment"] if g["group"] == "GPU")
+    assert says in gpu[0][1]
+    assert gpu[-1] == ["GPU series", "none in this run"]
     assert doc["digest"]["files"] == []
 
 
@@ -328,3 +357,20 @@ def test_report_shows_the_recorded_verdict_and_judges_again_only_when_asked(
     assert main(["report", str(run), "--no-report", "--exit-code"]) == 1  # the verdict now on record
     out = capsys.readouterr().out
     assert out.count("FAIL  run") == 2
+
+
+def test_a_run_without_gpu_telemetry_draws_only_what_it_measured(tmp_path: Path) -> None:
+    from soakd.testing import recorded_run_dir
+
+    run = recorded_run_dir(tmp_path, "server", data=H200)
+    meta = json.loads((run / "meta.json").read_text())
+    meta["config"]["telemetry"]["collectors"] = ["host", "engine"]
+    (run / "meta.json").write_text(json.dumps(meta))
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    line = page.split('id="not-recorded"', 1)[1].split("</p>", 1)[0]
+    # The three GPU panels under one reason, said once; no box or figure for any of them.
+    off = "the gpu collector was not enabled (telemetry.collectors)"
+    assert line.count(off) == 1 and line.index("SM clock") < line.index("GPU temperature") < line.index(off)
+    assert 'id="plot-sm_clock" class="plot"' not in page and 'id="plot-throughput" class="plot"' in page
+    assert "not read: the gpu collector was off" in page

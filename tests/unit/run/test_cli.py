@@ -31,7 +31,7 @@ def test_bad_config_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     cfg.write_text('[run]\noutput_dir = "runs"\n[replay]\nspeeed = 2\n')
     code, _, err = run(["run", "--config", str(cfg)], capsys)
     assert code == 2
-    assert one_line_error(err) == f"soakd: error: {cfg}:4: replay.speeed: unknown key"
+    assert one_line_error(err) == f"soakd: error: {cfg}:4: replay.speeed: unknown key (did you mean 'speed'?)"
     assert not (tmp_path / "runs").exists()
 
 
@@ -319,3 +319,26 @@ def test_target_attaches_to_a_running_server() -> None:
     argv = ["run", "--target", "http://gpu-1:8000", "--model", "Qwen/Qwen3-8B"]
     _engine_overrides(build_parser().parse_args(argv), overrides)
     assert overrides["engine.served_model"] == "Qwen/Qwen3-8B" and "engine.model" not in overrides
+
+
+def test_every_subcommand_has_a_description() -> None:
+    import argparse
+
+    from soakd.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, str | None]]:
+        out = [(path, parser.description)]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    out += walk(sub, f"{path} {name}")
+        return out
+
+    found = walk(build_parser(), "soakd")
+    assert len(found) > 15  # run, report, compare, matrix, check, trace ..., telemetry record, model ...
+    assert [p for p, d in found if not d] == []
+    assert [p for p, d in found if d and "%%" in d] == []  # descriptions are not %-formatted
+    run = dict(found)["soakd run"]
+    assert run is not None and "report.html" in run
+    # A subcommand without its own description gets its one-line help, as a sentence.
+    assert dict(found)["soakd model tiny"] == "Build the tiny random-weight test model (no download)."

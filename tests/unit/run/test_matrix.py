@@ -212,7 +212,8 @@ def test_cli_bad_matrix_is_exit_2_with_nothing_written(
     m = _write(tmp_path / "m.toml", MATRIX.replace('max_num_seqs" = 2', 'max_num_seq" = 2'))
     assert main(["matrix", "--matrix", str(m), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err == f"soakd: error: {m}:20: engine.max_num_seq: variant '+broken': unknown key\n"
+    said = "unknown key (did you mean 'max_num_seqs'?)"
+    assert err == f"soakd: error: {m}:20: engine.max_num_seq: variant '+broken': {said}\n"
     assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
     (tmp_path / "out").mkdir()
     assert main(["matrix", "--out", str(tmp_path / "out")]) == 2

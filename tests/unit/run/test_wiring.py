@@ -97,3 +97,14 @@ def test_the_controller_sees_no_engine_between_engines_instead_of_an_error(tmp_p
     controller = make_controller(cfg, tmp_path, b.engine, [], b.engine_collector, drift, b.live, b.writer)
     assert controller is not None
     assert b.engine.alive() and controller.inputs.engine() is None  # supervised, no engine yet
+
+
+def test_no_gpu_is_written_down_for_meta_json(tmp_path: Path, monkeypatch: typing.Any) -> None:
+    from soakd.collectors import registry
+    from soakd.collectors.gpu import GpuProbe
+
+    monkeypatch.setattr(registry, "probe_nvml", lambda: GpuProbe(0, reason="NVML Shared Library Not Found"))
+    b = _build(tmp_path, ["gpu"])
+    assert build_collectors(b, "start") == []
+    # The report then says what is true of this run, not "runs before soakd wrote them".
+    assert b.gpu_meta == {"source": "none", "reason": "NVML Shared Library Not Found", "devices": []}
