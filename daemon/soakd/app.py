@@ -311,6 +311,8 @@ class Soak:
         or the run was stopped meanwhile (the reason is in `live`)."""
         cfg, live, b = self.cfg, self.live, parts.build
         engine, writer = b.engine, b.writer
+        if self.interrupted:
+            return None  # stopped before the start began: no engine is started for nothing
         # A task of its own, so a stop signal can cut it short (_on_signal cancels it).
         self._start_task = asyncio.ensure_future(engine.start())
         try:
@@ -323,7 +325,8 @@ class Soak:
             current = asyncio.current_task()
             if not live.interrupted or (current is not None and current.cancelling()):
                 raise  # this run itself is being cancelled, not stopped by a signal
-            writer.event("engine_error", f"engine start cut short by {live.stopped_by}")
+            # Not an engine_error (an alert): a stop is not a failure; run_end says it was stopped.
+            log.warning("engine_start_stopped", signal=live.stopped_by)
             return None
         finally:
             self._start_task = None

@@ -219,6 +219,21 @@ async def test_a_stop_during_engine_start_cuts_it_short(tmp_path: Path) -> None:
     assert "before the replay began" in result.verdict.lines()[1]
 
 
+async def test_a_stop_before_the_engine_start_starts_no_engine(tmp_path: Path) -> None:
+    engines: list[StubEngine] = []
+
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+        engines.append(StubEngine(collector))
+        return engines[-1]
+
+    soak = Soak(config(tmp_path), engine_factory=factory)
+    soak._on_signal("SIGHUP")  # the terminal closed while the run was being set up
+    result = await asyncio.wait_for(soak.run(), 20)
+    assert not any(e.started for e in engines)
+    assert result.stopped_by == "SIGHUP" and result.verdict.exit_code == 4
+    assert result.verdict.ending.replay_began is False and result.verdict.word == "FAIL"
+
+
 async def test_a_verdict_the_disk_refuses_is_claimed_nowhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
