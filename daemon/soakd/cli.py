@@ -17,10 +17,12 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 import structlog
@@ -451,7 +453,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if cfg.run.report and written and result.stopped_by not in ("SIGTERM", "SIGHUP"):
         from soakd.report.finished import report_after_run
 
-        report_after_run(result.run_dir)
+        # The run's loop, and its signal handlers, are gone: a stop now skips the report, and the exit
+        # code is still the one verdict.json records (not a KeyboardInterrupt's 130 or a default kill).
+        old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            report_after_run(result.run_dir)
+        except KeyboardInterrupt:
+            print("soakd: stopped while writing the report: `soakd report RUN` writes it", file=sys.stderr)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
     if args.json:
         detail = result.verdict.to_dict() if written else None
         doc = {**result.summary, "verdict_detail": detail, "run_dir": str(result.run_dir)}
@@ -474,6 +485,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # What verdict.json records: 3 ended early on its own; a stop's code (4; the systemd unit asks for
     # 0: a service stop is a clean end, a cancelled CI job must not look green); else 0 PASS / 1 FAIL.
     return result.verdict.exit_code
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path) -> None:

@@ -339,11 +339,13 @@ def test_judging_again_keeps_how_the_run_stopped(tmp_path: Path) -> None:
     summary.pop("interrupted", None)
     summary_path.write_text(json.dumps(summary))
     (run / "verdict.json").write_text(json.dumps({"verdict": "PASS", "exit_code": 0}))
-    assert main(["report", str(run), "--rejudge", "--no-report"]) == 0
+    assert main(["report", str(run), "--rejudge"]) == 0
     verdict = json.loads((run / "verdict.json").read_text())
     assert verdict["stopped_by"] == "SIGTERM" and verdict["exit_code"] == 0
     (duration,) = [c for c in verdict["criteria"] if c["name"] == "duration_completed_s"]
     assert duration["informational"] and duration["passed"]
+    page = (run / "report.html").read_text()  # the banner says it was stopped; the line is no PASS
+    assert "(stopped early by SIGTERM at " in page and ">info</td>" in page
     # An older summary says only `interrupted`: an operator's stop cannot be told from a failure, so it
     # is judged as ended early, as it was then.
     summary = {k: v for k, v in summary.items() if k not in ("stopped_early", "stopped_by", "replay_began")}
