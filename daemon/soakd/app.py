@@ -37,9 +37,10 @@ from soakd.collectors.prom import MetricsScraper
 from soakd.collectors.registry import build_collectors, find
 from soakd.config import Config, EngineConfig
 from soakd.engine.base import Engine, EngineInfo
-from soakd.errors import EngineError
+from soakd.errors import EXIT_ERROR, EXIT_STOPPED, EngineError
 from soakd.files import write_json_atomic
 from soakd.jobs import Jobs, ProgressFn
+from soakd.judge.criteria import Ending
 from soakd.judge.verdict import Verdict
 from soakd.lifecycle import Stack
 from soakd.live import LiveRun
@@ -90,6 +91,9 @@ class RunResult:
     """Why the run ended early on its own (engine failure, trace changed); the CLI exits 3."""
     stopped_by: str = ""
     """The signal that stopped the run early (SIGTERM: a service stop), or empty."""
+    verdict_error: str = ""
+    """Why verdict.json could not be written (a full disk), or empty: then nothing may claim the
+    verdict, and the CLI exits 3."""
 
 
 class Soak:
@@ -103,8 +107,10 @@ class Soak:
         clock: Clock | None = None,
         engine_factory: Callable[[Config, str, EngineCollector], Engine] | None = None,
         resume: bool = False,
+        stopped_exit_code: int = EXIT_STOPPED,
     ) -> None:
         self.cfg = cfg
+        self._stopped_code = stopped_exit_code
         self._progress = progress
         self._engine_factory = engine_factory or (
             lambda c, m, col: make_engine(c, m, col, log_dir=self.run_dir)
@@ -133,6 +139,8 @@ class Soak:
         self._journal_errors = 0
         self._warmup_sent = 0  # warm-up requests sent before the replay (not the trace's)
         self._stop_task: asyncio.Task[None] | None = None
+        self._start_task: asyncio.Task[None] | None = None
+        self._verdict_error = ""
         self._parts: RunParts | None = None
         self._t_start = time.monotonic()
         # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
@@ -198,9 +206,12 @@ class Soak:
         if live.replayer is not None:
             live.replayer.stop()
         elif not live.engine_started and live.checkpoint is not None:
-            # The engine's start cannot be cut short and may outlast the service manager's stop timeout:
-            # leave a verdict now (FAIL, stopped before replay); the normal end rewrites it if reached.
-            log.warning("stop_during_engine_start", hint="stopping once the engine is up")
+            # The engine's start (minutes for a GPU engine) is cut short: its processes are killed and
+            # the run ends with its verdict. One is left now too, in case the kill outlasts the service
+            # manager's stop timeout; the normal end rewrites it.
+            log.warning("stop_during_engine_start")
+            if self._start_task is not None:
+                self._start_task.cancel()
             _guard_sync("early_verdict", lambda: self._judge(live.offset_s))
 
     # -- the run ---------------------------------------------------------------------------------------
@@ -211,7 +222,9 @@ class Soak:
         bind(run_id=self.run_id, host=self.host)
         loop = asyncio.get_running_loop()
         # First of all: a stop at any later point is a stop (marked, never resumed), not a default kill.
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP (the terminal closed) as SIGTERM; the engine's processes never see SIGINT or SIGHUP
+        # (engine/vllm_local.py: TERMINAL_SIGNALS).
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self._on_signal, sig.name)
         self._open_run_dir()
@@ -258,8 +271,11 @@ class Soak:
         _guard_sync("summary", lambda: write_json_atomic(self.run_dir / SUMMARY_FILE, summary_doc))
         if self._stop_task is not None:
             self._stop_task.cancel()
-        notify(f"STATUS=done: {verdict.word}" + (f" (error: {live.error})" if live.error else ""))
-        return RunResult(self.run_id, self.run_dir, verdict, summary_doc, live.error, live.stopped_by)
+        word = verdict.word if not self._verdict_error else "verdict not written"
+        notify(f"STATUS=done: {word}" + (f" (error: {live.error})" if live.error else ""))
+        return RunResult(
+            self.run_id, self.run_dir, verdict, summary_doc, live.error, live.stopped_by, self._verdict_error
+        )
 
     def _open_run_dir(self) -> None:
         if self._resume_from is not None:
@@ -295,12 +311,25 @@ class Soak:
         or the run was stopped meanwhile (the reason is in `live`)."""
         cfg, live, b = self.cfg, self.live, parts.build
         engine, writer = b.engine, b.writer
+        if self.interrupted:
+            return None  # stopped before the start began: no engine is started for nothing
+        # A task of its own, so a stop signal can cut it short (_on_signal cancels it).
+        self._start_task = asyncio.ensure_future(engine.start())
         try:
-            await engine.start()
+            await self._start_task
         except EngineError as err:
             live.error = f"engine did not start: {err}"
             writer.event("engine_error", live.error)
             return None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not live.interrupted or (current is not None and current.cancelling()):
+                raise  # this run itself is being cancelled, not stopped by a signal
+            # Not an engine_error (an alert): a stop is not a failure; run_end says it was stopped.
+            log.warning("engine_start_stopped", signal=live.stopped_by)
+            return None
+        finally:
+            self._start_task = None
         live.engine_started = parts.engine_part.started = True
         if live.interrupted:
             return None
@@ -459,14 +488,16 @@ class Soak:
             _guard_sync("journal_close", self._journal.close)
         writer.event(
             "run_end",
-            f"replay ended after {ran_s:.1f} s" + (" (interrupted)" if live.interrupted else ""),
+            f"replay ended after {ran_s:.1f} s"
+            + (f" (stopped by {live.stopped_by})" if live.stopped_by else ""),
             ran_s=ran_s,
             completed=stats.completed,
             failed=stats.failed,
         )
         verdict = self._judge(ran_s)
         point = {
-            "passed": int(verdict.passed),
+            # Only a verdict on disk may claim PASS.
+            "passed": int(verdict.passed and not self._verdict_error),
             "ran_s": ran_s,
             "planned_s": cfg.run.duration,
             "requests": verdict.requests.scheduled,
@@ -495,10 +526,17 @@ class Soak:
         live = self.live
         doc: dict[str, Any] = {
             "run_id": self.run_id,
-            "verdict": verdict.word,
+            # Only a verdict on disk is claimed: with none, the word says so.
+            "verdict": verdict.word if not self._verdict_error else "NOT WRITTEN",
+            "verdict_error": self._verdict_error,
+            "exit_code": verdict.exit_code if not self._verdict_error else EXIT_ERROR,
             "error": live.error,
             "ran_s": ran_s,
-            "interrupted": live.interrupted,
+            # Stopped before its planned end (judge/verdict.py): by the operator (stopped_by) or on its
+            # own (error). Not `resume.interruptions`, the crashes it was resumed from.
+            "stopped_early": bool(live.stopped_by or live.error),
+            "stopped_by": live.stopped_by,
+            "replay_began": self._replay_began(),
             # The whole run across resumed processes, lost-in-flight requests counted as failed (the
             # verdict's figures); `replay` is this process's replayer alone.
             "requests": verdict.requests.to_dict(),
@@ -527,8 +565,13 @@ class Soak:
             }
         return doc
 
+    def _replay_began(self) -> bool:
+        return self.live.replay_start is not None or self.live.offset_s > 0
+
     def _judge(self, ran_s: float) -> Verdict:
-        """The verdict, written to verdict.json; if the disk refuses it, still returned (and logged)."""
+        """The verdict, written to verdict.json. If the disk refuses it, still returned, and the error
+        kept (`_verdict_error`): the run then claims no verdict, and an earlier one (the early verdict of
+        a stop during the engine's start) is removed so that none is left that says otherwise."""
         live = self.live
         verdict = verdict_of(
             self.run_id,
@@ -536,13 +579,19 @@ class Soak:
             live.metrics,
             ran_s=ran_s,
             planned_s=self.cfg.run.duration,
-            interrupted=live.interrupted or bool(live.error),
+            ending=Ending(live.stopped_by, live.error, self._replay_began()),
             interruptions=live.interruptions(),
+            stopped_code=self._stopped_code,
         )
+        path = self.run_dir / VERDICT_FILE
         try:
-            write_json_atomic(self.run_dir / VERDICT_FILE, verdict.to_dict())
+            write_json_atomic(path, verdict.to_dict())
+            self._verdict_error = ""
         except OSError as err:
-            log.error("verdict_not_written", error=str(err))
+            self._verdict_error = f"{path}: {err.strerror or err}"
+            log.error("verdict_not_written", path=str(path), error=str(err))
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
         return verdict
 
     # -- crash-resume -------------------------------------------------------------------------------

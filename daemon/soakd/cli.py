@@ -2,8 +2,10 @@
 
 Exit codes: 0 PASS (or success), 1 FAIL (or a check that did not answer), 2 bad input, 3 aborted: the run
 ended early on its own (engine failure, an `abort_on` criterion, a changed trace) or an internal error,
-4 stopped by a signal before its end (SIGTERM, SIGINT; drained, verdict written and marked interrupted;
-the systemd unit passes `--stopped-exit-code 0`, a service stop being a clean end).
+4 stopped by a signal before its end (SIGINT, SIGTERM, SIGHUP; drained, verdict of the work done written,
+marked stopped early; the systemd unit passes `--stopped-exit-code 0`, a service stop being a clean end).
+A run whose verdict.json cannot be written (a full disk) exits 3: the exit code never claims more than is
+on disk. verdict.json records the code its run returns.
 
 Over 500 lines because it holds the parser of every subcommand and their printing, one function each; the
 work lives in the modules they call.
@@ -15,25 +17,31 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 import structlog
 
 from soakd import __version__, console
-from soakd.errors import EngineError, InputError, SinkError, UsageError
+from soakd.errors import (
+    EXIT_ERROR,
+    EXIT_FAIL,
+    EXIT_INPUT,
+    EXIT_OK,
+    EXIT_STOPPED,
+    EngineError,
+    InputError,
+    SinkError,
+    UsageError,
+)
 from soakd.files import json_text
 
 log = structlog.get_logger(__name__)
-
-EXIT_OK = 0
-EXIT_FAIL = 1
-EXIT_INPUT = 2
-EXIT_ERROR = 3
-EXIT_STOPPED = 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Endurance and telemetry daemon for LLM inference.",
         epilog="exit codes: 0 PASS; 1 FAIL (a criterion did not hold); 2 bad input (config, trace, "
         "arguments: one line naming file, line and key); 3 aborted (the run ended early on its own: engine "
-        "failure, an abort_on criterion, a changed trace; or an internal error); 4 stopped by SIGTERM or "
-        "SIGINT before its end (drained, verdict written; see run --stopped-exit-code)",
+        "failure, an abort_on criterion, a changed trace; the verdict could not be written; or an internal "
+        "error); 4 stopped by SIGINT, SIGTERM or SIGHUP before its end (drained, verdict of the work done "
+        "written; see run --stopped-exit-code)",
     )
     p.add_argument("--version", action="version", version=f"soakd {__version__}")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
@@ -174,7 +183,8 @@ def _run_parser(sub: Any) -> None:
         type=_int_in(0, 255),
         default=EXIT_STOPPED,
         metavar="CODE",
-        help=f"exit code of a run stopped by SIGTERM/SIGINT (default {EXIT_STOPPED}; the systemd unit: 0)",
+        help=f"exit code of a run stopped by SIGINT/SIGTERM/SIGHUP (default {EXIT_STOPPED}; the systemd "
+        "unit: 0)",
     )
     run.add_argument(
         "--resume",
@@ -475,33 +485,55 @@ def _cmd_run(args: argparse.Namespace) -> int:
     console.detach()
     show = not args.no_progress and sys.stderr.isatty()
     progress = Progress(enabled=show)
-    soak = Soak(cfg, progress=progress.update, resume=args.resume)
+    soak = Soak(cfg, progress=progress.update, resume=args.resume, stopped_exit_code=args.stopped_exit_code)
     try:
         result = asyncio.run(soak.run())
         progress.finish(result.summary)
     finally:
         progress.close()
         console.restore()
+    written = not result.verdict_error
     report = None
-    if cfg.run.report and result.stopped_by != "SIGTERM":
+    # A service stop (SIGTERM) or a closed terminal (SIGHUP) is quick: the report comes later.
+    if cfg.run.report and written and result.stopped_by not in ("SIGTERM", "SIGHUP"):
         from soakd.report.finished import report_after_run
 
-        report = report_after_run(result.run_dir)
+        # The run's loop, and its signal handlers, are gone: a stop now skips the report, and the exit
+        # code is still the one verdict.json records (not a KeyboardInterrupt's 130 or a default kill).
+        old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+        try:
+            report = report_after_run(result.run_dir)
+        except KeyboardInterrupt:
+            print("soakd: stopped while writing the report: `soakd report RUN` writes it", file=sys.stderr)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
     if args.json:
-        doc = {**result.summary, "verdict_detail": result.verdict.to_dict(), "run_dir": str(result.run_dir)}
+        detail = result.verdict.to_dict() if written else None
+        doc = {**result.summary, "verdict_detail": detail, "run_dir": str(result.run_dir)}
         print(json_text(doc, indent=2, default=str))
     else:
         _print_summary(result.summary, result.run_dir, report)
-        print("\n".join(result.verdict.lines()))
+        if written:
+            print("\n".join(result.verdict.lines()))
+    if not written:
+        # The exit code never claims more than is on disk: no verdict there, no PASS or FAIL here.
+        print(
+            f"soakd: verdict not written ({result.verdict_error}); the spool holds the run: "
+            f"`soakd report {result.run_dir}` judges it once the disk takes it",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
     if result.error:
         # The verdict is written (FAIL), but the run did not end normally: not a plain FAIL.
         print(f"soakd: run ended early: {result.error}", file=sys.stderr)
-        return EXIT_ERROR
-    if result.stopped_by:
-        # Drained, flushed, verdict (marked interrupted) written: for a service a clean end (the unit
-        # asks for 0), for CI a cancelled job that must not look green (4).
-        return int(args.stopped_exit_code)
+    # What verdict.json records: 3 ended early on its own; a stop's code (4; the systemd unit asks for
+    # 0: a service stop is a clean end, a cancelled CI job must not look green); else 0 PASS / 1 FAIL.
     return result.verdict.exit_code
+
+
+def _interrupt(signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path, report: Path | None = None) -> None:

@@ -70,8 +70,8 @@ class RunConfig(_Section):
     # `soakd run --resume` continues an unfinished run only if it was active this recently: a restart
     # after a crash resumes, last week's abandoned run does not.
     resume_within: Duration = Field(default=3600.0, gt=0)
-    # Write the sign-off report (report.html, report.json) when the run ends on its own; a run stopped by
-    # SIGTERM skips it (a service stop must be quick): `soakd report RUN` writes it later.
+    # Write the sign-off report (report.html, report.json) when the run ends, on its own or by Ctrl-C; a
+    # run stopped by SIGTERM or SIGHUP skips it (a service stop must be quick): `soakd report RUN` later.
     report: bool = True
 
 

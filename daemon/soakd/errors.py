@@ -15,6 +15,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The exit codes of soakd's commands (README, "Exit codes"); a verdict records the one its run returns.
+EXIT_OK = 0
+"""PASS, or a command that succeeded."""
+EXIT_FAIL = 1
+"""FAIL: a criterion did not hold (or a check that did not answer)."""
+EXIT_INPUT = 2
+"""Bad input: one line naming the file, line and key; nothing written."""
+EXIT_ERROR = 3
+"""Aborted: the run ended early on its own, its verdict could not be written, or an internal error."""
+EXIT_STOPPED = 4
+"""Stopped by a signal before its end (SIGINT, SIGTERM, SIGHUP): drained, verdict written."""
+
 
 class SoakdError(Exception):
     """Base of every error soakd raises on purpose."""

@@ -285,7 +285,8 @@ Launch = Callable[[list[str], Path], tuple[int, str]]
 
 
 class _ChildStop:
-    """Forwards SIGINT/SIGTERM to the running `soakd run` (which drains and writes its verdict)."""
+    """Forwards SIGINT/SIGTERM/SIGHUP to the running `soakd run`, as SIGTERM (it drains and writes its
+    verdict)."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
@@ -302,7 +303,7 @@ class _ChildStop:
             if self.proc is not None and self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)
 
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             yield
         finally:

@@ -179,11 +179,14 @@ def test_sigterm_mid_run_drains_flushes_and_exits_0(
     finally:
         if proc.poll() is None:
             finish_soakd(proc, timeout_s=1)
-    assert code == 4, err[-2000:]  # stopped before its end: drained and judged, not a green PASS
+    assert code == 4, err[-2000:]  # stopped before its end: drained and judged, not a green exit 0
     assert time.monotonic() - t_stop < 60  # drained, not the whole 120 s
     doc = json.loads(out)
     run_dir = Path(doc["run_dir"])
-    assert doc["interrupted"] is True and doc["verdict"] == "FAIL"
+    assert doc["stopped_early"] is True and doc["stopped_by"] == "SIGTERM" and doc["exit_code"] == 4
+    # Judged on the work done: the duration line says how far it got and judges nothing.
+    (duration,) = [c for c in doc["verdict_detail"]["criteria"] if c["name"] == "duration_completed_s"]
+    assert duration["informational"] and "by SIGTERM" in duration["detail"], duration
     # In-flight requests finished (or were aborted and recorded): every request that came due has its
     # record, and the last points reached the spool.
     due = read_journal(run_dir / JOURNAL_FILE)
@@ -242,7 +245,7 @@ def test_a_replay_at_the_highest_speed_still_ends_on_time(
     run_dir = Path(doc["run_dir"])
     verdict = json.loads((run_dir / "verdict.json").read_text(), parse_constant=_no_constant)
     assert verdict["verdict"] in ("PASS", "FAIL")
-    assert doc["interrupted"] is (stop == "sigterm")
+    assert doc["stopped_early"] is (stop == "sigterm") and verdict["exit_code"] == code
     due = read_journal(run_dir / JOURNAL_FILE)
     records = list(iter_samples(run_dir / "spool", "requests"))
     assert len(records) == len(due) == doc["replay"]["scheduled"] > 50

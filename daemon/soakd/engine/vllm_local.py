@@ -13,9 +13,12 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +150,81 @@ class _NeverRaised(Exception):
     pass
 
 
+TERMINAL_SIGNALS = frozenset({signal.SIGINT, signal.SIGHUP})
+"""What a terminal sends its whole foreground process group (Ctrl-C, a hang-up). soakd drains on them; the
+engine's processes, which share soakd's group, must not see them: vLLM's engine core and workers treat
+SIGINT as a shutdown (the core aborts the requests in flight, a worker raises SystemExit) and SIGHUP
+kills them, under a soakd that is still draining: the stop reads as an engine death. vLLM stops its
+children with SIGTERM and SIGKILL only (v1/utils.py shutdown, the executor's worker shutdown), so
+blocking these two leaves its shutdown whole."""
+_KILL_WAIT_S = 5.0
+"""How long a start cut short waits for the constructing thread once the engine's processes are killed."""
+
+
+async def _construct(build: Callable[[], Any], timeout_s: float, before: set[int]) -> Any:
+    """`build()` (AsyncLLM's construction, which starts the engine core and its workers) in a thread of
+    its own with the terminal's signals blocked. A signal mask is inherited across fork and execve, so
+    every process vLLM starts from that thread (spawned or forked), and theirs, keep them blocked even
+    where vLLM installs SIGINT handlers; soakd's main thread still gets them.
+
+    Cut short (the run stopping: a cancellation; or the start timeout), the engine's processes started
+    meanwhile are killed, which ends the construction (its handshake sees the engine core die); the
+    thread is waited for a few seconds at most, and an engine that came up at that very moment is shut
+    down. A daemon thread: one stuck in a C call cannot hold soakd's exit."""
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    box: list[Any] = []
+    finished = threading.Event()
+
+    def run() -> None:
+        # multiprocessing's resource tracker, launched on its first use, *unblocks* SIGINT in the thread
+        # that launches it (resource_tracker.ensure_running): launched first, before the mask, later
+        # uses find it running and leave the mask alone.
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+        try:
+            box.append((True, build()))
+        except BaseException as err:  # noqa: BLE001  (handed to the awaiting coroutine)
+            box.append((False, err))
+        finished.set()
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits it any more
+            loop.call_soon_threadsafe(done.set)
+
+    threading.Thread(target=run, name="vllm-start", daemon=True).start()
+    try:
+        await asyncio.wait_for(done.wait(), timeout_s)
+    except BaseException:
+        killed = _kill_started(before)
+        log.warning("engine_start_cut_short", killed=killed)
+        await asyncio.to_thread(finished.wait, _KILL_WAIT_S)
+        if box and box[0][0]:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(box[0][1].shutdown)
+        raise
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _kill_started(before: set[int]) -> list[int]:
+    """SIGKILL to the processes started since `before` (this process's descendants then) and to their
+    descendants: a half-started engine has nothing to drain. multiprocessing's resource tracker, shared
+    by the whole process, is left alone."""
+    procs: list[psutil.Process] = []
+    for child in psutil.Process().children():
+        try:
+            if child.pid in before or "resource_tracker" in " ".join(child.cmdline()):
+                continue
+            procs += [*child.children(recursive=True), child]
+        except psutil.Error:
+            continue  # already gone
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return [p.pid for p in procs]
+
+
 MULTIPROC_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
@@ -203,9 +281,10 @@ class VllmLocalEngine:
         try:
             args = AsyncEngineArgs(**kwargs)
             factory = make_logger_factory(self._sink, self.record_cost)
-            self._llm = await asyncio.wait_for(
-                asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[factory]),
-                timeout=self._cfg.start_timeout,
+            self._llm = await _construct(
+                lambda: AsyncLLM.from_engine_args(args, stat_loggers=[factory]),
+                self._cfg.start_timeout,
+                before,
             )
         except TimeoutError:
             raise EngineError(f"vLLM did not start within {self._cfg.start_timeout:.0f} s") from None

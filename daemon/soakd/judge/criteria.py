@@ -326,6 +326,28 @@ class CriterionResult:
     detail: str = ""
     expr: str = ""
     """The `[criteria] checks` line this result judges (empty for the named criteria)."""
+    informational: bool = False
+    """A line that states a fact and does not judge (the duration of a run the operator stopped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a run ended, as the verdict judges it. Not its crashes: those are `interruptions` (a daemon
+    that died and was resumed, criterion `max_interruptions`)."""
+
+    stopped_by: str = ""
+    """The signal that stopped it before its end (SIGINT, SIGTERM, SIGHUP): the operator's stop. The run
+    is judged on the work done; the duration line says how far it got."""
+    error: str = ""
+    """Why it ended early on its own (the engine died past its restarts, an `abort_on` criterion, a
+    changed trace): it has not shown the planned duration and cannot pass."""
+    replay_began: bool = True
+    """False for a run stopped (or failed) before its replay began: nothing was replayed to judge."""
+
+    @property
+    def early(self) -> bool:
+        """Stopped or ended before its planned end."""
+        return bool(self.stopped_by or self.error)
 
 
 def evaluate(
@@ -334,7 +356,7 @@ def evaluate(
     *,
     ran_s: float,
     planned_s: float,
-    interrupted: bool = False,
+    ending: Ending | None = None,
     interruptions: int = 0,
     lost_in_flight: int = 0,
     metrics: RunMetrics | None = None,
@@ -351,16 +373,7 @@ def evaluate(
             return
         results.append(CriterionResult(name, op, float(threshold), value, OPS[op](value, threshold), detail))
 
-    # A soak stopped early has not shown what the full duration would: it cannot pass.
-    if interrupted:
-        # Stopped early: the drain may push ran_s past the mark, but the soak did not finish.
-        results.append(
-            CriterionResult(
-                "duration_completed_s", ">=", planned_s * 0.99, ran_s, False, "stopped before the end"
-            )
-        )
-    else:
-        check("duration_completed_s", ">=", planned_s * 0.99, ran_s, f"planned {planned_s:.0f} s")
+    results.append(_duration(ran_s, planned_s, ending or Ending()))
     check("error_rate", "<=", criteria.max_error_rate, summary.error_rate)
     check(
         "ttft_p99_ms",
@@ -407,6 +420,27 @@ def _ttft_detail(summary: RequestSummary) -> str:
             f"admission ceiling bound: {100 * share:.0f} % waited, p99 wait {summary.queue.p99_ms:,.0f} ms"
         )
     return "; ".join(parts)
+
+
+def _duration(ran_s: float, planned_s: float, ending: Ending) -> CriterionResult:
+    """The duration line. A run that ended early on its own has not shown the planned duration: it
+    fails (the drain may push ran_s past the mark, but the soak did not finish). An operator's stop is
+    not a failure: the line is informational and the verdict judges the work done, unless nothing was
+    replayed at all."""
+    threshold = planned_s * 0.99
+    name = "duration_completed_s"
+    if ending.error:
+        return CriterionResult(name, ">=", threshold, ran_s, False, f"ended early: {ending.error}"[:200])
+    if ending.stopped_by and not ending.replay_began:
+        detail = f"stopped by {ending.stopped_by} before the replay began: nothing to judge"
+        return CriterionResult(name, ">=", threshold, ran_s, False, detail)
+    if ending.stopped_by:
+        detail = (
+            f"stopped at {ran_s:.0f} of {planned_s:.0f} s by {ending.stopped_by}: "
+            "the verdict judges the work done"
+        )
+        return CriterionResult(name, ">=", threshold, ran_s, True, detail, informational=True)
+    return CriterionResult(name, ">=", threshold, ran_s, ran_s >= threshold, f"planned {planned_s:.0f} s")
 
 
 def run_context(duration_s: float, interruptions: int, lost_in_flight: int) -> dict[str, float]:

@@ -1,4 +1,12 @@
-"""The verdict of a run: PASS/FAIL with its evidence, written atomically to the run directory."""
+"""The verdict of a run: PASS/FAIL with its evidence, written atomically to the run directory.
+
+Two different things a reader must not confuse:
+- `stopped_early`: this run's replay ended before its planned duration, either by the operator's stop
+  (`stopped_by`: SIGINT, SIGTERM, SIGHUP; judged on the work done) or on its own (`ended_early`: the
+  engine died past its restarts, an `abort_on` criterion; it cannot pass).
+- `interruptions`: daemon crashes the run was resumed from (criterion `max_interruptions`).
+Verdicts written before `stopped_early` existed have `interrupted` in its place (read by `stopped_early`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from soakd.judge.criteria import CriterionResult, RequestSummary
+from soakd.errors import EXIT_ERROR, EXIT_FAIL, EXIT_OK, EXIT_STOPPED
+from soakd.judge.criteria import CriterionResult, Ending, RequestSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +26,9 @@ class Verdict:
     requests: RequestSummary
     ran_s: float
     planned_s: float
-    interrupted: bool
+    ending: Ending
+    exit_code: int
+    """The exit code `soakd run` returns with this verdict (exit_code_of)."""
     interruptions: list[dict[str, Any]] = field(default_factory=list)
     """Daemon crashes the run was resumed from: replay time, downtime, requests lost in flight."""
     metrics: dict[str, float | None] = field(default_factory=dict)
@@ -27,10 +38,6 @@ class Verdict:
     def word(self) -> str:
         return "PASS" if self.passed else "FAIL"
 
-    @property
-    def exit_code(self) -> int:
-        return 0 if self.passed else 1
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
@@ -39,7 +46,10 @@ class Verdict:
             "exit_code": self.exit_code,
             "ran_s": self.ran_s,
             "planned_s": self.planned_s,
-            "interrupted": self.interrupted,
+            "stopped_early": self.ending.early,
+            "stopped_by": self.ending.stopped_by,
+            "ended_early": self.ending.error,
+            "replay_began": self.ending.replay_began,
             "interruptions": self.interruptions,
             "lost_in_flight": lost_in_flight(self.interruptions),
             "criteria": [asdict(c) for c in self.criteria],
@@ -52,12 +62,46 @@ class Verdict:
         return verdict_lines(self.to_dict())
 
 
+def exit_code_of(passed: bool, ending: Ending, stopped_code: int = EXIT_STOPPED) -> int:
+    """What `soakd run` exits with: 3 ended early on its own, the stopped code (4; the systemd unit asks
+    for 0) for an operator's stop, else 0 PASS / 1 FAIL."""
+    if ending.error:
+        return EXIT_ERROR
+    if ending.stopped_by:
+        return stopped_code
+    return EXIT_OK if passed else EXIT_FAIL
+
+
+def stopped_early(doc: Mapping[str, Any]) -> bool:
+    """Whether a verdict.json (or summary.json) says the run stopped before its end; older files say
+    `interrupted`."""
+    return bool(doc.get("stopped_early", doc.get("interrupted", False)))
+
+
+def stop_note(doc: Mapping[str, Any]) -> str:
+    """How a verdict.json's run stopped early, in a few words for people; empty when it ran its course."""
+    if not stopped_early(doc):
+        return ""
+    ran, planned = float(doc.get("ran_s") or 0.0), float(doc.get("planned_s") or 0.0)
+    if doc.get("ended_early"):
+        return f"ended early on its own at {ran:.0f} s of {planned:.0f} s: {doc['ended_early']}"
+    by = doc.get("stopped_by")
+    if not by:
+        return "stopped before the end"
+    if doc.get("replay_began") is False:
+        return f"stopped by {by} before the replay began: nothing was replayed"
+    return f"stopped early by {by} at {ran:.0f} s of {planned:.0f} s: the verdict judges the work done"
+
+
 def verdict_lines(doc: Mapping[str, Any]) -> list[str]:
-    """A verdict (verdict.json's object) for people: the word, then one criterion per line."""
+    """A verdict (verdict.json's object) for people: the word, how it stopped, one criterion per line."""
     out = [f"{doc.get('verdict', '?')}  run {doc.get('run_id', '?')}"]
+    note = stop_note(doc)
+    if note:
+        out.append(f"  {note}")
     for c in doc.get("criteria") or []:
         value = "no data" if c.get("value") is None else f"{c['value']:.4g}"
-        mark = "ok  " if c.get("passed") else "FAIL"
+        mark = "info" if c.get("informational") else "ok  " if c.get("passed") else "FAIL"
         extra = f"  ({c['detail']})" if c.get("detail") else ""
         out.append(
             f"  {mark} {c.get('name')} = {value} (must be {c.get('op')} {c.get('threshold', 0):g}){extra}"
@@ -82,11 +126,22 @@ def make_verdict(
     *,
     ran_s: float,
     planned_s: float,
-    interrupted: bool,
+    ending: Ending | None = None,
+    stopped_code: int = EXIT_STOPPED,
     interruptions: list[dict[str, Any]] | None = None,
     metrics: dict[str, float | None] | None = None,
 ) -> Verdict:
+    ending = ending or Ending()
     passed = bool(criteria) and all(c.passed for c in criteria)
     return Verdict(
-        run_id, passed, criteria, requests, ran_s, planned_s, interrupted, interruptions or [], metrics or {}
+        run_id,
+        passed,
+        criteria,
+        requests,
+        ran_s,
+        planned_s,
+        ending,
+        exit_code_of(passed, ending, stopped_code),
+        interruptions or [],
+        metrics or {},
     )

@@ -12,9 +12,10 @@ import structlog
 
 from soakd.checkpoint import read_checkpoint
 from soakd.config import Config
-from soakd.errors import UsageError
+from soakd.errors import EXIT_STOPPED, UsageError
+from soakd.judge.criteria import Ending
 from soakd.judge.metrics import RunMetrics
-from soakd.judge.verdict import Verdict
+from soakd.judge.verdict import Verdict, stopped_early
 from soakd.report.html import build_doc, write_report
 from soakd.report.runs import fold_spool, judge, read_json
 from soakd.report.series import SeriesBuilder
@@ -48,10 +49,17 @@ class FinishedRun:
         path = self.run_dir / VERDICT_FILE
         return read_json(path) if path.exists() else None
 
-    @property
-    def interrupted(self) -> bool:
-        # A run that never wrote its summary died before the end: judged as interrupted.
-        return bool(self.summary.get("interrupted", not self.summary))
+    def ending(self) -> Ending:
+        """How the run ended, from its summary. A run that never wrote one died before its end; an older
+        summary that says only `interrupted` cannot tell an operator's stop from a failure: judged as
+        ended early, as it was then."""
+        s = self.summary
+        if not s:
+            return Ending(error="the run died before its end (no summary.json)")
+        stopped_by, error = str(s.get("stopped_by") or ""), str(s.get("error") or "")
+        if not stopped_by and not error and stopped_early(s):
+            error = "stopped before the end"
+        return Ending(stopped_by, error, bool(s.get("replay_began", True)))
 
 
 def open_run(run_dir: Path, given: Config | None) -> FinishedRun:
@@ -82,8 +90,10 @@ def judge_again(run: FinishedRun, metrics: RunMetrics | None = None) -> Verdict:
         run.config.criteria,
         ran_s=run.ran_s(),
         planned_s=float(run.meta["config"]["run"]["duration"]),
-        interrupted=run.interrupted,
+        ending=run.ending(),
         metrics=metrics,
+        # The code a stop exited with (4, or the systemd unit's 0) is the run's, not the criteria's.
+        stopped_code=int((run.recorded_verdict() or {}).get("exit_code", EXIT_STOPPED)),
     )
 
 

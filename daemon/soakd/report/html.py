@@ -22,6 +22,7 @@ from typing import Any
 
 from soakd import __version__
 from soakd.files import json_text, write_private
+from soakd.judge.verdict import stop_note
 from soakd.report.headline import headline, human
 from soakd.report.series import ACTION_KINDS
 from soakd.rundir import DIGEST_FILES, SPOOL_DIR
@@ -474,6 +475,7 @@ def render_html(doc: Mapping[str, Any]) -> str:
     return template.render(
         doc=doc,
         verdict=verdict,
+        stopped=stop_note(verdict),
         criteria=verdict.get("criteria", []),
         has_expr=any("expr" in c for c in verdict.get("criteria", [])),
         requests=verdict.get("requests") or {},

@@ -10,9 +10,9 @@ from typing import Any
 import structlog
 
 from soakd.config import CriteriaConfig
-from soakd.errors import UsageError
+from soakd.errors import EXIT_STOPPED, UsageError
 from soakd.files import read_input_text, write_json_atomic
-from soakd.judge.criteria import evaluate, run_context
+from soakd.judge.criteria import Ending, evaluate, run_context
 from soakd.judge.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
 from soakd.judge.verdict import Verdict, lost_in_flight, make_verdict
 from soakd.metric import Sample
@@ -106,8 +106,9 @@ def verdict_of(
     *,
     ran_s: float,
     planned_s: float,
-    interrupted: bool,
     interruptions: list[dict[str, Any]],
+    ending: Ending | None = None,
+    stopped_code: int = EXIT_STOPPED,
 ) -> Verdict:
     """The verdict over the run's folded points and its interruptions (nothing is written)."""
     lost = lost_in_flight(interruptions)
@@ -119,7 +120,7 @@ def verdict_of(
         requests,
         ran_s=ran_s,
         planned_s=planned_s,
-        interrupted=interrupted,
+        ending=ending,
         interruptions=len(interruptions),
         lost_in_flight=lost,
         metrics=metrics,
@@ -134,7 +135,8 @@ def verdict_of(
         requests,
         ran_s=ran_s,
         planned_s=planned_s,
-        interrupted=interrupted,
+        ending=ending,
+        stopped_code=stopped_code,
         interruptions=interruptions,
         metrics=values,
     )
@@ -147,9 +149,10 @@ def judge(
     *,
     ran_s: float,
     planned_s: float,
-    interrupted: bool,
+    ending: Ending | None = None,
     metrics: RunMetrics | None = None,
     interruptions: list[dict[str, Any]] | None = None,
+    stopped_code: int = EXIT_STOPPED,
 ) -> Verdict:
     """Evaluate the criteria over the run's points (read from its spool unless `metrics` is given,
     already folded); write verdict.json."""
@@ -166,8 +169,9 @@ def judge(
         metrics,
         ran_s=ran_s,
         planned_s=planned_s,
-        interrupted=interrupted,
+        ending=ending,
         interruptions=interruptions,
+        stopped_code=stopped_code,
     )
     write_json_atomic(run_dir / VERDICT_FILE, verdict.to_dict())
     return verdict

@@ -36,7 +36,6 @@ def test_rejudging_the_recorded_spool_reproduces_the_verdict(run_dir: Path) -> N
         CriteriaConfig(),
         ran_s=recorded["ran_s"],
         planned_s=recorded["planned_s"],
-        interrupted=False,
     )
     assert verdict.word == recorded["verdict"] == "PASS"
     again = verdict.to_dict()

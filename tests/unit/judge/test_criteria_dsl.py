@@ -290,7 +290,7 @@ def test_report_judges_a_run_by_its_checks_and_keeps_every_metric(tmp_path: Path
         (run / "spool" / "seg-00000001.lp").write_bytes(src.read())
     recorded = json.loads((DATA / "soak_verdict.json").read_text())
     crit = CriteriaConfig(checks=["graph_hit_rate > 0.99", "min(spec_acceptance, window=30s) > 0.6"])
-    verdict = judge(run, recorded["run_id"], crit, ran_s=60, planned_s=60, interrupted=False)
+    verdict = judge(run, recorded["run_id"], crit, ran_s=60, planned_s=60)
     assert verdict.word == "FAIL"
     by = {c.expr: c for c in verdict.criteria if c.expr}
     assert not by["graph_hit_rate > 0.99"].passed and by["min(spec_acceptance, window=30s) > 0.6"].passed

@@ -9,8 +9,8 @@ import pytest
 
 from soakd.config import load
 from soakd.files import write_json_atomic
-from soakd.judge.criteria import evaluate, summarize
-from soakd.judge.verdict import make_verdict
+from soakd.judge.criteria import Ending, evaluate, summarize
+from soakd.judge.verdict import make_verdict, stop_note, stopped_early
 from soakd.metric import Sample
 
 
@@ -63,16 +63,14 @@ def test_no_data_fails_and_switched_off_criteria_are_skipped() -> None:
     names = {r.name: r for r in results}
     assert "tpot_p99_ms" not in names
     assert names["ttft_p99_ms"].passed is False and names["ttft_p99_ms"].detail == "no data"
-    v = make_verdict("r", results, summarize([]), ran_s=10, planned_s=10, interrupted=False)
+    v = make_verdict("r", results, summarize([]), ran_s=10, planned_s=10)
     assert v.word == "FAIL" and v.exit_code == 1
 
 
 def test_verdict_document_and_atomic_write(tmp_path: Path) -> None:
     cfg = load(None).criteria
     s = summarize([req("ok")])
-    v = make_verdict(
-        "run-1", evaluate(cfg, s, ran_s=5, planned_s=5), s, ran_s=5, planned_s=5, interrupted=False
-    )
+    v = make_verdict("run-1", evaluate(cfg, s, ran_s=5, planned_s=5), s, ran_s=5, planned_s=5)
     path = tmp_path / "verdict.json"
     write_json_atomic(path, v.to_dict())
     doc = json.loads(path.read_text())
@@ -81,12 +79,56 @@ def test_verdict_document_and_atomic_write(tmp_path: Path) -> None:
     assert v.lines()[0] == "PASS  run run-1"
 
 
-def test_an_interrupted_run_never_passes_the_duration_criterion() -> None:
+def test_a_run_that_ended_early_on_its_own_never_passes_the_duration_criterion() -> None:
     cfg = load(None).criteria
     s = summarize([req("ok") for _ in range(5)])
-    results = evaluate(cfg, s, ran_s=130, planned_s=120, interrupted=True)
+    # The drain may push ran_s past the mark: the soak still did not finish.
+    results = evaluate(cfg, s, ran_s=130, planned_s=120, ending=Ending(error="engine died"))
     dur = next(r for r in results if r.name == "duration_completed_s")
-    assert not dur.passed and dur.detail == "stopped before the end"
+    assert not dur.passed and dur.detail == "ended early: engine died"
+    v = make_verdict("r", results, s, ran_s=130, planned_s=120, ending=Ending(error="engine died"))
+    assert v.word == "FAIL" and v.exit_code == 3
+    assert v.to_dict()["stopped_early"] is True and v.to_dict()["ended_early"] == "engine died"
+
+
+def test_an_operators_stop_is_judged_on_the_work_done() -> None:
+    cfg = load(None).criteria
+    s = summarize([req("ok") for _ in range(5)])
+    stop = Ending(stopped_by="SIGINT")
+    results = evaluate(cfg, s, ran_s=30, planned_s=120, ending=stop)
+    dur = next(r for r in results if r.name == "duration_completed_s")
+    assert dur.passed and dur.informational and "stopped at 30 of 120 s by SIGINT" in dur.detail
+    v = make_verdict("r", results, s, ran_s=30, planned_s=120, ending=stop)
+    assert v.word == "PASS" and v.exit_code == 4
+    doc = v.to_dict()
+    assert doc["stopped_early"] is True and doc["stopped_by"] == "SIGINT" and doc["exit_code"] == 4
+    assert "interrupted" not in doc  # the crashes resumed from are `interruptions`, a different thing
+    lines = v.lines()
+    assert lines[1] == "  stopped early by SIGINT at 30 s of 120 s: the verdict judges the work done"
+    assert any(ln.startswith("  info duration_completed_s = 30 ") for ln in lines)
+    # The systemd unit's stop code is what the verdict records.
+    assert make_verdict("r", results, s, ran_s=30, planned_s=120, ending=stop, stopped_code=0).exit_code == 0
+    # A criterion that does not hold still fails a stopped run.
+    bad = summarize([req("ok"), req("error")])
+    assert make_verdict("r", evaluate(cfg, bad, ran_s=30, planned_s=120, ending=stop), bad, ran_s=30,
+                        planned_s=120, ending=stop).word == "FAIL"  # fmt: skip
+
+
+def test_a_stop_before_the_replay_began_cannot_pass() -> None:
+    off = load(None, {k: False for k in ("criteria.ttft_p99_ms", "criteria.tpot_p99_ms")}).criteria
+    stop = Ending(stopped_by="SIGINT", replay_began=False)
+    results = evaluate(off, summarize([req("ok")]), ran_s=0, planned_s=120, ending=stop)
+    dur = next(r for r in results if r.name == "duration_completed_s")
+    assert not dur.passed and "before the replay began" in dur.detail
+    v = make_verdict("r", results, summarize([]), ran_s=0, planned_s=120, ending=stop)
+    assert v.word == "FAIL" and v.exit_code == 4 and v.to_dict()["replay_began"] is False
+    assert "before the replay began: nothing was replayed" in v.lines()[1]
+
+
+def test_older_verdicts_that_say_interrupted_are_read_as_stopped_early() -> None:
+    old = {"verdict": "FAIL", "run_id": "r", "interrupted": True, "ran_s": 10, "planned_s": 60}
+    assert stopped_early(old) and stop_note(old) == "stopped before the end"
+    assert not stopped_early({"interrupted": False}) and stop_note({"verdict": "PASS"}) == ""
 
 
 def test_quantiles_stay_exact_then_bounded_and_within_the_error() -> None:

@@ -319,7 +319,7 @@ def test_the_report_after_a_run_uses_the_run_s_own_verdict_and_never_fails_the_r
 
     run = control_run(tmp_path)
     meta = json.loads((run / "meta.json").read_text())
-    judge(run, meta["run_id"], CriteriaConfig(), ran_s=100.0, planned_s=100.0, interrupted=False)
+    judge(run, meta["run_id"], CriteriaConfig(), ran_s=100.0, planned_s=100.0)
     written = json.loads((run / "verdict.json").read_text())
     with capture_logs() as logs:
         report_after_run(run)
@@ -342,7 +342,7 @@ def test_report_shows_the_recorded_verdict_and_judges_again_only_when_asked(
     run = control_run(tmp_path)
     meta = json.loads((run / "meta.json").read_text())
     lenient = CriteriaConfig(ttft_p99_ms=False, tpot_p99_ms=False, max_error_rate=1.0, min_completed_ratio=0)
-    judge(run, meta["run_id"], lenient, ran_s=100.0, planned_s=100.0, interrupted=False)
+    judge(run, meta["run_id"], lenient, ran_s=100.0, planned_s=100.0)
     recorded = (run / "verdict.json").read_bytes()
     assert json.loads(recorded)["verdict"] == "PASS"
     # The run's own verdict, shown as written; verdict.json (under the signed digest) is not touched.
@@ -374,3 +374,30 @@ def test_a_run_without_gpu_telemetry_draws_only_what_it_measured(tmp_path: Path)
     assert line.count(off) == 1 and line.index("SM clock") < line.index("GPU temperature") < line.index(off)
     assert 'id="plot-sm_clock" class="plot"' not in page and 'id="plot-throughput" class="plot"' in page
     assert "not read: the gpu collector was off" in page
+
+
+def test_judging_again_keeps_how_the_run_stopped(tmp_path: Path) -> None:
+    run = control_run(tmp_path)
+    summary_path = run / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    # A run the systemd unit stopped (exit 0 recorded): still judged on the work done, still 0.
+    summary |= {"stopped_early": True, "stopped_by": "SIGTERM", "error": "", "replay_began": True}
+    summary.pop("interrupted", None)
+    summary_path.write_text(json.dumps(summary))
+    (run / "verdict.json").write_text(json.dumps({"verdict": "PASS", "exit_code": 0}))
+    assert main(["report", str(run), "--rejudge"]) == 0
+    verdict = json.loads((run / "verdict.json").read_text())
+    assert verdict["stopped_by"] == "SIGTERM" and verdict["exit_code"] == 0
+    (duration,) = [c for c in verdict["criteria"] if c["name"] == "duration_completed_s"]
+    assert duration["informational"] and duration["passed"]
+    page = (run / "report.html").read_text()  # the banner says it was stopped; the line is no PASS
+    assert "(stopped early by SIGTERM at " in page and ">info</td>" in page
+    # An older summary says only `interrupted`: an operator's stop cannot be told from a failure, so it
+    # is judged as ended early, as it was then.
+    summary = {k: v for k, v in summary.items() if k not in ("stopped_early", "stopped_by", "replay_began")}
+    summary_path.write_text(json.dumps({**summary, "interrupted": True}))
+    assert main(["report", str(run), "--rejudge", "--no-report"]) == 0
+    verdict = json.loads((run / "verdict.json").read_text())
+    (duration,) = [c for c in verdict["criteria"] if c["name"] == "duration_completed_s"]
+    assert not duration["passed"] and duration["detail"] == "ended early: stopped before the end"
+    assert verdict["verdict"] == "FAIL" and verdict["exit_code"] == 3 and verdict["stopped_early"]

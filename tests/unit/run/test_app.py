@@ -79,10 +79,15 @@ async def test_sigterm_stops_the_replay_and_still_judges(tmp_path: Path) -> None
     result = await asyncio.wait_for(soak.run(), 30)
     await stopper
     assert soak.interrupted
-    assert result.verdict.word == "FAIL"
-    failed = [c.name for c in result.verdict.criteria if not c.passed]
-    assert failed == ["duration_completed_s"]
-    assert json.loads((result.run_dir / "summary.json").read_text())["interrupted"] is True
+    # A stop is not a failure: judged on the work done, the duration line informational; exit 4.
+    assert result.verdict.word == "PASS" and result.verdict.exit_code == 4
+    (duration,) = [c for c in result.verdict.criteria if c.informational]
+    assert duration.name == "duration_completed_s" and "by SIGTERM" in duration.detail
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["stopped_early"] is True and summary["stopped_by"] == "SIGTERM"
+    assert summary["replay_began"] is True and summary["exit_code"] == 4
+    verdict = json.loads((result.run_dir / "verdict.json").read_text())
+    assert verdict["exit_code"] == 4 and verdict["stopped_by"] == "SIGTERM" and verdict["interruptions"] == []
     loop.remove_signal_handler(signal.SIGTERM)
 
 
@@ -186,23 +191,72 @@ async def test_stop_during_warm_up_skips_the_replay(tmp_path: Path) -> None:
     assert result.verdict.word == "FAIL"
 
 
-async def test_stop_during_engine_start_leaves_a_verdict_at_once(tmp_path: Path) -> None:
-    gate = asyncio.Event()
+async def test_a_stop_during_engine_start_cuts_it_short(tmp_path: Path) -> None:
+    started, cancelled = asyncio.Event(), asyncio.Event()
 
     class SlowStart(StubEngine):
         async def start(self) -> None:
-            await gate.wait()
-            await super().start()
+            started.set()
+            try:
+                await asyncio.Event().wait()  # an engine that would take for ever to load
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
 
     soak = Soak(config(tmp_path, **{"run.duration": "30s"}), engine_factory=lambda c, m, col: SlowStart(col))
     task = asyncio.create_task(soak.run())
-    await asyncio.sleep(0.2)
-    soak._on_signal("SIGTERM")
+    await asyncio.wait_for(started.wait(), 20)
+    soak._on_signal("SIGINT")
     early = json.loads((soak.run_dir / "verdict.json").read_text())
-    assert early["verdict"] == "FAIL" and early["interrupted"] is True  # before the engine is even up
-    gate.set()
-    result = await asyncio.wait_for(task, 20)
+    assert early["verdict"] == "FAIL" and early["replay_began"] is False  # left at once, as well
+    result = await asyncio.wait_for(task, 20)  # not waiting for the start: it is cancelled
+    assert cancelled.is_set()
     assert result.summary["replay"]["scheduled"] == 0 and result.verdict.word == "FAIL"
+    verdict = json.loads((result.run_dir / "verdict.json").read_text())
+    assert (
+        verdict["replay_began"] is False and verdict["stopped_by"] == "SIGINT" and verdict["exit_code"] == 4
+    )
+    assert "before the replay began" in result.verdict.lines()[1]
+
+
+async def test_a_stop_before_the_engine_start_starts_no_engine(tmp_path: Path) -> None:
+    engines: list[StubEngine] = []
+
+    def factory(cfg: Config, model: str, collector: EngineCollector) -> StubEngine:
+        engines.append(StubEngine(collector))
+        return engines[-1]
+
+    soak = Soak(config(tmp_path), engine_factory=factory)
+    soak._on_signal("SIGHUP")  # the terminal closed while the run was being set up
+    result = await asyncio.wait_for(soak.run(), 20)
+    assert not any(e.started for e in engines)
+    assert result.stopped_by == "SIGHUP" and result.verdict.exit_code == 4
+    assert result.verdict.ending.replay_began is False and result.verdict.word == "FAIL"
+
+
+async def test_a_verdict_the_disk_refuses_is_claimed_nowhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from soakd import app
+
+    def refuse(path: Path, doc: object) -> None:
+        if path.name == "verdict.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        write(path, doc)
+
+    write = app.write_json_atomic
+    monkeypatch.setattr(app, "write_json_atomic", refuse)
+    soak = Soak(config(tmp_path), engine_factory=lambda c, m, col: StubEngine(col))
+    result = await asyncio.wait_for(soak.run(), 30)
+    assert result.verdict.word == "PASS"  # what it would have been
+    assert "No space left on device" in result.verdict_error
+    assert not (result.run_dir / "verdict.json").exists()
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["verdict"] == "NOT WRITTEN" and summary["exit_code"] == 3
+    (point,) = iter_samples(result.run_dir / "spool", "run")
+    assert point.fields["passed"] == 0
 
 
 def test_the_openai_kind_needs_a_url_and_no_local_model(tmp_path: Path) -> None:

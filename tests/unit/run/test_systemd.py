@@ -155,12 +155,13 @@ def test_no_secrets_in_the_unit(service: Unit) -> None:
 
 
 def test_exit_statuses_and_restart_on_failure(service: Unit) -> None:
-    # FAIL (1) and an engine/sink error (3) leave the unit "failed", so systemctl shows them.
+    # FAIL (1) and an engine/sink error or a verdict the disk refused (3) leave the unit "failed", so
+    # systemctl shows them.
     assert "SuccessExitStatus" not in service["Service"]
     prevent = " ".join(service["Service"]["RestartPreventExitStatus"]).split()
     assert "1" in prevent  # FAIL: the verdict is written, the soak is over
     assert "2" in prevent  # bad config: a restart cannot help
-    assert "3" in prevent  # the verdict (FAIL) is written: a restart would start a new full soak
+    assert "3" in prevent  # the run is over (a FAIL written, or none the disk took): no new full soak
     # A crash or watchdog kill is restarted and resumed; a stop (exit 0) and a verdict are not.
     assert one(service, "Service", "Restart") == "on-failure"
     assert 10 <= timespan_s(one(service, "Service", "RestartSec")) <= 300  # the GPU frees the old engine
