@@ -80,6 +80,35 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
                 "not reached",
                 f"no ceiling held without harm for [control.batch] sustain; ended at {last} of {start}",
             )
+    _hardware(m, summary, add)
+    late = m.get("p99(lateness_ms)")
+    saturated = m.get("harness_saturated_s")
+    behind = isinstance(late, int | float) and late > LATE_P99_MS
+    if behind or (isinstance(saturated, int | float) and saturated > 0):
+        # Framed red only when a criterion on it failed: a note on a PASS must not look like the FAIL.
+        judged = _judged_by(verdict, ("lateness", "harness_saturated"))
+        failed = [c for c in judged if not c.get("passed")]
+        judgement = (
+            f"; failed {', '.join(str(c.get('name')) for c in failed)}"
+            if failed
+            else f"; within {', '.join(str(c.get('name')) for c in judged)}"
+            if judged
+            else "; no criterion of this run judges it"
+        )
+        add(
+            "replay lateness",
+            f"p99 {human(late)} ms",
+            "requests went out this late against the trace's schedule (held back by replay.max_pending, "
+            f"or soakd's loop busy {human(saturated or 0.0)} s): the load was lighter than the trace's"
+            + judgement,
+            warn=bool(failed),
+        )
+    return out
+
+
+def _hardware(m: Mapping[str, Any], summary: Mapping[str, Any], add: Any) -> None:
+    """Time at a GPU clock limit (and what it cost the clock), or the host's throttling; the decode
+    ceiling share."""
     throttle = m.get("throttle_time_pct")
     host = m.get("host_throttle_time_pct")
     if isinstance(throttle, int | float):
@@ -110,29 +139,6 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
             f"of the {human(ceiling.get('bandwidth_gbs'))} GB/s the decode steps could have read while busy "
             f"({human(ceiling.get('ceiling_tps'))} tok/s at that limit)",
         )
-    late = m.get("p99(lateness_ms)")
-    saturated = m.get("harness_saturated_s")
-    behind = isinstance(late, int | float) and late > LATE_P99_MS
-    if behind or (isinstance(saturated, int | float) and saturated > 0):
-        # Framed red only when a criterion on it failed: a note on a PASS must not look like the FAIL.
-        judged = _judged_by(verdict, ("lateness", "harness_saturated"))
-        failed = [c for c in judged if not c.get("passed")]
-        judgement = (
-            f"; failed {', '.join(str(c.get('name')) for c in failed)}"
-            if failed
-            else f"; within {', '.join(str(c.get('name')) for c in judged)}"
-            if judged
-            else "; no criterion of this run judges it"
-        )
-        add(
-            "replay lateness",
-            f"p99 {human(late)} ms",
-            "requests went out this late against the trace's schedule (held back by replay.max_pending, "
-            f"or soakd's loop busy {human(saturated or 0.0)} s): the load was lighter than the trace's"
-            + judgement,
-            warn=bool(failed),
-        )
-    return out
 
 
 def _latency(m: Mapping[str, Any], add: Any) -> None:
