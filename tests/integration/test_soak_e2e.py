@@ -310,5 +310,17 @@ checks = ["errors == 0"]  # fails: the kill loses what was in flight, and the ch
     assert again["verdict"] == verdict["verdict"] and again["interruptions"] == verdict["interruptions"]
     assert again["requests"] == verdict["requests"]  # the lost ones counted again, from the run folder
     assert again["metrics"]["errors"] == metrics["errors"] and again["metrics"]["requests"] == want
+    # And `compare` reads the same accounting (the run against itself: both sides count the lost).
+    cmp = subprocess.run(
+        [sys.executable, "-m", "soakd", "compare", str(run_dir), str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert cmp.returncode == 0, cmp.stderr
+    rows = {r["name"]: r for r in json.loads(cmp.stdout)["metrics"]}
+    assert rows["errors"]["a"] == rows["errors"]["b"] == metrics["errors"]
+    assert rows["completed_ratio"]["b"] == pytest.approx(metrics["completed_ratio"])
 
     print(f"\nresume: replaying again {resume_s:.1f} s after the restart; lost in flight {len(lost)}")
