@@ -194,7 +194,8 @@ class Soak:
         live = self.live
         log.warning("signal_received", signal=signame)
         live.interrupted = True
-        if not live.stopped_by:
+        first = not live.stopped_by
+        if first:
             live.stopped_by = signame
             if live.checkpoint is not None:
                 live.checkpoint.stopped_by = signame
@@ -205,10 +206,11 @@ class Soak:
                 self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
         if live.replayer is not None:
             live.replayer.stop()
-        elif not live.engine_started and live.checkpoint is not None:
+        elif first and not live.engine_started and live.checkpoint is not None:
             # The engine's start (minutes for a GPU engine) is cut short: its processes are killed and
             # the run ends with its verdict. One is left now too, in case the kill outlasts the service
-            # manager's stop timeout; the normal end rewrites it.
+            # manager's stop timeout; the normal end rewrites it. Only the first signal: a second Ctrl-C
+            # must not cancel the cut-short start's own clean-up.
             log.warning("stop_during_engine_start")
             if self._start_task is not None:
                 self._start_task.cancel()
@@ -503,8 +505,9 @@ class Soak:
             "requests": verdict.requests.scheduled,
             "completed": verdict.requests.completed,
             "failed": verdict.requests.failed,
-            # Stopped on purpose (SIGTERM: a service stop): the FAIL is expected, and an alert on it
-            # is a warning, not a page.
+            "verdict_written": int(not self._verdict_error),
+            # Stopped on purpose (a signal): judged on the work done; an alert on it is a warning (its
+            # PASS is of a shorter run), not a page.
             "stopped": int(bool(live.stopped_by)),
             # The run's span in epoch ms (its first start, across resumes, to now): the dashboard's
             # runs table links each run to its own time range.
@@ -524,19 +527,22 @@ class Soak:
         sinks: Stack,
     ) -> dict[str, Any]:
         live = self.live
+        # How the run ended as its verdict judged it: a signal that came after the verdict was written
+        # must not make the summary say otherwise than verdict.json and the exit code.
+        ending = verdict.ending
         doc: dict[str, Any] = {
             "run_id": self.run_id,
             # Only a verdict on disk is claimed: with none, the word says so.
             "verdict": verdict.word if not self._verdict_error else "NOT WRITTEN",
             "verdict_error": self._verdict_error,
             "exit_code": verdict.exit_code if not self._verdict_error else EXIT_ERROR,
-            "error": live.error,
+            "error": ending.error,
             "ran_s": ran_s,
             # Stopped before its planned end (judge/verdict.py): by the operator (stopped_by) or on its
             # own (error). Not `resume.interruptions`, the crashes it was resumed from.
-            "stopped_early": bool(live.stopped_by or live.error),
-            "stopped_by": live.stopped_by,
-            "replay_began": self._replay_began(),
+            "stopped_early": ending.early,
+            "stopped_by": ending.stopped_by,
+            "replay_began": ending.replay_began,
             # The whole run across resumed processes, lost-in-flight requests counted as failed (the
             # verdict's figures); `replay` is this process's replayer alone.
             "requests": verdict.requests.to_dict(),

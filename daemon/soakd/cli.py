@@ -594,8 +594,9 @@ def _latency_lines(req: dict[str, Any]) -> list[str]:
     ]
     share = req.get("admission_wait_share")
     if isinstance(share, int | float) and share > 0:
+        waited = f"{100 * share:.0f} %" if share >= 0.01 else "under 1 %"
         out.append(
-            f"  admission ceiling bound: {100 * share:.0f} % of requests waited at replay.max_concurrency, "
+            f"  admission ceiling bound: {waited} of requests waited at replay.max_concurrency, "
             f"p99 wait {ms(p99('queue'))} (inside TTFT as offered)"
         )
     return out

@@ -175,6 +175,11 @@ async def _construct(build: Callable[[], Any], timeout_s: float, before: set[int
     done = asyncio.Event()
     box: list[Any] = []
     finished = threading.Event()
+    # Set when the start is given up; under the lock, whichever side sees a built engine second shuts
+    # it down: the thread (built after the give-up, e.g. still loading the tokenizer when the stop came,
+    # no engine process to kill yet) or the coroutine (built before).
+    lock = threading.Lock()
+    abandoned = threading.Event()
 
     def run() -> None:
         # multiprocessing's resource tracker, launched on its first use, *unblocks* SIGINT in the thread
@@ -183,9 +188,18 @@ async def _construct(build: Callable[[], Any], timeout_s: float, before: set[int
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
         try:
-            box.append((True, build()))
+            value = build()
         except BaseException as err:  # noqa: BLE001  (handed to the awaiting coroutine)
             box.append((False, err))
+        else:
+            with lock:
+                orphan = abandoned.is_set()
+                if not orphan:
+                    box.append((True, value))
+            if orphan:
+                with contextlib.suppress(Exception):
+                    value.shutdown()
+                box.append((False, RuntimeError("engine start given up")))
         finished.set()
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits it any more
             loop.call_soon_threadsafe(done.set)
@@ -194,12 +208,15 @@ async def _construct(build: Callable[[], Any], timeout_s: float, before: set[int
     try:
         await asyncio.wait_for(done.wait(), timeout_s)
     except BaseException:
+        with lock:
+            abandoned.set()
+            built = box[0][1] if box and box[0][0] else None
         killed = _kill_started(before)
         log.warning("engine_start_cut_short", killed=killed)
-        await asyncio.to_thread(finished.wait, _KILL_WAIT_S)
-        if box and box[0][0]:
+        if built is not None:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(box[0][1].shutdown)
+                await asyncio.to_thread(built.shutdown)
+        await asyncio.to_thread(finished.wait, _KILL_WAIT_S)
         raise
     ok, value = box[0]
     if not ok:

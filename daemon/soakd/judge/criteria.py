@@ -416,9 +416,8 @@ def _ttft_detail(summary: RequestSummary) -> str:
         parts.append(f"from the send {summary.ttft.p99_ms:,.0f} ms")
     share = summary.admission_wait_share
     if share and summary.queue is not None and summary.queue.p99_ms is not None:
-        parts.append(
-            f"admission ceiling bound: {100 * share:.0f} % waited, p99 wait {summary.queue.p99_ms:,.0f} ms"
-        )
+        waited = f"{100 * share:.0f} %" if share >= 0.01 else "under 1 %"
+        parts.append(f"admission ceiling bound: {waited} waited, p99 wait {summary.queue.p99_ms:,.0f} ms")
     return "; ".join(parts)
 
 

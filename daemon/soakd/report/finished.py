@@ -49,16 +49,27 @@ class FinishedRun:
         path = self.run_dir / VERDICT_FILE
         return read_json(path) if path.exists() else None
 
+    def stopped_code(self) -> int:
+        """The code a stop exited with (4, or the systemd unit's 0): the run's, not the criteria's. The
+        verdict records it since soakd wrote `stopped_early`, the summary too; an older verdict's
+        `exit_code` was PASS/FAIL's, so its run is taken to have exited as `soakd run` does by default."""
+        for doc in (self.recorded_verdict() or {}, self.summary):
+            code = doc.get("exit_code")
+            if "stopped_early" in doc and isinstance(code, int) and not isinstance(code, bool):
+                return code
+        return EXIT_STOPPED
+
     def ending(self) -> Ending:
-        """How the run ended, from its summary. A run that never wrote one died before its end; an older
-        summary that says only `interrupted` cannot tell an operator's stop from a failure: judged as
-        ended early, as it was then."""
+        """How the run ended, from its summary. A run that never wrote one died before its end. An older
+        summary says `interrupted` (set only by a stop signal) beside `error` (the run's own reason): with
+        no error it was the operator's stop, whose signal its checkpoint names."""
         s = self.summary
         if not s:
             return Ending(error="the run died before its end (no summary.json)")
         stopped_by, error = str(s.get("stopped_by") or ""), str(s.get("error") or "")
         if not stopped_by and not error and stopped_early(s):
-            error = "stopped before the end"
+            checkpoint = read_checkpoint(self.run_dir)
+            stopped_by = (checkpoint.stopped_by if checkpoint is not None else "") or "a stop signal"
         return Ending(stopped_by, error, bool(s.get("replay_began", True)))
 
 
@@ -92,8 +103,7 @@ def judge_again(run: FinishedRun, metrics: RunMetrics | None = None) -> Verdict:
         planned_s=float(run.meta["config"]["run"]["duration"]),
         ending=run.ending(),
         metrics=metrics,
-        # The code a stop exited with (4, or the systemd unit's 0) is the run's, not the criteria's.
-        stopped_code=int((run.recorded_verdict() or {}).get("exit_code", EXIT_STOPPED)),
+        stopped_code=run.stopped_code(),
     )
 
 

@@ -67,7 +67,7 @@ def headline(verdict: Mapping[str, Any], summary: Mapping[str, Any]) -> list[dic
         add("goodput", human(good), "tokens/s of requests within the TTFT and TPOT limits")
     else:
         add("goodput", "not measured", "measured by the control loop ([control] enabled)")
-    _latency(m, add)
+    _latency(verdict, m, add)
     if control is not None:
         sustained = control.get("sustained")
         start = control.get("start")
@@ -141,26 +141,51 @@ def _hardware(m: Mapping[str, Any], summary: Mapping[str, Any], add: Any) -> Non
         )
 
 
-def _latency(m: Mapping[str, Any], add: Any) -> None:
+def _latency(verdict: Mapping[str, Any], m: Mapping[str, Any], add: Any) -> None:
     """TTFT as the trace's users saw it, the server's view beside it, and whether soakd's own admission
     ceiling put a wait between them."""
     offered, sent = m.get("p99(ttft_offered_ms)"), m.get("p99(ttft_ms)")
-    if offered is None and sent is None:
+    if "p99(ttft_offered_ms)" not in m:
+        if sent is not None:
+            # A verdict judged before soakd measured from the due time: say what this figure is.
+            add(
+                "TTFT p99 from the send",
+                _ms(sent),
+                "the server's view: this verdict was judged before soakd measured TTFT as offered (from "
+                "the due time); `soakd report --rejudge` judges it so",
+                warn=True,
+            )
         return
     add(
         "TTFT p99 as offered",
-        f"{human(offered)} ms",
-        f"from each request's due time in the trace; from the send (the server's view) {human(sent)} ms",
+        _ms(offered),
+        f"from each request's due time in the trace; from the send (the server's view) {_ms(sent)}",
     )
     share, wait = m.get("admission_wait_share"), m.get("p99(queue_ms)")
     if isinstance(share, int | float) and share > 0:
         add(
             "admission ceiling bound",
-            f"{pct(share)} of requests waited",
-            f"p99 wait {human(wait)} ms at soakd's replay.max_concurrency before the send: inside TTFT as "
+            f"{_share(share)} of requests waited",
+            f"p99 wait {_ms(wait)} at soakd's replay.max_concurrency before the send: inside TTFT as "
             "offered, outside the server's view",
-            warn=True,
+            # A warning when it cost the TTFT criterion; otherwise a fact beside a PASS.
+            warn=_failed(verdict, "ttft_p99_ms"),
         )
+
+
+def _ms(value: Any) -> str:
+    return "no data" if not isinstance(value, int | float) else f"{human(value)} ms"
+
+
+def _share(share: float) -> str:
+    """A share as a percentage that does not round a few requests away to 0 %."""
+    return pct(share) if share >= 0.01 else "under 1 %"
+
+
+def _failed(verdict: Mapping[str, Any], name: str) -> bool:
+    found = verdict.get("criteria")
+    criteria = found if isinstance(found, list) else []
+    return any(isinstance(c, Mapping) and c.get("name") == name and not c.get("passed") for c in criteria)
 
 
 def _judged_by(verdict: Mapping[str, Any], words: tuple[str, ...]) -> list[Mapping[str, Any]]:

@@ -268,14 +268,30 @@ class AlertBook:
         return Alert({k: v for k, v in labels.items() if v}, annotations, s.time_ns)
 
     def _verdict(self, s: Sample) -> Alert:
-        passed = s.fields.get("passed") in (1, True)
-        stopped = not passed and s.fields.get("stopped") in (1, True)
-        word = "PASS" if passed else "FAIL"
+        # A point without `verdict_written` is from a soakd that wrote it only with its verdict.
+        written = s.fields.get("verdict_written", 1) in (1, True)
+        passed = written and s.fields.get("passed") in (1, True)
+        stopped = written and s.fields.get("stopped") in (1, True)
+        # No verdict on disk claims neither PASS nor FAIL; a stopped run's PASS is of the work done.
+        word = "NOT WRITTEN" if not written else "PASS" if passed else "FAIL"
         severity: Severity = (
-            "info" if passed else "warning" if stopped else self.severity.get("verdict", "critical")
+            "info"
+            if passed and not stopped
+            else "warning"
+            if stopped
+            else self.severity.get("verdict", "critical")
+        )
+        alertname = (
+            "SoakdVerdictNotWritten"
+            if not written
+            else "SoakdRunStopped"
+            if stopped
+            else "SoakdRunPassed"
+            if passed
+            else "SoakdRunFailed"
         )
         labels = {
-            "alertname": "SoakdRunPassed" if passed else "SoakdRunStopped" if stopped else "SoakdRunFailed",
+            "alertname": alertname,
             "severity": severity,
             "kind": "verdict",
             "verdict": word,
@@ -288,7 +304,8 @@ class AlertBook:
             return float(value) if isinstance(value, int | float) else 0.0
 
         description = (
-            f"soak {labels['run_id']}: {word}{' (stopped by a signal)' if stopped else ''} after "
+            f"soak {labels['run_id']}: {word}{' (stopped by a signal)' if stopped else ''}"
+            f"{' (the disk refused verdict.json)' if not written else ''} after "
             f"{num('ran_s'):.0f} of {num('planned_s'):.0f} s; "
             f"{num('completed'):.0f} of {num('requests'):.0f} requests completed, {num('failed'):.0f} failed"
         )

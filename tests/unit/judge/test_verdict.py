@@ -188,7 +188,9 @@ def queued(ttft: float, queue: float, *, offered: bool = True) -> Sample:
         "output_tokens": 5,
     }
     if offered:
-        fields |= {"ttft_offered_s": queue + 0.002 + ttft, "e2e_offered_s": queue + 0.002 + ttft + 0.04}
+        # Stamped at the first token: 1 ms of connection time beyond the sum of the parts, so a fold that
+        # read the parts instead of the stamp would be told apart.
+        fields |= {"ttft_offered_s": queue + 0.003 + ttft, "e2e_offered_s": queue + 0.003 + ttft + 0.04}
     return Sample("requests", fields, 1, tags={"status": "ok"})
 
 
@@ -198,14 +200,15 @@ def test_the_ttft_criterion_judges_the_wait_from_the_due_time(offered: bool) -> 
     samples = [queued(0.1, 60.0 if i % 2 else 0.0, offered=offered) for i in range(100)]
     s = summarize(samples)
     assert s.ttft is not None and s.ttft.p99_ms == pytest.approx(100.0)
-    assert s.ttft_offered is not None and s.ttft_offered.p99_ms == pytest.approx(60_102.0)
-    assert s.e2e_offered is not None and s.e2e_offered.max_ms == pytest.approx(60_142.0)
+    stamped = 1.0 if offered else 0.0  # the stamp's connection millisecond, where there is a stamp
+    assert s.ttft_offered is not None and s.ttft_offered.p99_ms == pytest.approx(60_102.0 + stamped)
+    assert s.e2e_offered is not None and s.e2e_offered.max_ms == pytest.approx(60_142.0 + stamped)
     assert s.waited == 50 and s.admission_wait_share == pytest.approx(0.5)
     assert s.queue is not None and s.queue.p99_ms == pytest.approx(60_000.0)
     cfg = load(None, {"criteria.ttft_p99_ms": 5000}).criteria
     ttft = next(r for r in evaluate(cfg, s, ran_s=120, planned_s=120) if r.name == "ttft_p99_ms")
     # The send-relative p99 (100 ms) would pass; the user's (60 s) does not, and the line says both.
-    assert not ttft.passed and ttft.value == pytest.approx(60_102.0)
+    assert not ttft.passed and ttft.value == pytest.approx(60_102.0 + stamped)
     assert "from the send 100 ms" in ttft.detail and "50 % waited" in ttft.detail
     unbound = summarize([queued(0.1, 0.0) for _ in range(10)])
     assert unbound.admission_wait_share == 0.0
@@ -222,7 +225,7 @@ def test_requests_lost_in_flight_count_in_every_figure_of_the_verdict() -> None:
         None, {"criteria.checks": ["errors == 0", "completed_ratio >= 0.95", "requests == 24"]}
     ).criteria
     gap = {"at_s": 30.0, "down_s": 4.0, "lost_in_flight": 5, "resumed_utc": "x"}
-    verdict = verdict_of("r", cfg, metrics, ran_s=120, planned_s=120, interrupted=False, interruptions=[gap])
+    verdict = verdict_of("r", cfg, metrics, ran_s=120, planned_s=120, interruptions=[gap])
     m = verdict.metrics
     assert (m["requests"], m["completed"], m["errors"]) == (24.0, 19.0, 5.0)
     assert m["completed_ratio"] == pytest.approx(19 / 24) and m["error_rate"] == pytest.approx(5 / 24)

@@ -384,7 +384,7 @@ def test_judging_again_keeps_how_the_run_stopped(tmp_path: Path) -> None:
     summary |= {"stopped_early": True, "stopped_by": "SIGTERM", "error": "", "replay_began": True}
     summary.pop("interrupted", None)
     summary_path.write_text(json.dumps(summary))
-    (run / "verdict.json").write_text(json.dumps({"verdict": "PASS", "exit_code": 0}))
+    (run / "verdict.json").write_text(json.dumps({"verdict": "PASS", "exit_code": 0, "stopped_early": True}))
     assert main(["report", str(run), "--rejudge"]) == 0
     verdict = json.loads((run / "verdict.json").read_text())
     assert verdict["stopped_by"] == "SIGTERM" and verdict["exit_code"] == 0
@@ -392,12 +392,20 @@ def test_judging_again_keeps_how_the_run_stopped(tmp_path: Path) -> None:
     assert duration["informational"] and duration["passed"]
     page = (run / "report.html").read_text()  # the banner says it was stopped; the line is no PASS
     assert "(stopped early by SIGTERM at " in page and ">info</td>" in page
-    # An older summary says only `interrupted`: an operator's stop cannot be told from a failure, so it
-    # is judged as ended early, as it was then.
+    # An older run: its summary says `interrupted` (only a stop signal set it) and no `error`, its
+    # verdict's exit_code was PASS/FAIL's. An operator's stop still, exiting as `soakd run` does (4).
     summary = {k: v for k, v in summary.items() if k not in ("stopped_early", "stopped_by", "replay_began")}
     summary_path.write_text(json.dumps({**summary, "interrupted": True}))
+    (run / "verdict.json").write_text(json.dumps({"verdict": "FAIL", "exit_code": 1, "interrupted": True}))
     assert main(["report", str(run), "--rejudge", "--no-report"]) == 0
     verdict = json.loads((run / "verdict.json").read_text())
     (duration,) = [c for c in verdict["criteria"] if c["name"] == "duration_completed_s"]
-    assert not duration["passed"] and duration["detail"] == "ended early: stopped before the end"
-    assert verdict["verdict"] == "FAIL" and verdict["exit_code"] == 3 and verdict["stopped_early"]
+    assert duration["informational"] and duration["passed"] and verdict["stopped_early"]
+    assert verdict["exit_code"] == 4 and verdict["stopped_by"] in ("SIGTERM", "a stop signal")
+    # ...and one that ended early on its own (its `error` said why) still fails the duration line.
+    summary_path.write_text(json.dumps({**summary, "interrupted": True, "error": "engine: it died"}))
+    assert main(["report", str(run), "--rejudge", "--no-report"]) == 0
+    verdict = json.loads((run / "verdict.json").read_text())
+    (duration,) = [c for c in verdict["criteria"] if c["name"] == "duration_completed_s"]
+    assert not duration["passed"] and duration["detail"] == "ended early: engine: it died"
+    assert verdict["verdict"] == "FAIL" and verdict["exit_code"] == 3

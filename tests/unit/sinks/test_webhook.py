@@ -111,10 +111,12 @@ class Run:
     def telemetry(self, n: int) -> None:
         self.writer(Sample("gpu", {"sm_mhz": 1980.0 - i}, self.wall_ns() + i, {"gpu": "0"}) for i in range(n))
 
-    def verdict(self, passed: bool, stopped: bool = False) -> None:
+    def verdict(self, passed: bool, stopped: bool = False, written: bool | None = None) -> None:
         self.t += 1.0
         fields = {"passed": int(passed), "ran_s": 3600.0, "planned_s": 3600.0, "requests": 10, "completed": 9}
         fields["stopped"] = int(stopped)
+        if written is not None:
+            fields["verdict_written"] = int(written)
         self.writer([Sample("run", {**fields, "failed": 1}, self.wall_ns())])
 
 
@@ -503,8 +505,25 @@ async def test_a_run_stopped_on_purpose_is_a_warning_not_a_page(tmp_path: Path, 
     await sink.tick(5.0)
     run.verdict(passed=False)
     await sink.tick(5.0)
-    stopped, failed = receiver.alerts[-2:]
+    # A stopped run that PASSed on the work done: still said to be stopped, not a plain PASS.
+    run.verdict(passed=True, stopped=True, written=True)
+    await sink.tick(5.0)
+    # No verdict on disk (a full disk): neither PASS nor FAIL is claimed, and it pages.
+    run.verdict(passed=False, written=False)
+    await sink.tick(5.0)
+    stopped, failed, stopped_pass, unwritten = receiver.alerts[-4:]
     assert (stopped["labels"]["alertname"], stopped["labels"]["severity"]) == ("SoakdRunStopped", "warning")
     assert "stopped by a signal" in stopped["annotations"]["description"]
     assert (failed["labels"]["alertname"], failed["labels"]["severity"]) == ("SoakdRunFailed", "critical")
+    assert (
+        stopped_pass["labels"]["alertname"] == "SoakdRunStopped"
+        and stopped_pass["labels"]["verdict"] == "PASS"
+    )
+    assert "PASS (stopped by a signal)" in stopped_pass["annotations"]["description"]
+    labels = unwritten["labels"]
+    assert (labels["alertname"], labels["severity"], labels["verdict"]) == (
+        "SoakdVerdictNotWritten",
+        "critical",
+        "NOT WRITTEN",
+    )
     await sink.aclose()
