@@ -1,4 +1,4 @@
-"""The criteria language of `[criteria] checks`: parse `p99(ttft_ms) < 500`-style lines, measure them.
+"""The criteria language of `[criteria] checks`: parse `p99(ttft_offered_ms) < 500`-style lines, measure them.
 
 One check is `METRIC OP NUMBER`, k6-threshold style:
 
@@ -154,7 +154,7 @@ def _tokens(text: str) -> list[tuple[str, str]]:
 def parse_check(text: str) -> Check:
     """Parse one check; ValueError says what is wrong, in words a config error can carry."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError("a check is a string like 'p99(ttft_ms) < 500'")
+        raise ValueError("a check is a string like 'p99(ttft_offered_ms) < 500'")
     toks = _tokens(text)
     ops = [i for i, (kind, _) in enumerate(toks) if kind == "op"]
     if len(ops) != 1:
