@@ -229,13 +229,17 @@ def _exercise(machine: Machine, influx: Server, password: str, timings: dict[str
         "ExecMainCode": "1",
     }, unit
     verdict = json.loads((run_dir / "verdict.json").read_text())
-    # Stopped before its duration by the operator: judged on the work done, which had a daemon crash
-    # (interruptions 1, allowed 0): FAIL. The stop itself is a clean end of the service (exit 0 above,
-    # the code verdict.json records).
+    # Stopped before its duration by the operator: judged on the work done, its duration line
+    # informational; the daemon crash it was resumed from is counted (1, allowed 1). The stop itself is a
+    # clean end of the service (exit 0 above, the code verdict.json records), PASS or FAIL.
     assert verdict["stopped_early"] is True and verdict["stopped_by"] == "SIGTERM"
-    assert verdict["verdict"] == "FAIL" and verdict["exit_code"] == 0
+    assert verdict["exit_code"] == 0
+    (duration,) = [c for c in verdict["criteria"] if c["name"] == "duration_completed_s"]
+    assert duration["informational"] and duration["passed"], duration
     (interruptions,) = [c for c in verdict["criteria"] if c["name"] == "interruptions"]
-    assert interruptions["value"] == 1.0 and not interruptions["passed"], interruptions
+    assert interruptions["value"] == 1.0 and interruptions["passed"], interruptions
+    # The word is the criteria's: the requests the kill lost in flight (if any) fail error_rate.
+    assert (verdict["verdict"] == "PASS") == all(c["passed"] for c in verdict["criteria"])
 
     # The credential reached soakd and nothing else: the points are in the InfluxDB that refuses writes
     # without it, and the password is in no log line and not in the unit's environment.
