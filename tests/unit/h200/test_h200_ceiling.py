@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from soakd.cli import main
 from soakd.metric import parse_line
+from soakd.testing import recorded_run_dir
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "h200" / "ceiling_sigint"
 
 
 def _run(root: Path) -> Path:
-    meta = json.loads((DATA / "meta.json").read_text())
-    run = root / meta["run_id"]
-    (run / "spool").mkdir(parents=True)
-    (run / "spool" / "seg-00000001.lp").write_bytes(gzip.decompress((DATA / "spool.lp.gz").read_bytes()))
-    for name in ("meta.json", "summary.json"):
-        shutil.copy(DATA / name, run / name)
+    run = recorded_run_dir(root, DATA.name, data=DATA.parent)
+    (run / "verdict.json").unlink()  # judged here again
     return run
 
 
