@@ -357,9 +357,13 @@ max_concurrency = 8
     # Every trial is judged: a verdict with the objective before and after, on a busy engine.
     results = [e for e in events["action_result"] if e.fields["action"] == "downscale"]
     assert len(results) == len(events["downscale"]) and all("objective_before" in e.fields for e in results)
-    assert float(results[0].fields["objective_after"]) > 0 and "binding" not in str(
-        results[0].fields["reason"]
-    )
+    first = results[0]
+    if first.fields["reason"] == "harm ended during the trial":
+        # A busy machine moved late in the recorded load: its harm ended before settle + eval (3 + 5 s)
+        # had passed, so no like-for-like after could be measured (downscale.py keeps the level then).
+        assert (first.time_ns - down.time_ns) / 1e9 <= 3 + 5 + 2, (first.time_ns - down.time_ns) / 1e9
+    else:
+        assert float(first.fields["objective_after"]) > 0 and "binding" not in str(first.fields["reason"])
     rebuilds = events["engine_rebuild"]
     assert len(rebuilds) == 1 and rebuilds[0].fields["ok"] == 1
     # The downscale came while the rebuild had no engine up (or with the new one up): either way the
