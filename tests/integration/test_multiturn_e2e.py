@@ -93,11 +93,17 @@ min_completed_ratio = false
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["trace"]["format"] == "sharegpt" and meta["trace"]["sessions"] == CONVERSATIONS
 
-    sessions: dict[str, list[tuple[int, int, int, int, int]]] = defaultdict(list)
+    sessions: dict[str, list[tuple[int, int, float, int, int]]] = defaultdict(list)
     for s in requests:
         f = s.fields
         sessions[str(f["session"])].append(
-            (int(f["turn"]), int(f["due_ns"]), s.time_ns, int(f["input_tokens"]), int(f["output_tokens"]))
+            (
+                int(f["turn"]),
+                int(f["due_ns"]),
+                float(f["e2e_offered_s"]),  # due time to last token, on the replay's monotonic clock
+                int(f["input_tokens"]),
+                int(f["output_tokens"]),
+            )
         )
     assert len(sessions) >= CONVERSATIONS - 2  # the last conversations may start too late to be seen
     reusable = 0
@@ -105,9 +111,10 @@ min_completed_ratio = false
         turns.sort()
         assert [t[0] for t in turns] == list(range(len(turns)))
         for prev, nxt in itertools.pairwise(turns):
-            # Closed loop: a turn is due only once the previous one finished (its record is written
-            # then) plus the think time; and its prompt is longer, carrying the conversation so far.
-            assert nxt[1] >= prev[2] - 1_000_000, (prev, nxt)
+            # Closed loop: a turn is due only once the previous one finished (its last token, due time
+            # + E2E as offered: one clock, so a step of the wall clock cannot fake or hide it) plus the
+            # think time; and its prompt is longer, carrying the conversation so far.
+            assert nxt[1] >= prev[1] + prev[2] * 1e9 - 1_000_000, (prev, nxt)
             assert nxt[3] > prev[3]
             # The next prompt repeats this turn's prompt and the engine's own answer to it.
             reusable += prev[3] + prev[4]
