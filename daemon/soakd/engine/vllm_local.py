@@ -196,10 +196,9 @@ async def _construct(build: Callable[[], Any], timeout_s: float, before: set[int
                 orphan = abandoned.is_set()
                 if not orphan:
                     box.append((True, value))
-            if orphan:
+            if orphan:  # nobody reads the box any more: the engine is this thread's to shut down
                 with contextlib.suppress(Exception):
                     value.shutdown()
-                box.append((False, RuntimeError("engine start given up")))
         finished.set()
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits it any more
             loop.call_soon_threadsafe(done.set)
