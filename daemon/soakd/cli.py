@@ -537,10 +537,9 @@ def _interrupt(signum: int, _frame: FrameType | None) -> None:
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path, report: Path | None = None) -> None:
-    from soakd.progress import summary_tokens_per_s
+    from soakd.progress import summary_requests, summary_tokens_per_s
 
-    # The whole run (across resumed processes) where the summary has it; older summaries: the replayer's.
-    req = summary.get("requests") or summary["replay"]
+    req = summary_requests(summary)
     lost = int(req.get("lost_in_flight") or 0)
     print(f"run {summary['run_id']} -> {run_dir}")
     lost_note = f" ({lost} lost in flight at restarts)" if lost else ""
@@ -594,9 +593,10 @@ def _latency_lines(req: dict[str, Any]) -> list[str]:
     ]
     share = req.get("admission_wait_share")
     if isinstance(share, int | float) and share > 0:
-        waited = f"{100 * share:.0f} %" if share >= 0.01 else "under 1 %"
+        from soakd.judge.criteria import waited_share
+
         out.append(
-            f"  admission ceiling bound: {waited} of requests waited at replay.max_concurrency, "
+            f"  admission ceiling bound: {waited_share(share)} of requests waited at replay.max_concurrency, "
             f"p99 wait {ms(p99('queue'))} (inside TTFT as offered)"
         )
     return out

@@ -16,11 +16,17 @@ from tqdm import tqdm
 from soakd.replay.runner import ReplayStats
 
 
+def summary_requests(summary: dict[str, Any]) -> dict[str, Any]:
+    """A summary.json's request counts: the whole run's (across resumed processes), or, in summaries
+    written before it had them, the replayer's."""
+    req: dict[str, Any] = summary.get("requests") or summary["replay"]
+    return req
+
+
 def summary_tokens_per_s(summary: dict[str, Any]) -> float:
     """Output tokens per second of the whole run, as the closing summary prints it: the run's output
-    tokens (across resumed processes where the summary has them) over its `ran_s`."""
-    req = summary.get("requests") or summary["replay"]
-    return float(req["output_tokens"]) / max(float(summary["ran_s"]), 1e-9)
+    tokens over its `ran_s`."""
+    return float(summary_requests(summary)["output_tokens"]) / max(float(summary["ran_s"]), 1e-9)
 
 
 class _BarClearing:
@@ -101,7 +107,7 @@ class Progress:
     def finish(self, summary: dict[str, Any]) -> None:
         """The bar's last state: the run's average tokens/s, the figure the summary prints, then closed."""
         if self._bar is not None:
-            req = summary.get("requests") or summary["replay"]
+            req = summary_requests(summary)
             counts = f"done {req['completed']} failed {req['failed'] + req['shed']}"
             self._bar.set_postfix_str(
                 f"{counts} run average {summary_tokens_per_s(summary):.1f} tok/s", refresh=False

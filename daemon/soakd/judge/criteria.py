@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,24 @@ if TYPE_CHECKING:
 QUEUE_WAITED_S = 0.001
 """An admission wait over this is a request the concurrency ceiling held back (a free slot is taken in
 microseconds)."""
+
+
+def offered_s(fields: Mapping[str, object], stamped: str, sent: str) -> float | None:
+    """A request's latency as offered (`stamped`: ttft_offered_s, e2e_offered_s) from its record's fields;
+    for a record written before soakd stamped it, the sum of its parts: its `sent` figure (ttft_s,
+    e2e_s) plus its admission wait and lateness."""
+    value = _num(fields.get(stamped))
+    if value is not None:
+        return value
+    from_send = _num(fields.get(sent))
+    if from_send is None:
+        return None
+    return from_send + (_num(fields.get("queue_s")) or 0.0) + (_num(fields.get("lateness_s")) or 0.0)
+
+
+def waited_share(share: float) -> str:
+    """The share of requests that waited at the admission ceiling, in words: a few are never 0 %."""
+    return f"{100 * share:.0f} %" if share >= 0.01 else "under 1 %"
 
 
 def _pct(values: npt.NDArray[np.float64], q: float) -> float | None:
@@ -259,11 +277,7 @@ class RequestFolder:
                 ("ttft_offered_s", "ttft_s", self._ttft_offered),
                 ("e2e_offered_s", "e2e_s", self._e2e_offered),
             ):
-                value = _num(f.get(name))
-                if value is None:
-                    # A record written before soakd stamped the due-time view: the same sum of its parts.
-                    from_send = _num(f.get(sent))
-                    value = None if from_send is None else from_send + queue + late
+                value = offered_s(f, name, sent)
                 if value is not None:
                     dest.add(value)
         else:
@@ -276,8 +290,7 @@ class RequestFolder:
         s.output_tokens += int(tokens_out) if isinstance(tokens_out, int) else 0
 
     def quantiles(self, name: str) -> Quantiles:
-        """One latency's distribution (seconds) by its criteria name: ttft_ms, tpot_ms, e2e_ms,
-        lateness_ms."""
+        """One latency's distribution (seconds) by its criteria name (dsl.DISTRIBUTIONS)."""
         return {
             "ttft_ms": self._ttft,
             "tpot_ms": self._tpot,
@@ -416,8 +429,9 @@ def _ttft_detail(summary: RequestSummary) -> str:
         parts.append(f"from the send {summary.ttft.p99_ms:,.0f} ms")
     share = summary.admission_wait_share
     if share and summary.queue is not None and summary.queue.p99_ms is not None:
-        waited = f"{100 * share:.0f} %" if share >= 0.01 else "under 1 %"
-        parts.append(f"admission ceiling bound: {waited} waited, p99 wait {summary.queue.p99_ms:,.0f} ms")
+        parts.append(
+            f"admission ceiling bound: {waited_share(share)} waited, p99 wait {summary.queue.p99_ms:,.0f} ms"
+        )
     return "; ".join(parts)
 
 

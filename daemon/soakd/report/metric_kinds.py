@@ -35,13 +35,19 @@ LOWER = {
     "admission_wait_share",
 }
 # Totals: a run twice as long has twice as many, so their deltas say nothing about the change under test.
-TOTALS = {
+# The first ones, in this order, end a comparison's table (ORDER); the rest follow by name.
+_TOTALS_LISTED = (
+    "replay_s",
+    "duration_s",
     "requests",
     "completed",
     "errors",
     "shed",
     "output_tokens",
     "input_tokens",
+)
+TOTALS = {
+    *_TOTALS_LISTED,
     "engine_restarts",
     "engine_rebuilds",
     "throttle_episodes",
@@ -49,8 +55,6 @@ TOTALS = {
     "interruptions",
     "lost_in_flight",
     "harness_saturated_s",
-    "duration_s",
-    "replay_s",
 }
 # Rates and ratios derived from the totals, so that runs of different lengths can be judged:
 # name -> (total, per what: "s" of the replay, "h" of the run, "requests", or "pct" of the replay).
@@ -124,14 +128,7 @@ ORDER = [
     "host_throttle_time_pct",
     "harness_saturated_pct",
     # Totals last: shown, not judged.
-    "replay_s",
-    "duration_s",
-    "requests",
-    "completed",
-    "errors",
-    "shed",
-    "output_tokens",
-    "input_tokens",
+    *_TOTALS_LISTED,
 ]
 RANK = {name: i for i, name in enumerate(ORDER)}
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from soakd.judge.criteria import offered_s
 from soakd.metric import FieldValue, Sample
 from soakd.sinks.spool import DamagedFn, iter_samples
 
@@ -191,11 +192,11 @@ class SeriesBuilder:
                 stored = True
         if m == "requests":
             stored = stored or "error" in s.fields
-            ttft = _num(s.fields.get("ttft_s"))
-            if ttft is not None and "ttft_offered_s" not in s.fields:
+            if "ttft_offered_s" not in s.fields:
                 # Recorded before the due-time view was stamped: its parts add up to it (as the verdict's).
-                late = (_num(s.fields.get("queue_s")) or 0.0) + (_num(s.fields.get("lateness_s")) or 0.0)
-                self._put((m, group, "ttft_offered_s"), s.time_ns, ttft + late)
+                offered = offered_s(s.fields, "ttft_offered_s", "ttft_s")
+                if offered is not None:
+                    self._put((m, group, "ttft_offered_s"), s.time_ns, offered)
         ratios = dict(_RATIOS.get(m, {}))
         if m == "spec_decode":
             for name in s.fields:
