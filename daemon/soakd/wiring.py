@@ -118,13 +118,14 @@ def engine_config(cfg: Config, run_dir: Path, offset_s: float) -> EngineConfig:
     """The engine configuration to start: the config's as it was `offset_s` into the replay (a resumed
     run starts the engine as it was at the crash point), with soakd's scheduler class when the batch
     policy moves vLLM's admission limit live (and the file it reads named in the environment, which the
-    engine's processes inherit)."""
+    engine's processes inherit). Advice-only (`dry_run`) runs the same class, which it never moves: an
+    A/B of control against advice-only then compares policies on one engine, not two schedulers."""
     ecfg = cfg.engine
     for change in sorted(ecfg.changes, key=lambda c: c.at):
         if change.at <= offset_s:
             ecfg = apply_change(ecfg, change)
     batch = cfg.control.batch
-    wants = cfg.control.enabled and batch.enabled and batch.lever == "scheduler" and not cfg.control.dry_run
+    wants = cfg.control.enabled and batch.enabled and batch.lever == "scheduler"
     if wants and ecfg.kind != "openai" and not ecfg.scheduler_cls:
         os.environ[ACTIVE_SEQS_ENV] = str(run_dir / LIMIT_FILE)
         ecfg = ecfg.model_copy(update={"scheduler_cls": SCHEDULER_CLS})

@@ -108,3 +108,25 @@ def test_no_gpu_is_written_down_for_meta_json(tmp_path: Path, monkeypatch: typin
     assert build_collectors(b, "start") == []
     # The report then says what is true of this run, not "runs before soakd wrote them".
     assert b.gpu_meta == {"source": "none", "reason": "NVML Shared Library Not Found", "devices": []}
+
+
+def test_advice_only_runs_the_scheduler_class_control_would_run(
+    tmp_path: Path, monkeypatch: typing.Any
+) -> None:
+    from soakd.engine.base import ACTIVE_SEQS_ENV
+    from soakd.engine.vllm_local import SCHEDULER_CLS
+    from soakd.wiring import engine_config
+
+    # engine_config names the limit file in the environment: undone at teardown.
+    monkeypatch.setenv(ACTIVE_SEQS_ENV, "")
+
+    def cls_of(control: dict[str, typing.Any]) -> str:
+        cfg = Config.model_validate({"engine": {"kind": "vllm-local"}, "control": control})
+        return engine_config(cfg, tmp_path, 0.0).scheduler_cls
+
+    # The A/B of control against advice-only compares policies on one engine: both arms run the class.
+    assert cls_of({"enabled": True, "dry_run": True}) == SCHEDULER_CLS
+    assert cls_of({"enabled": True}) == SCHEDULER_CLS
+    # Without control, or with a lever that never moves vLLM's limit, vLLM's own scheduler.
+    assert cls_of({"enabled": False}) == ""
+    assert cls_of({"enabled": True, "batch": {"lever": "admission"}}) == ""
