@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The control matrix on an H200 (matrix.toml; README in benchmarks/RESULTS.md, "The control matrix").
+# Three scenarios x {control, advice-only} with a load-free arm, an A/A of soakd's scheduler class and
+# repeats for noise, in priority order; an arm starts only when it can end before the deadline.
+# From the repository root of a checkout with the GPU bundle in .gpu_bundle/ and soakd's dependency
+# wheels in .gpu_wheels/; results under $1, packed into $1.tgz after every arm.
+#   bash benchmarks/h200_matrix/run.sh /tmp/matrix [deadline, Unix s] [arm ...]
+set -uo pipefail
+OUT=${1:?results folder}
+DEADLINE=${2:-0}
+shift $(( $# >= 2 ? 2 : $# ))
+HERE=benchmarks/h200_matrix
+LOAD=benchmarks/h200_control/gpu_load.py
+ARM_S=${ARM_S:-190}   # one arm: engine start (~45 s from the compile cache) + 95 s replay + drain, report
+DURATION=${DURATION:-}  # a shorter replay for load-free arms (the A/A of the scheduler class), e.g. 60s
+mkdir -p "$OUT"
+exec >>"$OUT/run.log" 2>&1
+source benchmarks/gpu_env.sh || exit 1
+[[ -d /tmp/qwen3-8b ]] || python3 -m soakd model shape qwen3-8b /tmp/qwen3-8b || exit 1
+nvidia-smi -q -d PERFORMANCE,POWER,CLOCK > "$OUT/smi_before.txt"
+
+# name scenario policy load: the scenario's settings, the policy's, and the outside load (20-65 s).
+declare -A SCEN=(
+  # The shared GPU: goodput with admission wait + TTFT <= 10 s and TPOT <= 25 ms; a backlog grows under
+  # the load, so goodput falls whatever the level (the trend a before/after misreads).
+  [shared]=""
+  # The SLO-bound case (pays.toml): goodput on TPOT <= 12.79 ms only (the limit the first matrix measured
+  # as the full batch's p25 under the load), throughput harm acted on.
+  [pays]="--set criteria.ttft_p99_ms=false --set criteria.tpot_p99_ms=12.79 --set control.harm.act_on_throughput=true"
+  # The engine's own batch at the power cap: twice the trace's rate, no second process.
+  [owncap]="--set replay.rate_scale=2.0"
+)
+declare -A POLICY=(
+  [control]=""
+  [advice]="--set control.dry_run=true"
+  [free]=""
+  [noclass]="--set control.enabled=false"
+)
+ARMS=("$@")
+if (( ${#ARMS[@]} == 0 )); then
+  ARMS=(shared:control:load shared:advice:load shared:free: shared:noclass: pays:control:load
+        pays:advice:load owncap:control: owncap:advice: shared:advice2:load shared:noclass2:)
+fi
+
+arm() {  # scenario policy load
+  local scen=$1 policy=$2 load=$3 name="$1-$2"
+  local pol=${POLICY[${policy%2}]}
+  if (( DEADLINE > 0 && $(date +%s) + ARM_S > DEADLINE )); then echo "skip $name: past the deadline"; return; fi
+  echo "== $name $(date -u +%T)"
+  mkdir -p "$OUT/$name"
+  printf '{"scenario": "%s", "policy": "%s", "load": %s}\n' "$scen" "${policy%2}" \
+    "$([[ $load == load ]] && echo true || echo false)" > "$OUT/$name/arm.json"
+  if [[ $load == load ]]; then
+    python3 $LOAD --runs /tmp/runs/$name --after 20 --seconds 45 --out "$OUT/$name/times.json" \
+      > "$OUT/$name/load.txt" 2>&1 &
+  fi
+  # Raw NVML at 10 Hz from the replay's first request, for replaying the harm judge in tests.
+  ( for _ in $(seq 3000); do
+      j=$(ls /tmp/runs/$name/*/replay.journal 2>/dev/null | head -1)
+      [[ -n $j && -s $j ]] && break; sleep 0.1
+    done
+    python3 -m soakd telemetry record --duration 100s "$OUT/$name/nvml.jsonl.gz" > /dev/null 2>&1 ) &
+  # shellcheck disable=SC2086
+  python3 -m soakd run --config $HERE/matrix.toml --json --no-progress \
+    --set run.name="$name" --set run.output_dir="/tmp/runs/$name" ${SCEN[$scen]} $pol \
+    ${DURATION:+--duration $DURATION} \
+    > "$OUT/$name/summary.json" 2> "$OUT/$name/stderr.log"
+  echo "rc $name $? $(date -u +%T)"
+  wait
+  local run; run=$(ls -d /tmp/runs/$name/*/ | tail -1)
+  cp "$run"/{meta.json,verdict.json,control-state.json} "$OUT/$name/" 2>/dev/null
+  # Without soakd's per-collector self-telemetry: the fixtures stay small.
+  cat "$run"/spool/seg-*.lp | grep -v '^collector,' | gzip > "$OUT/$name/spool.lp.gz"
+  tail -c 20000 "$OUT/$name/stderr.log" > "$OUT/$name/stderr.tail" && rm "$OUT/$name/stderr.log"
+  tar czf "$OUT.tgz.part" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$OUT.tgz.part" "$OUT.tgz"
+}
+
+for spec in "${ARMS[@]}"; do
+  IFS=: read -r scen policy load <<< "$spec"
+  arm "$scen" "$policy" "$load"
+done
+nvidia-smi -q -d PERFORMANCE,POWER,CLOCK > "$OUT/smi_after.txt"
+echo "== done $(date -u +%T)"
+touch "$OUT/DONE"
+tar czf "$OUT.tgz.part" -C "$(dirname "$OUT")" "$(basename "$OUT")" && mv "$OUT.tgz.part" "$OUT.tgz"
