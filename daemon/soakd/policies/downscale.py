@@ -103,9 +103,9 @@ class BatchSettings:
     settle_s: float = _CONFIG.settle
     """After an action, this long before the objective is measured (running requests finish)."""
     eval_s: float = _CONFIG.eval
-    """The objective is measured over this long before and after an action."""
+    """Each leg of a trial (A, B, A') and an upscale's measurement run this long."""
     min_gain: float = _CONFIG.min_gain
-    """A downscale is kept only when the objective gained at least this share."""
+    """A downscale is kept only when B beat both A and A' by at least this share (and the noise)."""
     min_binding: float = _CONFIG.min_binding
     """Share of the before-window in which requests waited for admission (the ceiling bound)."""
     recover_s: float = _CONFIG.cooldown
@@ -113,7 +113,8 @@ class BatchSettings:
     sustain_s: float = _CONFIG.sustain
     """A ceiling held this long without harm is the sustained operating point."""
     retry_s: float = _CONFIG.retry
-    """A level that did not pay (or that brought harm back) is not tried again for this long."""
+    """A level that did not pay (or that brought harm back) is not tried again for this long; an
+    inconclusive trial blocks it for 2 x (dwell_s + settle_s + eval_s), doubling, at most this."""
     dry_run: bool = False
     """Advise, do not act: nothing is verified, figures stay with the level in force (start)."""
 
