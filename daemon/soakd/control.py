@@ -279,24 +279,33 @@ class Controller:
         def fmt(x: float | None) -> str:
             return "n/a" if x is None else f"{x:.4g} {unit}"
 
-        verdict = "kept" if r.kept else "reverted"
-        message = (
-            f"{r.kind} {r.from_limit} -> {r.to_limit} at +{r.t_s - r.action_t_s:.0f} s: {r.objective} "
-            f"{fmt(r.before)} before, {fmt(r.after)} after: {verdict} ({r.reason})"
-        )
+        head = f"{r.kind} {r.from_limit} -> {r.to_limit} at +{r.t_s - r.action_t_s:.0f} s"
+        if r.decided_by == "aba_bracket":
+            # The reason carries the three legs, the noise margin, the verdict and any block.
+            message = f"{head}, judged A-B-A ({r.objective} in {unit}): {r.reason}"
+        else:
+            legs = f"{fmt(r.before)} before, {fmt(r.after)} after"
+            if r.again is not None:
+                legs += f", {fmt(r.again)} at {r.from_limit} again"
+            verdict = "kept" if r.kept else f"{r.from_limit} in force"
+            message = f"{head}: {r.objective} {legs}: {verdict} ({r.reason})"
         fields: dict[str, FieldValue] = {
             "action": r.kind,
             "from_limit": r.from_limit,
             "to_limit": r.to_limit,
             "objective": r.objective,
             "kept": r.kept,
+            "decided_by": r.decided_by,
+            "verdict": r.verdict,
             "reason": r.reason,
             "action_age_s": round(r.t_s - r.action_t_s, 3),
+            "blocked_s": r.blocked_s,
         }
-        if r.before is not None:
-            fields["objective_before"] = r.before
-        if r.after is not None:
-            fields["objective_after"] = r.after
+        for name, value in (("before", r.before), ("after", r.after), ("again", r.again)):
+            if value is not None:
+                fields[f"objective_{name}"] = value
+        if r.noise is not None:
+            fields["noise_margin"] = r.noise
         self.actuator.advise("action_result", message, **fields)
 
     async def _recapture(self, now: float, produced: bool) -> bool:

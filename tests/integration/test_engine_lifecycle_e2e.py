@@ -354,16 +354,26 @@ max_concurrency = 8
     assert down.fields["from_limit"] == 8 and down.fields["to_limit"] == 6 and "rebuilt" not in down.fields
     assert "harm (power)" in str(down.fields["reason"]) and float(down.fields["ev_binding_share"]) >= 0.5
     assert "ev_objective_before" in down.fields
-    # Every trial is judged: a verdict with the objective before and after, on a busy engine.
+    # Every trial is judged, on a busy engine: a verdict that says what decided it, with A (the objective
+    # before). A downscale that re-applies a level kept after its trial (ev_trial_leg) is not a trial; a
+    # trial begun within its length (two settle + eval) of the run's end may be left without a verdict.
+    trials = [e for e in events["downscale"] if "ev_trial_leg" not in e.fields]
     results = [e for e in events["action_result"] if e.fields["action"] == "downscale"]
-    assert len(results) == len(events["downscale"]) and all("objective_before" in e.fields for e in results)
+    assert len(results) in (len(trials), len(trials) - 1) and all(
+        "objective_before" in e.fields for e in results
+    )
     first = results[0]
-    if first.fields["reason"] == "harm ended during the trial":
-        # A busy machine moved late in the recorded load: its harm ended before settle + eval (3 + 5 s)
-        # had passed, so no like-for-like after could be measured (downscale.py keeps the level then).
-        assert (first.time_ns - down.time_ns) / 1e9 <= 3 + 5 + 2, (first.time_ns - down.time_ns) / 1e9
+    age = (first.time_ns - down.time_ns) / 1e9
+    if first.fields["decided_by"] == "harm_ended":
+        # A busy machine moved late in the recorded load: its harm ended before the trial's legs (B at
+        # the lower level, A' back at the level before: settle + eval, 3 + 5 s, each) were measured, so
+        # no like-for-like comparison was possible (downscale.py leaves the level of that leg in force).
+        assert age <= 2 * (3 + 5) + 2, age
     else:
-        assert float(first.fields["objective_after"]) > 0 and "binding" not in str(first.fields["reason"])
+        # The A-B-A verdict: B at 6 against A and A' at 8, with the noise margin it was judged by.
+        assert first.fields["decided_by"] == "aba_bracket", first.fields
+        assert float(first.fields["objective_after"]) > 0 and float(first.fields["objective_again"]) > 0
+        assert "noise_margin" in first.fields and "judged A-B-A" in first.fields["message"]
     rebuilds = events["engine_rebuild"]
     assert len(rebuilds) == 1 and rebuilds[0].fields["ok"] == 1
     # The downscale came while the rebuild had no engine up (or with the new one up): either way the
@@ -390,7 +400,9 @@ max_concurrency = 8
     state = json.loads((run_dir / "control-state.json").read_text())
     assert state["batch"]["limit"] == control_doc["ceiling"] and state["recaptures"] == 1
     downtimes = [float(e.fields["downtime_s"]) for e in rebuilds]
-    verdicts = [(e.fields["kept"], e.fields.get("objective_after")) for e in results]
+    verdicts = [
+        (e.fields["decided_by"], e.fields["verdict"], e.fields.get("objective_after")) for e in results
+    ]
     print(
         f"control: recapture sizes {sizes}, rebuild downtimes {downtimes}, harm at {harm_s}, "
         f"trials {verdicts}"

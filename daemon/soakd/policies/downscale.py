@@ -4,31 +4,56 @@ Field notes: on an edge GPU a large batch that throttles delivers less than a sm
 sustains. On a datacenter GPU running at its power limit is normal operation, and a smaller batch only
 gives up tokens. So the policy does not react to throttling as such; it acts on *harm* (a sustained clock
 loss, see policies/throttle.HarmJudge), only while the ceiling binds (requests wait for admission: a
-lower ceiling that does not bind changes nothing), and it verifies every downscale as an experiment:
+lower ceiling that does not bind changes nothing), and it verifies every downscale as an A-B-A trial:
 
-1. harm held for `dwell_s`, the ceiling binding: the objective over the last `eval_s` at this level under
-   harm is the *before*; lower the ceiling one step (a trial);
-2. wait `settle_s` (running requests finish down to the new limit), then measure the objective for
-   `eval_s` at the new level under the same harm: the *after*;
-3. keep the level when after >= before x (1 + `min_gain`); otherwise revert to the level before and block
-   the lower level for `retry_s`. Harm that ends during the settle or the evaluation makes the trial
-   inconclusive: the level is kept and the upscale below needs only `settle_s` of quiet. A queue that
-   empties during the evaluation leaves no evidence (the objective follows the offered load): back to
-   the level before, not blocked.
+1. harm held for `dwell_s`, the ceiling binding: the objective over the last `eval_s` at this level is A;
+   lower the ceiling one step;
+2. wait `settle_s` (running requests finish down to the new limit), measure the objective over `eval_s`
+   at the lower level: B;
+3. always go back to the level before (a `revert` whose reason says it is the A' leg, not a verdict),
+   wait `settle_s`, measure it again over `eval_s`: A';
+4. judge B against the bracket lo = min(A, A'), hi = max(A, A'), beyond a noise margin m: twice the
+   standard error of the difference between B and the leg it is compared with (each leg's from its
+   per-tick values, see objective_se):
+   - gain: B - hi > m and >= hi x `min_gain`: re-apply the lower level (a `downscale`, "kept after A-B-A");
+   - no gain: B + m <= lo x (1 + `min_gain`): the lower level cannot have gained `min_gain` on any
+     counterfactual in the bracket (a clear loss included): stay, block it for `retry_s`; unless the A
+     legs differ more than 4x (collapse, below);
+   - otherwise inconclusive (the trend or the noise explains the difference): stay, block the lower level
+     for 2 x (`dwell_s` + `settle_s` + `eval_s`), one fresh trial's worth of evidence, doubled for each
+     inconclusive verdict in a row on that level up to `retry_s` (a neutral level is not tried all night).
+
+Why A-B-A: a before/after on a drifting system measures the drift. On an H200 (Llama-3.1-8B shape, a
+matmul process beside it) goodput went 736 -> 0 over a trial of 64 -> 48 while advice-only, which moved
+nothing, went 648 -> 23 over the same windows: the growing queue, not the move, made the "after". Under
+any monotonic trend the objective at the level before during B lies between A and A', so only a B outside
+that bracket by more than the noise is the move's doing. Collapse: when one A leg is under a quarter of
+the other (or both are 0), the objective swung through its floor for reasons outside the level (an
+overloaded queue in which every request misses the TTFT limit from its due time gives no goodput at any
+level); near that floor a lower level cannot show a loss: inconclusive, never a block for `retry_s`.
+Noise: per-tick goodput under load is autocorrelated, so the per-tick standard error understates a
+leg's; the bracket's max and min make up for it. Null trials cut from the recorded H200 advice-only runs
+(tests/data/h200) came out a gain 2 % of the time on goodput, 0 % on tokens (the old before/after: 42 %
+and 25 %).
+
+Harm that ends during the B leg makes the trial inconclusive: the lower level is kept and the upscale
+below needs only `settle_s` of quiet; harm that ends during the A' leg leaves the level before in force,
+nothing blocked. A queue that stops binding during a leg leaves no evidence (the objective follows the
+offered load): the level before, not blocked. Every verdict (ActionResult) says which comparison decided
+it (`decided_by`) with A, B, A' and the noise margin.
 
 When the harm has been gone for `recover_s`, the ceiling goes back up the way it came, a level per
-`settle_s + eval_s`. A level that brought harm back within `recover_s + dwell_s` of an upscale is blocked
-for `retry_s`, so the ceiling does not saw between two levels all night. Every action and every verdict
-on one carries the objective before and after. In `dry_run` nothing is applied, so nothing can be
-verified: the policy says once per harm episode what it would try, and every figure stays with the level
-actually in force.
+`settle_s + eval_s` (upscales are measured, not verified). A level that brought harm back within
+`recover_s + dwell_s` of an upscale is blocked for `retry_s`, so the ceiling does not saw between two
+levels all night. In `dry_run` nothing is applied, so nothing can be verified: the policy says once per
+harm episode what it would try, and every figure stays with the level actually in force.
 
 Objectives: `goodput` (output tokens/s of requests that met the TTFT and TPOT limits of [criteria],
 DistServe's goodput in tokens), `tokens` (output tokens/s), `tokens_per_joule` (output tokens per joule of
 GPU energy). No I/O and no clock of its own: every call carries its time.
 
-Over 500 lines because the trial, verification, revert and recovery steps are one state machine over one
-objective window.
+Over 500 lines because the trial's three legs, its verdict, the revert and recovery steps are one state
+machine over one objective window.
 """
 
 from __future__ import annotations
@@ -42,6 +67,10 @@ from typing import Any, Literal
 from soakd.config import BatchControlConfig
 
 Direction = Literal["downscale", "upscale", "revert"]
+DecidedBy = Literal["aba_bracket", "harm_ended", "not_binding", "no_objective", "measured"]
+"""Which comparison decided a verdict: the A-B-A bracket, harm that ended during a leg, a queue that
+stopped binding, an objective that could not be measured, or an upscale's measurement."""
+Verdict = Literal["gain", "no_gain", "inconclusive", "no_evidence", "measured"]
 Objective = Literal["goodput", "tokens", "tokens_per_joule"]
 OBJECTIVES: tuple[Objective, ...] = ("goodput", "tokens", "tokens_per_joule")
 OBJECTIVE_UNIT: dict[str, str] = {
@@ -50,6 +79,9 @@ OBJECTIVE_UNIT: dict[str, str] = {
     "tokens_per_joule": "tok/J",
 }
 
+
+# One A leg under this share of the other: the objective collapsed (or came back) within the trial.
+_COLLAPSE = 0.25
 
 # Defaults are written once, in the config's [control.batch]; the policy takes them from there.
 _CONFIG = BatchControlConfig()
@@ -71,9 +103,9 @@ class BatchSettings:
     settle_s: float = _CONFIG.settle
     """After an action, this long before the objective is measured (running requests finish)."""
     eval_s: float = _CONFIG.eval
-    """The objective is measured over this long before and after an action."""
+    """Each leg of a trial (A, B, A') and an upscale's measurement run this long."""
     min_gain: float = _CONFIG.min_gain
-    """A downscale is kept only when the objective gained at least this share."""
+    """A downscale is kept only when B beat both A and A' by at least this share (and the noise)."""
     min_binding: float = _CONFIG.min_binding
     """Share of the before-window in which requests waited for admission (the ceiling bound)."""
     recover_s: float = _CONFIG.cooldown
@@ -81,7 +113,8 @@ class BatchSettings:
     sustain_s: float = _CONFIG.sustain
     """A ceiling held this long without harm is the sustained operating point."""
     retry_s: float = _CONFIG.retry
-    """A level that did not pay (or that brought harm back) is not tried again for this long."""
+    """A level that did not pay (or that brought harm back) is not tried again for this long; an
+    inconclusive trial blocks it for 2 x (dwell_s + settle_s + eval_s), doubling, at most this."""
     dry_run: bool = False
     """Advise, do not act: nothing is verified, figures stay with the level in force (start)."""
 
@@ -154,7 +187,8 @@ class BatchAction:
 
 @dataclass(frozen=True, slots=True)
 class ActionResult:
-    """The verdict on an earlier action: the objective before and after, and whether it was kept."""
+    """The verdict on an earlier action: the objective in each leg, which comparison decided, and whether
+    the action's level is in force after it."""
 
     t_s: float
     action_t_s: float
@@ -163,9 +197,19 @@ class ActionResult:
     to_limit: int
     objective: str
     before: float | None
+    """A: the objective at `from_limit` over `eval_s` before the action."""
     after: float | None
+    """B: the objective at `to_limit` over `eval_s` after `settle_s`."""
     kept: bool
     reason: str
+    decided_by: DecidedBy
+    verdict: Verdict
+    again: float | None = None
+    """A': the objective at `from_limit` again, after the trial went back (downscales only)."""
+    noise: float | None = None
+    """The noise margin B was judged against (2 x the standard error of the difference)."""
+    blocked_s: float = 0.0
+    """How long `to_limit` is blocked by this verdict (0: not blocked)."""
 
 
 @dataclass(slots=True)
@@ -187,7 +231,13 @@ class _Trial:
     action: BatchAction
     before: float | None
     verify: bool
-    """Downscales are verified (kept or reverted); upscales are only measured."""
+    """Downscales are verified (A-B-A); upscales are only measured."""
+    a_ticks: list[Tick] = field(default_factory=list)
+    """The A leg's ticks (for its noise)."""
+    after: float | None = None
+    b_ticks: list[Tick] = field(default_factory=list)
+    back: BatchAction | None = None
+    """The A' leg's revert to the level before (None: still in the B leg)."""
 
 
 def objective_value(objective: str, ticks: Iterable[Tick]) -> float | None:
@@ -206,6 +256,66 @@ def objective_value(objective: str, ticks: Iterable[Tick]) -> float | None:
     if seconds <= 0:
         return None
     return (good if objective == "goodput" else tokens) / seconds
+
+
+def objective_se(objective: str, ticks: Iterable[Tick]) -> float | None:
+    """The standard error of objective_value over some ticks, from their per-tick values.
+
+    objective_value is a ratio of sums R = sum(y) / sum(x), per tick y = good tokens or tokens and x = its
+    seconds, or y = its tokens and x = its joules for tokens_per_joule (ticks without joules carry no
+    value, as there). Its standard error is the ratio estimator's, sqrt(sum((y - R x)^2) / (n (n - 1)))
+    / mean(x): with equal intervals, that of the mean of the per-tick rates. Goodput arrives in bursts
+    (a request's tokens count in the tick it finishes), so its per-tick values scatter widely and the
+    error is large: that is the noise. None with fewer than two values."""
+    pairs: list[tuple[float, float]] = []
+    for tk in ticks:
+        if objective == "tokens_per_joule":
+            if tk.joules is not None:
+                pairs.append((tk.tokens, tk.joules))
+        else:
+            pairs.append((tk.good_tokens if objective == "goodput" else tk.tokens, tk.interval_s))
+    n = len(pairs)
+    sx = sum(x for _, x in pairs)
+    if n < 2 or sx <= 0:
+        return None
+    r = sum(y for y, _ in pairs) / sx
+    spread = sum((y - r * x) ** 2 for y, x in pairs)
+    return math.sqrt(spread / (n * (n - 1))) / (sx / n)
+
+
+@dataclass(frozen=True, slots=True)
+class Aba:
+    """An A-B-A trial's verdict on the bracket (judge_aba)."""
+
+    verdict: Literal["gain", "no_gain", "inconclusive"]
+    why: str
+    """What made it inconclusive: "drift" (the A legs differ beyond their noise), "noise", "collapse"."""
+    noise: float | None
+    """The margin B was compared with (None: a leg too short to tell its noise)."""
+
+
+def judge_aba(
+    objective: str, min_gain: float, a: list[Tick], b: list[Tick], a_again: list[Tick]
+) -> Aba | None:
+    """B against the bracket of A and A' (see the module's docstring); None when a leg has no value."""
+    before, after, again = (objective_value(objective, leg) for leg in (a, b, a_again))
+    if before is None or after is None or again is None:
+        return None
+    se_a, se_b, se_a2 = (objective_se(objective, leg) for leg in (a, b, a_again))
+    lo, hi = min(before, again), max(before, again)
+    m_hi = _margin(se_b, se_a if before >= again else se_a2)
+    m_lo = _margin(se_b, se_a2 if before >= again else se_a)
+    noise = m_hi if after >= hi else m_lo if after <= lo else max(m_hi, m_lo)
+    shown = None if math.isinf(noise) else noise
+    if after - hi > m_hi and after - hi >= hi * min_gain:
+        return Aba("gain", "", shown)
+    no_gain = after + m_lo <= lo * (1 + min_gain)
+    # One A leg under a quarter of the other (or both 0): the objective swung through its floor within
+    # the trial for reasons outside the level; near that floor no loss can show.
+    if no_gain and lo > _COLLAPSE * hi:
+        return Aba("no_gain", "", shown)
+    drift = abs(before - again) > _margin(se_a, se_a2)
+    return Aba("inconclusive", "collapse" if no_gain else "drift" if drift else "noise", shown)
 
 
 class BatchPolicy:
@@ -233,6 +343,10 @@ class BatchPolicy:
         self.advice = 0
         self.kept = 0
         self.reverted = 0
+        """Trials that showed no gain (the lower level blocked for `retry_s`)."""
+        self.inconclusive = 0
+        """Trials the bracket could not decide (the lower level blocked briefly)."""
+        self._inconclusive_runs: dict[int, int] = {}  # level -> inconclusive verdicts in a row on it
         self.results: list[dict[str, Any]] = []
         """Every verdict, for the summary (bounded: the last 200)."""
 
@@ -324,14 +438,15 @@ class BatchPolicy:
         if self._blocked.get(target, -math.inf) > t:
             return None
         before = self._objective(window)
+        if before is None:
+            return None  # no objective to compare against (tokens_per_joule without energy readings)
         evidence: dict[str, Any] = {
             "harm_for_s": round(held, 3),
             "harm_kind": kind or "unknown",
             "binding_share": round(binding, 3),
             "objective": s.objective,
+            "objective_before": round(before, 6),
         }
-        if before is not None:
-            evidence["objective_before"] = round(before, 6)
         if s.dry_run:
             if self._advised:
                 return None
@@ -348,11 +463,12 @@ class BatchPolicy:
             )
         reason = (
             f"harm ({kind or 'clock loss'}) for {held:.0f} s with the ceiling binding: trying "
-            f"{self.limit} -> {target}, kept only if {s.objective} gains {s.min_gain:.0%}"
+            f"{self.limit} -> {target}, kept only if {s.objective} gains {s.min_gain:.0%} over {self.limit} "
+            "before and after it (A-B-A)"
         )
         action = self._act(t, "downscale", target, reason, evidence)
         self._path.append(action.from_limit)
-        self._trial = _Trial(action, before, verify=True)
+        self._trial = _Trial(action, before, verify=True, a_ticks=window)
         return action
 
     def _try_upscale(self, t: float, quiet: float) -> BatchAction | None:
@@ -380,61 +496,133 @@ class BatchPolicy:
         s = self.settings
         trial = self._trial
         assert trial is not None
-        t0 = trial.action.t_s + s.settle_s
         if trial.verify and not tick.harm:
+            return [self._harm_ended(tick.t_s, trial)]
+        t0 = (trial.back or trial.action).t_s + s.settle_s
+        if tick.t_s <= t0:
+            return []
+        window = self._window(tick.t_s, t0)
+        covered = sum(tk.interval_s for tk in window)
+        if covered < s.eval_s:
+            return []
+        value = self._objective(window)
+        if not trial.verify:
+            return [
+                self._close(tick.t_s, trial, "measured", "measured", kept=True, after=value, why="measured")
+            ]
+        if sum(tk.interval_s for tk in window if tk.binding) / covered < s.min_binding:
+            return self._no_evidence(tick.t_s, trial, value)
+        if trial.back is None:
+            return [self._go_back(tick.t_s, trial, value, window)]
+        return self._decide(tick.t_s, trial, value, window)
+
+    def _harm_ended(self, t: float, trial: _Trial) -> ActionResult:
+        a = trial.action
+        if trial.back is None:
             # The harm ended under the new level: no like-for-like comparison is possible. It may have
             # ended because of the move (a device that throttles at the larger batch) or not (an outside
             # load that stopped): keep the level, and let the upscale come after `settle_s` of quiet
             # instead of `recover_s`; a level whose harm returns right after it is blocked then.
             self._quick_return = True
-            return [self._close(tick.t_s, trial, None, True, "harm ended during the trial")]
-        if tick.t_s <= t0:
-            return []
-        window = self._window(tick.t_s, t0)
-        if sum(tk.interval_s for tk in window) < s.eval_s:
-            return []
-        after = self._objective(window)
-        if not trial.verify:
-            return [self._close(tick.t_s, trial, after, True, "measured")]
-        binding = sum(tk.interval_s for tk in window if tk.binding) / sum(tk.interval_s for tk in window)
-        if binding < s.min_binding:
-            # The queue emptied: the objective now follows the offered load, not the level, so there is
-            # no evidence either way. Back to the level before (free while nothing waits), not blocked.
-            result = self._close(tick.t_s, trial, after, False, "the ceiling stopped binding: no evidence")
-            if self._path and self._path[-1] == trial.action.from_limit:
-                self._path.pop()
-            reason = (
-                f"requests stopped waiting for admission during the trial of {trial.action.to_limit}: "
-                f"back to {trial.action.from_limit}"
+            return self._close(
+                t, trial, "harm_ended", "inconclusive", kept=True, why="harm ended during the trial"
             )
-            return [result, self._act(tick.t_s, "revert", trial.action.from_limit, reason, {})]
-        before = trial.before
-        paid = before is not None and after is not None and after >= before * (1 + s.min_gain)
-        if before is not None and after is not None and before <= 0 < after:
-            paid = True
-        if paid:
-            return [self._close(tick.t_s, trial, after, True, f"{s.objective} gained")]
-        result = self._close(
-            tick.t_s, trial, after, False, f"{s.objective} did not gain {s.min_gain:.0%}: reverted"
-        )
-        lower = trial.action.to_limit
-        self._blocked[lower] = tick.t_s + s.retry_s
-        if self._path and self._path[-1] == trial.action.from_limit:
+        # The A' leg runs at the level before: it stays in force; the lower level was not judged.
+        why = f"harm ended during the A' leg: {a.from_limit} stays, {a.to_limit} not judged, not blocked"
+        return self._close(t, trial, "harm_ended", "inconclusive", kept=False, after=trial.after, why=why)
+
+    def _no_evidence(self, t: float, trial: _Trial, value: float | None) -> list[BatchAction | ActionResult]:
+        # The queue emptied: the objective now follows the offered load, not the level, so there is no
+        # evidence either way. The level before (free while nothing waits), not blocked.
+        a = trial.action
+        if trial.back is not None:  # the A' leg: already at the level before
+            why = "the ceiling stopped binding during the A' leg: no evidence"
+            return [
+                self._close(t, trial, "not_binding", "no_evidence", after=trial.after, again=value, why=why)
+            ]
+        why = "the ceiling stopped binding: no evidence"
+        result = self._close(t, trial, "not_binding", "no_evidence", after=value, why=why)
+        if self._path and self._path[-1] == a.from_limit:
             self._path.pop()
-        gain = None if not before or after is None else after / before - 1
         reason = (
-            f"{s.objective} {_fmt(after)} at {lower} vs {_fmt(before)} at {trial.action.from_limit}"
-            + ("" if gain is None else f" ({gain:+.1%})")
-            + f": back to {trial.action.from_limit}, {lower} blocked for {s.retry_s:g} s"
+            f"requests stopped waiting for admission during the trial of {a.to_limit}: back to {a.from_limit}"
         )
-        evidence: dict[str, Any] = {"objective": s.objective, "blocked_level": lower}
+        return [result, self._act(t, "revert", a.from_limit, reason, {})]
+
+    def _go_back(self, t: float, trial: _Trial, after: float | None, window: list[Tick]) -> BatchAction:
+        """The B leg is measured: back to the level before for the A' leg (not a verdict)."""
+        s = self.settings
+        a = trial.action
+        trial.after, trial.b_ticks = after, window
+        if self._path and self._path[-1] == a.from_limit:
+            self._path.pop()
+        reason = (
+            f"A' leg of the trial of {a.to_limit}, not a verdict: back to {a.from_limit} to measure it again "
+            f"({s.objective} {_fmt(after)} at {a.to_limit} vs {_fmt(trial.before)} before)"
+        )
+        evidence: dict[str, Any] = {"objective": s.objective, "trial_leg": "A'"}
         if after is not None:
             evidence["objective_before"] = round(after, 6)
-        revert = self._act(tick.t_s, "revert", trial.action.from_limit, reason, evidence)
-        self.reverted += 1
-        return [result, revert]
+        trial.back = self._act(t, "revert", a.from_limit, reason, evidence)
+        return trial.back
 
-    def _close(self, t: float, trial: _Trial, after: float | None, kept: bool, why: str) -> ActionResult:
+    def _decide(
+        self, t: float, trial: _Trial, again: float | None, window: list[Tick]
+    ) -> list[BatchAction | ActionResult]:
+        """The A-B-A verdict (judge_aba) and what follows from it: re-apply, block, or block briefly."""
+        s = self.settings
+        a = trial.action
+        lower, upper, before, after = a.to_limit, a.from_limit, trial.before, trial.after
+        aba = judge_aba(s.objective, s.min_gain, trial.a_ticks, trial.b_ticks, window)
+        if aba is None or before is None or after is None or again is None:
+            why = f"{s.objective} not measured in every leg: no evidence"
+            return [self._close(t, trial, "no_objective", "no_evidence", after=after, again=again, why=why)]
+        figures = (
+            f"{s.objective} {_fmt(after)} at {lower} vs {_fmt(before)} before and {_fmt(again)} after at "
+            f"{upper} (noise ±{_fmt(aba.noise)})"
+        )
+        kw: dict[str, Any] = {"after": after, "again": again, "noise": aba.noise}
+        if aba.verdict == "gain":
+            self._inconclusive_runs.pop(lower, None)
+            result = self._close(t, trial, "aba_bracket", "gain", kept=True, why=f"{figures}: gain", **kw)
+            self._path.append(upper)
+            evidence = {"objective": s.objective, "trial_leg": "kept", "objective_before": round(again, 6)}
+            reapply = self._act(t, "downscale", lower, f"kept after A-B-A: {figures}", evidence)
+            return [result, reapply]
+        if aba.verdict == "no_gain":
+            self._inconclusive_runs.pop(lower, None)
+            self._blocked[lower] = t + s.retry_s
+            self.reverted += 1
+            why = f"{figures}: no gain of {s.min_gain:.0%}, {lower} blocked for {s.retry_s:g} s"
+            return [self._close(t, trial, "aba_bracket", "no_gain", blocked_s=s.retry_s, why=why, **kw)]
+        block = self._short_block(lower)
+        self._blocked[lower] = t + block
+        self.inconclusive += 1
+        why = f"{figures}: inconclusive ({aba.why}), {lower} blocked for {block:g} s"
+        return [self._close(t, trial, "aba_bracket", "inconclusive", blocked_s=block, why=why, **kw)]
+
+    def _short_block(self, level: int) -> float:
+        """An inconclusive verdict blocks the level for one fresh trial's worth of evidence, 2 x (dwell +
+        settle + eval), doubled for each inconclusive verdict in a row on it, at most `retry_s`."""
+        s = self.settings
+        runs = self._inconclusive_runs.get(level, 0)
+        self._inconclusive_runs[level] = runs + 1
+        return min(s.retry_s, 2 * (s.dwell_s + s.settle_s + s.eval_s) * 2.0 ** min(runs, 30))
+
+    def _close(
+        self,
+        t: float,
+        trial: _Trial,
+        decided_by: DecidedBy,
+        verdict: Verdict,
+        *,
+        why: str,
+        kept: bool = False,
+        after: float | None = None,
+        again: float | None = None,
+        noise: float | None = None,
+        blocked_s: float = 0.0,
+    ) -> ActionResult:
         self._trial = None
         a = trial.action
         if trial.verify and kept:
@@ -450,6 +638,11 @@ class BatchPolicy:
             after=after,
             kept=kept,
             reason=why,
+            decided_by=decided_by,
+            verdict=verdict,
+            again=again,
+            noise=noise,
+            blocked_s=blocked_s,
         )
         self.results.append(
             {
@@ -460,7 +653,12 @@ class BatchPolicy:
                 "to": a.to_limit,
                 "before": trial.before,
                 "after": after,
+                "again": again,
+                "noise": noise,
                 "kept": kept,
+                "decided_by": decided_by,
+                "verdict": verdict,
+                "blocked_s": blocked_s,
                 "reason": why,
             }
         )
@@ -526,7 +724,9 @@ class BatchPolicy:
     # --- state that survives a daemon restart -----------------------------------------------------
     def to_state(self, now_s: float) -> dict[str, Any]:
         """JSON-able state; times as ages (seconds before `now_s`), so another clock can read them back.
-        A trial in progress is not kept: its evidence is in memory only."""
+        A trial in progress is not kept: its evidence is in memory only. During the B leg the lower level
+        is in force (as a trial whose harm ended keeps it); during the A' leg the level before is, with
+        the lower level neither kept nor blocked: a restart there is a trial that never happened."""
 
         def age(t: float | None) -> float | None:
             return None if t is None else now_s - t
@@ -544,6 +744,8 @@ class BatchPolicy:
             "advice": self.advice,
             "kept": self.kept,
             "reverted": self.reverted,
+            "inconclusive": self.inconclusive,
+            "inconclusive_runs": {str(k): v for k, v in self._inconclusive_runs.items()},
             "results": self.results[-50:],
             "levels": {
                 str(k): [v.tokens, v.seconds, v.harm_s, v.good_tokens] for k, v in self._levels.items()
@@ -567,6 +769,8 @@ class BatchPolicy:
         p.advice = int(state.get("advice", 0))
         p.kept = int(state.get("kept", 0))
         p.reverted = int(state.get("reverted", 0))
+        p.inconclusive = int(state.get("inconclusive", 0))
+        p._inconclusive_runs = {int(k): int(v) for k, v in (state.get("inconclusive_runs") or {}).items()}
         p.results = [r for r in state.get("results") or [] if isinstance(r, dict)]
         for k, values in (state.get("levels") or {}).items():
             tokens, seconds, harm = (float(x) for x in values[:3])
@@ -577,3 +781,8 @@ class BatchPolicy:
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.4g}"
+
+
+def _margin(se_x: float | None, se_y: float | None) -> float:
+    """Twice the standard error of a difference of two independent legs (inf: a leg without one)."""
+    return math.inf if se_x is None or se_y is None else 2 * math.hypot(se_x, se_y)

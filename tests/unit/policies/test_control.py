@@ -157,12 +157,23 @@ def test_harm_lowers_gate_and_engine_limit_and_a_trial_that_does_not_pay_is_reve
     assert point.fields["ceiling"] == 12 and point.fields["engine_limit"] == 12
     assert point.fields["harm"] == 1 and point.fields["trial"] == 1 and point.fields["throttled"] == 1
     assert point.tags == {"config": "cfg1"}
-    # Settle 5 s and evaluate 5 s: the same 100 tok/s at 12 is no gain; back to 16, 12 blocked.
+    # Settle 5 s and evaluate 5 s at 12 (B), then always back to 16 for the A' leg (not a verdict).
     run_for(ctrl, world, clock, 10)
-    assert [e[0] for e in events] == ["downscale", "action_result", "revert"]
-    result = events[1][2]
+    assert [e[0] for e in events] == ["downscale", "revert"]
+    assert events[1][2]["ev_trial_leg"] == "A'" and "not a verdict" in events[1][1]
+    assert gate.limit == 16 and (tmp_path / LIMIT_FILE).read_text() == "16"
+    # Settle 5 s and evaluate 5 s at 16 again (A'): the same 100 tok/s at 12 as at 16 before and after
+    # is no gain, beyond a noise of 0; 16 stays, 12 blocked for retry.
+    run_for(ctrl, world, clock, 10)
+    assert [e[0] for e in events] == ["downscale", "revert", "action_result"]
+    result = events[2][2]
     assert result["kept"] is False and result["objective_before"] == pytest.approx(100.0)
-    assert result["objective_after"] == pytest.approx(100.0) and "reverted" in events[1][1]
+    assert result["objective_after"] == pytest.approx(100.0) and result["objective_again"] == pytest.approx(
+        100.0
+    )
+    assert result["decided_by"] == "aba_bracket" and result["verdict"] == "no_gain"
+    assert result["noise_margin"] == 0.0 and result["blocked_s"] == 3600.0
+    assert "judged A-B-A" in events[2][1] and "12 blocked for 3600 s" in events[2][1]
     assert gate.limit == 16 and (tmp_path / LIMIT_FILE).read_text() == "16"
     run_for(ctrl, world, clock, 60)  # still harmful, 12 is blocked: no second trial
     assert len(events) == 3 and ctrl.batch.reverted == 1
@@ -174,12 +185,18 @@ def test_harm_lowers_gate_and_engine_limit_and_a_trial_that_does_not_pay_is_reve
 def test_a_trial_that_pays_is_kept_and_the_ceiling_returns_once_the_harm_is_gone(tmp_path: Path) -> None:
     ctrl, world, events, _, clock = make(tmp_path, BATCH)
     world.pays = True
-    run_for(ctrl, world, clock, 16, harm="thermal")
-    assert [e[0] for e in events] == ["downscale", "action_result"]
-    assert events[1][2]["kept"] is True and events[1][2]["objective_after"] == pytest.approx(150.0)
-    run_for(ctrl, world, clock, 25, harm="")
+    # The trial (A 100 tok/s at 16), B at 12, the A' leg back at 16, then the verdict: 150 tok/s at 12
+    # against 100 before and after at 16 is a gain: 12 again.
+    run_for(ctrl, world, clock, 26, harm="thermal")
+    assert [e[0] for e in events] == ["downscale", "revert", "action_result", "downscale"]
+    result = events[2][2]
+    assert result["kept"] is True and result["objective_after"] == pytest.approx(150.0)
+    assert result["objective_again"] == pytest.approx(100.0) and result["verdict"] == "gain"
+    assert "kept after A-B-A" in events[3][1] and events[3][2]["to_limit"] == 12
     gate = ctrl.actuator.gate
-    assert gate is not None and gate.limit == 16 and events[-1][0] == "upscale"
+    assert gate is not None and gate.limit == 12
+    run_for(ctrl, world, clock, 25, harm="")
+    assert gate.limit == 16 and events[-1][0] == "upscale"
     assert "no harm for 20 s" in events[-1][1]
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.nvml import NvmlCollector, RecordedNvml
@@ -19,6 +22,7 @@ from soakd.policies.downscale import (
     BatchPolicy,
     BatchSettings,
     Tick,
+    objective_se,
     objective_value,
 )
 
@@ -69,6 +73,16 @@ def results(out: Out) -> list[ActionResult]:
     return [r for r in out if isinstance(r, ActionResult)]
 
 
+def trials(out: Out) -> list[BatchAction]:
+    """The downscales that start a trial (not the re-application of a level kept after one)."""
+    return [a for a in actions(out, "downscale") if "trial_leg" not in a.evidence]
+
+
+def legs(out: Out) -> list[BatchAction]:
+    """The reverts that start a trial's A' leg (back to the level before, not a verdict)."""
+    return [a for a in actions(out, "revert") if a.evidence.get("trial_leg") == "A'"]
+
+
 SETTINGS = BatchSettings(
     start=16,
     floor=4,
@@ -81,6 +95,13 @@ SETTINGS = BatchSettings(
 )
 
 
+def _kw(s: BatchSettings) -> dict[str, object]:
+    return {name: getattr(s, name) for name in s.__dataclass_fields__}
+
+
+GOODPUT = BatchSettings(**{**_kw(SETTINGS), "objective": "goodput"})
+
+
 def test_a_downscale_that_does_not_pay_is_reverted_and_its_level_blocked() -> None:
     # Bandwidth-bound decode at the power cap: a smaller batch only gives up tokens (the H200 case).
     world = World(tps=lambda limit, harm: 200.0 * limit * (0.8 if harm else 1.0))
@@ -91,13 +112,18 @@ def test_a_downscale_that_does_not_pay_is_reverted_and_its_level_blocked() -> No
     # Harm from 20 s: dwell 10 s and a full 20 s before-window under harm.
     assert 39 <= downs[0].t_s <= 40
     assert downs[0].evidence["objective_before"] == 200.0 * 16 * 0.8
+    # A-B-A: after settle 10 s + eval 20 s at 12 (B), back to 16 for the A' leg, not a verdict.
+    assert len(reverts) == 1 and reverts == legs(out) and reverts[0].to_limit == 16
+    assert reverts[0].t_s == downs[0].t_s + 30 and "not a verdict" in reverts[0].reason
     (res,) = results(out)
-    assert not res.kept and res.before == 2560.0 and res.after == 200.0 * 12 * 0.8
-    assert res.t_s == downs[0].t_s + 30  # settle 10 s + eval 20 s
-    assert len(reverts) == 1 and reverts[0].to_limit == 16 and reverts[0].t_s == res.t_s
+    # The verdict after settle + eval at 16 again (A'): B below both A legs, beyond a noise of 0.
+    assert res.t_s == reverts[0].t_s + 30 and res.decided_by == "aba_bracket" and res.verdict == "no_gain"
+    assert not res.kept and res.before == res.again == 2560.0 and res.after == 200.0 * 12 * 0.8
+    assert res.noise == 0.0 and res.blocked_s == SETTINGS.retry_s
     # 12 is blocked for retry_s: no second trial during the rest of the harm (400 s), and 16 held.
-    assert limits[-1] == 16 and policy.reverted == 1 and policy.kept == 0
-    assert sum(1 for x in limits if x < 16) == 30  # the trial's cost: 30 s at 12
+    assert limits[-1] == 16 and policy.reverted == 1 and policy.kept == 0 and policy.inconclusive == 0
+    assert policy._blocked == {12: res.t_s + SETTINGS.retry_s}
+    assert sum(1 for x in limits if x < 16) == 30  # the trial's cost: 30 s at 12 (the B leg)
     assert policy.levels()["12"]["seconds"] == 30.0
 
 
@@ -109,8 +135,14 @@ def test_a_downscale_that_pays_is_kept_and_the_next_step_is_tried() -> None:
     out, limits = drive(policy, world, lambda t: 10 <= t < 300, 300)
     res = results(out)
     assert [(r.from_limit, r.to_limit, r.kept) for r in res] == [(16, 12, True), (12, 9, False)]
-    assert res[0].after == 1400.0 and res[0].before == 1000.0
-    assert [a.to_limit for a in actions(out, "revert")] == [12]
+    assert res[0].after == 1400.0 and res[0].before == res[0].again == 1000.0 and res[0].verdict == "gain"
+    assert res[1].verdict == "no_gain" and res[1].again == 1400.0
+    # Each trial goes back for its A' leg; the kept one is re-applied at its verdict.
+    assert [a.to_limit for a in legs(out)] == [16, 12] and actions(out, "revert") == legs(out)
+    (again,) = [a for a in actions(out, "downscale") if a not in trials(out)]
+    assert (again.from_limit, again.to_limit, again.t_s) == (16, 12, res[0].t_s)
+    assert again.reason.startswith("kept after A-B-A") and again.evidence["trial_leg"] == "kept"
+    assert [(a.from_limit, a.to_limit) for a in trials(out)] == [(16, 12), (12, 9)]
     assert limits[-1] == 12 and policy.kept == 1 and policy.reverted == 1
 
 
@@ -129,18 +161,24 @@ def test_no_action_without_harm_or_when_the_ceiling_does_not_bind() -> None:
 def test_the_ceiling_comes_back_up_the_way_it_came_once_the_harm_is_gone() -> None:
     world = World(tps=lambda limit, harm: (3000.0 - 100.0 * limit) if harm else 100.0 * limit)
     policy = BatchPolicy(SETTINGS)
-    out, limits = drive(policy, world, lambda t: 10 <= t < 200, 400)
-    downs = [(a.from_limit, a.to_limit) for a in actions(out, "downscale")]
+    # Each A-B-A trial takes 60 s (B and A' legs) and the next one 30 s after it: two kept trials by
+    # 179 s, the third (9 -> 7) begins at 209 s and the harm ends 6 s into it (at 215 s).
+    out, limits = drive(policy, world, lambda t: 10 <= t < 215, 500)
+    downs = [(a.from_limit, a.to_limit) for a in trials(out)]
     ups = actions(out, "upscale")
-    assert downs[:2] == [(16, 12), (12, 9)]
+    assert downs == [(16, 12), (12, 9), (9, 7)]
     assert [(a.from_limit, a.to_limit) for a in ups][-1][1] == 16
-    # Up by the path it came down (9 -> 12 -> 16 ...), the first 30 s after the harm ended.
-    # The harm ended during the last trial (5 -> 4): that level is kept, the way up starts 10 s later.
-    assert ups[0].t_s == 200 + SETTINGS.settle_s and ups[0].from_limit == limits[198]
+    # The harm ended during the last trial's B leg: that level is kept, the way up starts 10 s later.
+    assert ups[0].t_s == 215 + SETTINGS.settle_s and ups[0].from_limit == limits[213] == 7
     # Each upscale returns to the level the matching downscale came from, in reverse order.
-    kept = [(a.from_limit, a.to_limit) for a in actions(out) if a.kind in ("downscale", "revert")]
-    path = [frm for frm, to in kept if to < frm]
-    assert [a.to_limit for a in ups] == [x for x in reversed(path) if x > limits[198]][: len(ups)]
+    moves = [(a.from_limit, a.to_limit) for a in actions(out) if a.kind in ("downscale", "revert")]
+    path: list[int] = []
+    for frm, to in moves:
+        if to < frm:
+            path.append(frm)
+        elif path and path[-1] == to:
+            path.pop()
+    assert path == [16, 12, 9] and [a.to_limit for a in ups] == list(reversed(path))
     assert limits[-1] == 16
     # Upscales are measured, never reverted.
     assert all(r.kept for r in results(out) if r.kind == "upscale")
@@ -156,6 +194,7 @@ def test_harm_that_ends_during_the_trial_is_inconclusive_and_the_ceiling_returns
         r for r in out if r not in (down,) and not (isinstance(r, ActionResult) and r.kind == "upscale")
     )
     assert isinstance(res, ActionResult) and res.kept and res.after is None and "ended" in res.reason
+    assert res.decided_by == "harm_ended" and res.verdict == "inconclusive" and res.blocked_s == 0
     assert res.t_s == 45 and actions(out, "revert") == []
     assert isinstance(up, BatchAction) and up.kind == "upscale" and up.t_s == 45 + SETTINGS.settle_s
     assert sum(1 for x in limits if x < 16) == up.t_s - down.t_s
@@ -178,7 +217,182 @@ def test_a_queue_that_empties_during_the_trial_is_no_evidence() -> None:
     (res,) = results(out)
     (back,) = actions(out, "revert")
     assert not res.kept and "stopped binding" in res.reason and back.to_limit == 16
+    assert res.decided_by == "not_binding" and res.verdict == "no_evidence" and res.blocked_s == 0
+    assert "trial_leg" not in back.evidence  # a plain revert, not an A' leg
     assert policy._blocked == {} and policy.in_force == 16 and down.t_s < 28
+
+
+def drive_in_time(
+    policy: BatchPolicy,
+    good: Callable[[float, int], float],
+    seconds: int,
+    harm: Callable[[float], bool] = lambda t: t >= 10,
+) -> tuple[Out, list[int]]:
+    """Every request waits for admission; `good(t, level)` is the goodput of the second ending at t with
+    that ceiling in force: the drift of a growing queue, bursts, a level's own effect."""
+    out: Out = []
+    limits: list[int] = []
+    for i in range(1, seconds + 1):
+        t = float(i)
+        h = harm(t)
+        g = good(t, policy.in_force)
+        out += policy.update(
+            Tick(t, 1.0, h, "power" if h else "", binding=True, tokens=2000.0, good_tokens=g)
+        )
+        limits.append(policy.in_force)
+    return out, limits
+
+
+def test_a_falling_objective_with_a_move_that_does_nothing_is_inconclusive_and_only_briefly_blocked() -> None:
+    # A queue that grows under harm: fewer requests meet the TTFT limit (from their due time) each second,
+    # whatever the ceiling. A before/after reads the fall as the move's loss and blocks 12 for retry_s.
+    policy = BatchPolicy(GOODPUT)
+    out, _ = drive_in_time(policy, lambda t, _level: 2000.0 * (1 - t / 400), 300)
+    first, second = results(out)[:2]
+    assert first.decided_by == "aba_bracket" and first.verdict == "inconclusive" and not first.kept
+    assert first.before is not None and first.after is not None and first.again is not None
+    assert first.before > first.after > first.again  # B inside the bracket: the trend explains it
+    assert first.after < first.before * (1 + GOODPUT.min_gain)  # what the old rule blocked for retry_s
+    assert "inconclusive (drift), 12 blocked for 80 s" in first.reason
+    # Blocked 2 x (dwell + settle + eval) = 80 s, not retry_s: then a fresh trial on fresh A legs.
+    assert first.blocked_s == 80.0 < GOODPUT.retry_s
+    assert [a.t_s for a in trials(out)][1] == first.t_s + 80.0
+    # The next inconclusive verdict in a row on 12 doubles its block; none is a loss.
+    assert second.verdict == "inconclusive" and second.blocked_s == 160.0
+    assert policy.reverted == 0 and policy.kept == 0 and policy.inconclusive == len(results(out))
+    assert policy.in_force == 16
+
+
+def test_a_real_gain_beats_both_a_legs_beyond_the_noise_and_is_re_applied() -> None:
+    # A falling background with +-5 % scatter per second; 12 serves 40 % more than 16 at any moment.
+    rng = random.Random(7)
+
+    def good(t: float, level: int) -> float:
+        return 2000.0 * (1 - t / 1000) * (1.4 if level < 16 else 1.0) * rng.uniform(0.95, 1.05)
+
+    policy = BatchPolicy(GOODPUT)
+    out, limits = drive_in_time(policy, good, 100)
+    assert [(a.kind, a.to_limit) for a in actions(out)] == [
+        ("downscale", 12),
+        ("revert", 16),
+        ("downscale", 12),
+    ]
+    (res,) = results(out)
+    assert res.verdict == "gain" and res.kept and res.decided_by == "aba_bracket" and res.blocked_s == 0
+    assert res.before is not None and res.after is not None and res.again is not None
+    assert res.noise is not None and 0 < res.noise < res.after - max(res.before, res.again)
+    assert res.after >= max(res.before, res.again) * (1 + GOODPUT.min_gain)
+    again = actions(out)[-1]
+    assert again.t_s == res.t_s and again.reason.startswith("kept after A-B-A")
+    assert limits[-1] == 12 and policy.kept == 1 and policy._path == [16] and policy._blocked == {}
+
+
+def test_a_real_loss_on_a_flat_trend_blocks_the_level_for_retry() -> None:
+    rng = random.Random(11)
+
+    def good(_t: float, level: int) -> float:
+        return 2000.0 * (0.8 if level < 16 else 1.0) * rng.uniform(0.95, 1.05)
+
+    policy = BatchPolicy(GOODPUT)
+    out, limits = drive_in_time(policy, good, 400)
+    (res,) = results(out)
+    assert res.verdict == "no_gain" and not res.kept and res.blocked_s == GOODPUT.retry_s
+    assert res.before is not None and res.after is not None and res.again is not None
+    assert res.noise is not None and 0 < res.noise < min(res.before, res.again) - res.after
+    assert "no gain of 3%, 12 blocked for 600 s" in res.reason
+    assert len(trials(out)) == 1 and policy._blocked == {12: res.t_s + GOODPUT.retry_s}
+    assert limits[-1] == 16 and policy.reverted == 1 and policy.inconclusive == 0
+
+
+@pytest.mark.parametrize("bursty", [False, True])
+def test_goodput_that_collapses_at_both_levels_is_inconclusive_not_a_loss(bursty: bool) -> None:
+    # Measured on an H200 (Llama-3.1-8B shape, a matmul process beside it): 64 -> 48 gave goodput 736/s
+    # before, 0 at 48 and 23 back at 64, while advice-only (no move) fell 648 -> 23 over the same
+    # windows: the queue only grows and every request misses the TTFT limit from its due time, at any
+    # level. The old before/after blocked 48 for an hour. A' as 23 every second, or as one burst of 460.
+    policy = BatchPolicy(BatchSettings(**{**_kw(GOODPUT), "start": 64, "floor": 16}))
+    moved = [False]
+
+    def good(t: float, level: int) -> float:
+        if level < 64:
+            moved[0] = True
+            return 0.0
+        if not moved[0]:
+            return 736.0
+        return (460.0 if int(t) % 20 == 0 else 0.0) if bursty else 23.0
+
+    out, limits = drive_in_time(policy, good, 120)
+    (res,) = results(out)
+    assert (res.from_limit, res.to_limit, res.before, res.after) == (64, 48, 736.0, 0.0)
+    assert res.again == pytest.approx(23.0)
+    assert res.verdict == "inconclusive" and res.blocked_s == 80.0 and policy._blocked == {48: res.t_s + 80}
+    if bursty:  # one burst in A': its noise (2 x 23) covers the 23 between A' and B
+        assert res.noise == pytest.approx(46.0) and "inconclusive (drift)" in res.reason
+    else:  # A' under a quarter of A: the objective collapsed for reasons outside the level
+        assert res.reason == (
+            "goodput 0 at 48 vs 736 before and 23 after at 64 (noise ±0): inconclusive (collapse), "
+            "48 blocked for 80 s"
+        )
+    assert policy.reverted == 0 and limits[-1] == 64
+
+
+def test_a_gain_within_the_measured_noise_is_inconclusive() -> None:
+    # Goodput scatters +-30 % from second to second (requests finish in bursts); 12 gives 5 % more, above
+    # min_gain (3 %), which a before/after would have kept, but inside twice the standard error.
+    def good(t: float, level: int) -> float:
+        return 1000.0 * (1.05 if level < 16 else 1.0) * (1.3 if int(t) % 2 else 0.7)
+
+    policy = BatchPolicy(GOODPUT)
+    out, limits = drive_in_time(policy, good, 100)
+    (res,) = results(out)
+    assert res.before == res.again == pytest.approx(1000.0) and res.after == pytest.approx(1050.0)
+    assert res.noise is not None and res.after - 1000.0 < res.noise == pytest.approx(199.6, abs=0.1)
+    assert res.verdict == "inconclusive" and "inconclusive (noise)" in res.reason and res.blocked_s == 80.0
+    assert limits[-1] == 16 and [a.kind for a in actions(out)] == ["downscale", "revert"]
+
+
+def test_harm_that_ends_during_the_a_prime_leg_leaves_the_level_before_and_blocks_nothing() -> None:
+    world = World(tps=lambda limit, harm: 100.0 * limit)
+    policy = BatchPolicy(SETTINGS)
+    out, limits = drive(policy, world, lambda t: 10 <= t < 65, 200)
+    (down,) = trials(out)
+    (leg,) = legs(out)
+    assert leg.t_s == down.t_s + 30 < 65
+    (res,) = results(out)
+    assert res.t_s == 65 and res.decided_by == "harm_ended" and res.verdict == "inconclusive"
+    assert not res.kept and res.after == 1200.0 and res.again is None and "A' leg" in res.reason
+    assert policy._blocked == {} and policy._path == [] and set(limits[int(leg.t_s) :]) == {16}
+    assert [a.kind for a in actions(out)] == ["downscale", "revert"]
+
+
+def test_a_restart_during_the_a_prime_leg_restores_the_level_before_and_no_block() -> None:
+    world = World(tps=lambda limit, harm: 200.0 * limit)
+    policy = BatchPolicy(SETTINGS)
+    out, _ = drive(policy, world, lambda t: t >= 20, 75)
+    (leg,) = legs(out)
+    assert policy.trial and leg.t_s < 75 < leg.t_s + 30  # inside the A' leg
+    state = json.loads(json.dumps(policy.to_state(now_s=75.0)))
+    again = BatchPolicy.from_state(SETTINGS, state, now_s=1075.0)
+    assert again.limit == 16 and not again.trial and again._path == [] and again._blocked == {}
+    assert again.results == [] and again.reverted == again.kept == 0
+    # Under the same harm the restored policy tries 12 afresh once the A' revert is settle + eval old.
+    out, _ = drive(again, world, lambda t: True, 40, t0=1075.0)
+    assert [(a.from_limit, a.to_limit) for a in trials(out)] == [(16, 12)]
+
+
+def test_objective_se_is_the_ratio_estimators() -> None:
+    ticks = [Tick(1, 1.0, True, tokens=100, good_tokens=100), Tick(2, 1.0, True, tokens=300, good_tokens=0)]
+    # Equal intervals: the standard error of the mean of per-tick rates (sd 141.4 / sqrt 2).
+    assert objective_se("tokens", ticks) == pytest.approx(100.0)
+    assert objective_se("goodput", ticks) == pytest.approx(50.0)
+    assert objective_se("tokens", ticks[:1]) is None
+    # Unequal intervals: the ratio estimator's; 200 tok/s for 1 s and 3 s is no scatter.
+    assert objective_se("tokens", [Tick(1, 1.0, True, tokens=200), Tick(4, 3.0, True, tokens=600)]) == 0.0
+    # tokens_per_joule: ticks without joules carry no value, as in objective_value.
+    metered = [Tick(1, 1.0, True, tokens=100, joules=10.0), Tick(2, 1.0, True, tokens=100)]
+    assert objective_se("tokens_per_joule", metered) is None
+    metered.append(Tick(3, 1.0, True, tokens=300, joules=10.0))
+    assert objective_se("tokens_per_joule", metered) == pytest.approx(10.0)
 
 
 def test_goodput_objective_counts_only_tokens_within_the_slo() -> None:
@@ -258,10 +472,6 @@ def source_start_wall() -> float:
     with gzip.open(PHASES, "rt") as f:
         f.readline()  # the header
         return int(json.loads(f.readline())["wall_ns"]) / 1e9
-
-
-def _kw(s: BatchSettings) -> dict[str, object]:
-    return {name: getattr(s, name) for name in s.__dataclass_fields__}
 
 
 def test_recorded_h200_matmul_load_is_harm_and_the_trial_is_reverted() -> None:
