@@ -19,7 +19,9 @@ What the control loop acts on is narrower: `HarmJudge` says when throttling *cos
 sustained SM-clock loss against the clock the device runs at unthrottled, with thermal and HW-slowdown
 reasons held to a stricter loss than the SW power cap. An H200 serving alone touches its power cap in
 1-2 % of 100 ms samples at 340-430 W without losing clock; running at the cap is normal operation on a
-datacenter GPU, and a brief touch is not a reason to give up batch.
+datacenter GPU, and a brief touch is not a reason to give up batch. Harm under the power cap ends when
+its cause ends: back near the engine's own at-cap clock, or on a bound when its loss has not reached the
+threshold for a while (a downscale kept during harm is undone only after the harm ends).
 
 Over 500 lines because detection (counters, reasons, clocks, harm) is one state machine whose four signals
 are judged together; each signal's rule sits beside the others.
@@ -40,6 +42,7 @@ from soakd.metric import counter_growth
 
 __all__ = [
     "BENIGN_REASONS",
+    "ENDED_BY",
     "NVML_FIELD_COUNTERS",
     "REASON_BITS",
     "HarmJudge",
@@ -473,23 +476,34 @@ class HarmSettings:
     enter_s: float = 1.0
     """The loss must hold this long before harm is declared."""
     leave_s: float = 10.0
-    """The loss must stay below half its threshold this long before the harm is over."""
+    """The loss must stay below half its threshold (or, under the power cap, the clock within half the
+    threshold of the engine's own at-cap clock) this long before the harm is over."""
+    stale_s: float = 60.0
+    """A power-cap episode whose loss has not reached its threshold for this long holds no evidence of its
+    cause and ends ("bound"); the clock then is the engine's own at-cap level."""
     reference_samples: int = 300
-    """The unthrottled clock: median of up to this many recent active samples with no throttle reason."""
+    """The unthrottled clock: median of up to this many recent active samples with no throttle reason (the
+    engine's own at-cap clock: as many samples with the power cap alone, outside harm)."""
     min_reference: int = 20
-    """Fewer unthrottled samples than this: the device's max SM clock is the reference."""
+    """Fewer unthrottled samples than this: the device's max SM clock is the reference (fewer at-cap
+    samples: no own at-cap level)."""
 
     def __post_init__(self) -> None:
-        for name in ("window_s", "enter_s", "leave_s"):
+        for name in ("window_s", "enter_s", "leave_s", "stale_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and 0 <= v <= 3600):
                 raise ValueError(f"{name} must be finite, 0-3600 s")
-        if self.window_s <= 0:
-            raise ValueError("window_s must be > 0")
+        if self.window_s <= 0 or self.stale_s <= 0:
+            raise ValueError("window_s and stale_s must be > 0")
         if not (0 < self.thermal_loss <= self.power_loss < 1):
             raise ValueError("need 0 < thermal_loss <= power_loss < 1")
         if not (1 <= self.min_reference <= self.reference_samples <= 100_000):
             raise ValueError("need 1 <= min_reference <= reference_samples <= 100000")
+
+
+ENDED_BY: Final = ("loss", "own_level", "bound")
+"""How harm ends: the loss below half its threshold; the clock back within half the threshold of the
+engine's own at-cap clock; the bound on an episode without evidence (`HarmSettings.stale_s`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,6 +517,11 @@ class HarmChange:
     loss: float
     """Median clock loss over the window at the change (0-1)."""
     reference_mhz: float | None
+    own_cap_mhz: float | None = None
+    """The engine's own at-cap clock after the change (for "bound": the clock it was rebased to), None
+    when unknown."""
+    ended_by: str = ""
+    """How it ended (one of `ENDED_BY`); "" when it began."""
 
 
 def worst_harm(kinds: Iterable[str]) -> str:
@@ -514,16 +533,31 @@ def worst_harm(kinds: Iterable[str]) -> str:
 
 class HarmJudge:
     """Feed every fast sample (time, SM clock, reason bits, thermal margin); `harmful` says whether the
-    device has lost more clock than its reason class allows, for longer than `enter_s`."""
+    device has lost more clock than its reason class allows, for longer than `enter_s`.
+
+    Harm ends when its cause ends. Under the power cap the judge keeps a second reference, the engine's
+    own at-cap clock: the median of recent busy samples with the SW power cap alone, taken outside harm
+    and its run-up. A window whose clock is within half the threshold of it is the engine's own doing:
+    it neither begins harm nor keeps it going (an H200 draining its backlog alone at the cap lost ~6 %
+    of clock, between half the threshold and the threshold, for minutes after the load had gone).
+    Thermal harm keeps the strict test: its loss below half the threshold. A power-cap episode whose
+    loss has not reached the threshold for `stale_s` ends on that bound, and the clock then becomes the
+    own at-cap level, so a new episode needs a new drop."""
 
     def __init__(self, settings: HarmSettings | None = None, max_mhz: float | None = None) -> None:
         self.settings = settings or HarmSettings()
         self._max_mhz = max_mhz if max_mhz and max_mhz > 0 else None
         self._ref: deque[float] = deque(maxlen=self.settings.reference_samples)
-        # (t, loss, class: 0 none 1 power 2 thermal, a reason bit was set)
-        self._window: deque[tuple[float, float, int, bool]] = deque()
+        self._own: deque[float] = deque(maxlen=self.settings.reference_samples)
+        self._own_pending: deque[tuple[float, float]] = deque()
+        """At-cap samples still in the window: they join `_own` unless harm or its run-up comes first."""
+        self._own_rebased = False
+        # (t, loss, class: 0 none 1 power 2 thermal, a reason bit was set, SM clock when busy)
+        self._window: deque[tuple[float, float, int, bool, float | None]] = deque()
         self._over_since: float | None = None
         self._under_since: float | None = None
+        self._last_over: float | None = None
+        """During an episode: the last time the loss was at its threshold (the evidence)."""
         self._last_t: float | None = None
         self.harmful = False
         self.kind = ""
@@ -531,6 +565,8 @@ class HarmJudge:
         """Median clock loss over the window now (0 when not judged)."""
         self.harm_s = 0.0
         self.episodes = 0
+        self.ended_by: dict[str, int] = {}
+        """Episodes ended, by how (`ENDED_BY`)."""
         self.max_loss = 0.0
         self.limited = 0.0
         """Share of the window's samples with a throttle reason set (the device at a limit)."""
@@ -540,6 +576,13 @@ class HarmJudge:
         if len(self._ref) >= self.settings.min_reference:
             return float(statistics.median(self._ref))
         return self._max_mhz
+
+    @property
+    def own_cap_mhz(self) -> float | None:
+        """The engine's own clock at the power cap, None until `min_reference` samples (or a rebase)."""
+        if self._own and (len(self._own) >= self.settings.min_reference or self._own_rebased):
+            return float(statistics.median(self._own))
+        return None
 
     def update(
         self,
@@ -566,16 +609,18 @@ class HarmJudge:
         if reasons is None and cls == 0:
             cls = 1  # no bitmask to read: a clock loss is taken as a power-cap loss
         loss = 0.0
+        clock: float | None = None
         # A throttle reason means the device draws power: busy, whatever a stale utilization said.
         if sm_mhz is not None and sm_mhz > 0 and (active is not False or bad) and not idle:
+            clock = float(sm_mhz)
             if bad == 0 and reasons is not None:
-                self._ref.append(float(sm_mhz))
+                self._ref.append(clock)
             ref = self.reference_mhz
             if ref and cls:
-                loss = max(0.0, 1.0 - float(sm_mhz) / ref)
+                loss = max(0.0, 1.0 - clock / ref)
         else:
             cls = 0  # an idle device loses no work to its clock
-        self._window.append((t_s, loss, cls, bad != 0))
+        self._window.append((t_s, loss, cls, bad != 0, clock))
         while self._window and self._window[0][0] <= t_s - s.window_s:
             self._window.popleft()
         losses = [x[1] for x in self._window]
@@ -583,39 +628,75 @@ class HarmJudge:
         self.limited = sum(1 for x in self._window if x[3]) / len(self._window)
         self.max_loss = max(self.max_loss, self.loss)
         worst = max((x[2] for x in self._window), default=0)
+        change = self._judge(t_s, worst)
+        # The engine's own at-cap clock: samples with the power cap alone, once out of the window with
+        # neither harm nor its run-up begun meanwhile (the first samples of a drop are not its level).
+        if clock is not None and cls == 1 and bad & SW_POWER_CAP:
+            self._own_pending.append((t_s, clock))
+        if self.harmful or self._over_since is not None:
+            self._own_pending.clear()
+        while self._own_pending and self._own_pending[0][0] <= t_s - s.window_s:
+            self._own.append(self._own_pending.popleft()[1])
+        return change
+
+    def _judge(self, t_s: float, worst: int) -> HarmChange | None:
+        s = self.settings
         threshold = s.thermal_loss if worst == 2 else s.power_loss
         kind = "thermal" if worst == 2 else "power"
-        if self.loss >= threshold:
+        # Within half the threshold of the engine's own at-cap clock: its own doing, neither the start
+        # nor the continuation of harm (never for thermal reasons: the device protecting itself).
+        own = None if worst == 2 or self.kind == "thermal" else self.own_cap_mhz
+        clocks = [x[4] for x in self._window if x[4] is not None]
+        near_own = own is not None and bool(clocks) and 1 - statistics.median(clocks) / own < threshold / 2
+        if self.loss >= threshold and not near_own:
             self._under_since = None
             if self._over_since is None:
                 self._over_since = t_s
-            if not self.harmful and t_s - self._over_since >= s.enter_s:
-                self.harmful, self.kind = True, kind
+            if self.harmful:
+                self._last_over = t_s
+                if kind == "thermal":
+                    self.kind = kind
+            elif t_s - self._over_since >= s.enter_s:
+                self.harmful, self.kind, self._last_over = True, kind, t_s
                 self.episodes += 1
-                return HarmChange(t_s, True, kind, self.loss, self.reference_mhz)
-            if self.harmful and kind == "thermal":
-                self.kind = kind
+                return HarmChange(t_s, True, kind, self.loss, self.reference_mhz, self.own_cap_mhz)
+            return None
+        self._over_since = None
+        if self.loss < threshold / 2 or near_own:
+            if self._under_since is None:
+                self._under_since = t_s
+            if self.harmful and t_s - self._under_since >= s.leave_s:
+                return self._end(t_s, "loss" if self.loss < threshold / 2 else "own_level")
         else:
-            self._over_since = None
-            if self.loss < threshold / 2:
-                if self._under_since is None:
-                    self._under_since = t_s
-                if self.harmful and t_s - self._under_since >= s.leave_s:
-                    self.harmful = False
-                    change = HarmChange(t_s, False, self.kind, self.loss, self.reference_mhz)
-                    self.kind = ""
-                    return change
-            else:
-                self._under_since = None
+            self._under_since = None
+        stale = self._last_over is not None and t_s - self._last_over >= s.stale_s
+        if self.harmful and self.kind == "power" and stale:
+            # In the band for stale_s: the clock now is the engine's own level, a new episode a new drop.
+            self._own.clear()
+            self._own.extend(clocks)
+            self._own_rebased = bool(clocks)
+            self._own_pending.clear()
+            return self._end(t_s, "bound")
         return None
 
+    def _end(self, t_s: float, how: str) -> HarmChange:
+        change = HarmChange(
+            t_s, False, self.kind, self.loss, self.reference_mhz, self.own_cap_mhz, ended_by=how
+        )
+        self.harmful, self.kind, self._last_over = False, "", None
+        self.ended_by[how] = self.ended_by.get(how, 0) + 1
+        return change
+
     def summary(self) -> dict[str, object]:
+        own = self.own_cap_mhz
         return {
             "harmful": self.harmful,
             "harm_s": round(self.harm_s, 3),
             "episodes": self.episodes,
+            "ended_by": dict(sorted(self.ended_by.items())),
             "max_clock_loss": round(self.max_loss, 4),
             "reference_mhz": self.reference_mhz,
+            "own_cap_mhz": None if own is None else round(own, 1),
         }
 
 

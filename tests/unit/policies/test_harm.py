@@ -1,0 +1,112 @@
+"""The harm judges over constructed streams that reproduce what an H200 showed: a workload at its power
+cap most of the time, a second process's load at the same cap, and the engine alone again afterwards.
+Clock harm must end when its cause ends (or on its bound)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from soakd.config import load
+from soakd.policies.throttle import HarmChange, HarmJudge, HarmSettings
+
+CAP = 0x4
+SW_THERMAL = 0x20
+MAX_MHZ = 1980.0
+DT = 0.1  # the fast tier: 10 samples a second
+
+
+def phase(
+    rng: random.Random, t0: float, seconds: float, mhz: float, bits: int, *, share: float = 1.0
+) -> Iterator[tuple[float, float, int]]:
+    """Samples (t, SM MHz, reasons) for `seconds` from `t0`: `bits` set in `share` of them at `mhz` (+-1 %),
+    the others unthrottled at the max clock."""
+    for k in range(round(seconds / DT)):
+        if rng.random() < share:
+            yield t0 + k * DT, mhz * rng.uniform(0.99, 1.01), bits
+        else:
+            yield t0 + k * DT, MAX_MHZ, 0
+
+
+def feed(judge: HarmJudge, samples: Iterator[tuple[float, float, int]]) -> list[HarmChange]:
+    return [c for t, mhz, bits in samples if (c := judge.update(t, mhz, bits, active=True)) is not None]
+
+
+def test_harm_from_a_shared_load_ends_at_the_engines_own_at_cap_clock() -> None:
+    """The H200 case: vLLM alone at the power cap in 80 % of samples at ~1,860 MHz (6 % below the
+    unthrottled 1,980) is no harm; a second process at the cap pulls the clock to ~1,600: harm; once it
+    stops, vLLM is back at its own ~1,860 at the cap. Still 6 % down, between half the threshold and the
+    threshold, where the harm used to stay open for minutes; now it ends within leave_s + window."""
+    rng = random.Random(1)
+    s = HarmSettings()
+    judge = HarmJudge(s, max_mhz=MAX_MHZ)
+    assert feed(judge, phase(rng, 0.0, 60.0, 1860.0, CAP, share=0.8)) == []
+    assert not judge.harmful and 0.05 < judge.loss < 0.10
+    assert judge.own_cap_mhz == pytest.approx(1860.0, rel=0.01)
+    began = feed(judge, phase(rng, 60.0, 150.0, 1600.0, CAP))
+    assert [c.harmful for c in began] == [True] and began[0].kind == "power"
+    assert began[0].t_s - 60.0 <= s.enter_s + s.window_s
+    assert began[0].own_cap_mhz == pytest.approx(1860.0, rel=0.01)
+    after = feed(judge, phase(rng, 210.0, 120.0, 1860.0, CAP, share=0.8))
+    (ended,) = after
+    assert not ended.harmful and ended.ended_by == "own_level"
+    assert ended.t_s - 210.0 <= s.leave_s + s.window_s + 1.0
+    # Against the unthrottled clock alone it was still in the band: the old test would have held it open.
+    assert s.power_loss / 2 <= ended.loss < s.power_loss
+    # The load's samples never became the engine's own level, and the engine alone opens no new episode.
+    assert judge.own_cap_mhz == pytest.approx(1860.0, rel=0.01)
+    assert judge.episodes == 1 and judge.harm_s == pytest.approx(150.0, abs=s.leave_s + 3.0)
+    summary = judge.summary()
+    assert summary["ended_by"] == {"own_level": 1} and summary["own_cap_mhz"] == pytest.approx(1860, rel=0.01)
+
+
+def test_an_episode_stuck_in_the_band_ends_on_the_bound_and_needs_a_new_drop() -> None:
+    """No at-cap samples before the load, so no own level to end on: the episode sits in the band (6 %
+    loss) after the load and ends stale_s after its loss last reached the threshold, by the bound. Its
+    clock is the engine's own level from then on: a few percent lower is no new episode, a new drop is."""
+    rng = random.Random(2)
+    s = HarmSettings()
+    judge = HarmJudge(s, max_mhz=MAX_MHZ)
+    assert feed(judge, phase(rng, 0.0, 30.0, MAX_MHZ, 0)) == []
+    assert judge.own_cap_mhz is None
+    assert [c.harmful for c in feed(judge, phase(rng, 30.0, 30.0, 1600.0, CAP))] == [True]
+    (ended,) = feed(judge, phase(rng, 60.0, 140.0, 1860.0, CAP))
+    assert ended.ended_by == "bound" and not judge.harmful
+    assert s.stale_s <= ended.t_s - 60.0 <= s.stale_s + s.window_s + 0.5
+    assert ended.own_cap_mhz == pytest.approx(1860.0, rel=0.01)
+    # 10.4 % below the unthrottled clock, but within half the threshold of the rebased own level.
+    assert feed(judge, phase(rng, 200.0, 30.0, 1775.0, CAP)) == []
+    assert [c.harmful for c in feed(judge, phase(rng, 230.0, 10.0, 1600.0, CAP))] == [True]
+    assert judge.episodes == 2 and judge.ended_by == {"bound": 1}
+
+
+def test_the_own_at_cap_clock_never_ends_thermal_harm() -> None:
+    """The device protecting itself keeps the strict test: back at the engine's own at-cap clock with the
+    thermal reason gone, a thermal episode stays open (neither the own level nor the bound ends it) until
+    its loss is below half the threshold."""
+    rng = random.Random(3)
+    s = HarmSettings()
+    judge = HarmJudge(s, max_mhz=MAX_MHZ)
+    feed(judge, phase(rng, 0.0, 60.0, 1860.0, CAP, share=0.8))
+    assert judge.own_cap_mhz is not None
+    (began,) = feed(judge, phase(rng, 60.0, 20.0, 1800.0, SW_THERMAL | CAP))
+    assert began.kind == "thermal"
+    # Samples with a thermal reason never feed the own at-cap level.
+    assert judge.own_cap_mhz == pytest.approx(1860.0, rel=0.01)
+    assert feed(judge, phase(rng, 80.0, 2 * s.stale_s, 1860.0, CAP, share=0.8)) == []
+    assert judge.harmful and judge.kind == "thermal"
+    (ended,) = feed(judge, phase(rng, 80.0 + 2 * s.stale_s, 20.0, MAX_MHZ, 0))
+    assert ended.ended_by == "loss" and ended.kind == "thermal"
+
+
+def test_harm_settings_bound_the_stale_time(tmp_path: Path) -> None:
+    assert HarmSettings().stale_s == 60.0 and load(None, env={}).control.harm.stale == 60.0
+    for bad in (0.0, -1.0, float("inf"), 3601.0):
+        with pytest.raises(ValueError, match="stale_s"):
+            HarmSettings(stale_s=bad)
+    path = tmp_path / "c.toml"
+    path.write_text('[control.harm]\nstale = "90s"\n')
+    assert load(path, env={}).control.harm.stale == 90.0
