@@ -7,9 +7,11 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.config import load
 from soakd.policies.throttle import HarmChange, HarmJudge, HarmSettings
 
@@ -110,3 +112,41 @@ def test_harm_settings_bound_the_stale_time(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text('[control.harm]\nstale = "90s"\n')
     assert load(path, env={}).control.harm.stale == 90.0
+
+
+def test_harm_leave_events_say_how_the_harm_ended() -> None:
+    """The collector's events: harm_leave carries ended_by and the own at-cap clock, and its message says
+    whether the bound ended it."""
+    events: list[tuple[str, str, dict[str, Any]]] = []
+    watch = GpuThrottleWatch({0: MAX_MHZ}, on_event=lambda kind, msg, **f: events.append((kind, msg, f)))
+    slow = {"util_gpu": 90.0, "margin_c": 30.0}
+    rng = random.Random(4)
+    streams = [
+        phase(rng, 0.0, 60.0, 1860.0, CAP, share=0.8),
+        phase(rng, 60.0, 30.0, 1600.0, CAP),
+        phase(rng, 90.0, 30.0, 1860.0, CAP, share=0.8),
+    ]
+    for stream in streams:
+        for t, mhz, bits in stream:
+            watch.observe(0, t, {"sm_mhz": mhz, "reasons": bits, "power_mw": 690_000}, slow)
+    harm = [e for e in events if e[0].startswith("harm_")]
+    assert [e[0] for e in harm] == ["harm_enter", "harm_leave"]
+    _, message, fields = harm[1]
+    assert fields["ended_by"] == "own_level" and fields["own_cap_mhz"] == pytest.approx(1860, rel=0.01)
+    assert "own at-cap clock" in message and "harm is over" in message
+    assert watch.summary()["0"]["harm"]["ended_by"] == {"own_level": 1}  # type: ignore[index]
+
+    events.clear()
+    watch = GpuThrottleWatch({0: MAX_MHZ}, on_event=lambda kind, msg, **f: events.append((kind, msg, f)))
+    streams = [
+        phase(rng, 0.0, 30.0, MAX_MHZ, 0),
+        phase(rng, 30.0, 30.0, 1600.0, CAP),
+        phase(rng, 60.0, 90.0, 1860.0, CAP),
+    ]
+    for stream in streams:
+        for t, mhz, bits in stream:
+            watch.observe(0, t, {"sm_mhz": mhz, "reasons": bits}, slow)
+    harm = [e for e in events if e[0].startswith("harm_")]
+    assert [e[0] for e in harm] == ["harm_enter", "harm_leave"]
+    _, message, fields = harm[1]
+    assert fields["ended_by"] == "bound" and "ended by the bound" in message and "60 s" in message
