@@ -22,6 +22,8 @@ reasons held to a stricter loss than the SW power cap. An H200 serving alone tou
 datacenter GPU, and a brief touch is not a reason to give up batch. Harm under the power cap ends when
 its cause ends: back near the engine's own at-cap clock, or on a bound when its loss has not reached the
 threshold for a while (a downscale kept during harm is undone only after the harm ends).
+`ThroughputJudge` says when a limit shared with another process costs tokens/s against the engine's own
+recent level.
 
 Over 500 lines because detection (counters, reasons, clocks, harm) is one state machine whose four signals
 are judged together; each signal's rule sits beside the others.
@@ -702,23 +704,26 @@ class HarmJudge:
 
 @dataclass(frozen=True, slots=True)
 class ThroughputSettings:
-    """When a limit costs throughput: the engine's tokens/s while requests wait, against the same at no
-    limit. Clock loss misses the case where the limit is shared (another process at the power cap takes
+    """When a limit costs throughput: the engine's tokens/s while requests wait, against its own recent
+    level. Clock loss misses the case where the limit is shared (another process at the power cap takes
     SM time, not clock: on an H200, 6 % clock and 35 % of tokens)."""
 
     loss: float = 0.2
-    """Share of the unlimited tokens/s lost while the device is at a limit."""
+    """Share of the engine's own tokens/s lost while the device is at a limit."""
     recent: int = 3
     """The loss is judged on the median of this many recent control intervals."""
     reference: int = 60
-    """The unlimited tokens/s: median of up to this many recent intervals with a queue and no limit."""
+    """The engine's own tokens/s: median of up to this many intervals with a queue, at a limit or not,
+    before the recent ones and outside throughput harm."""
     min_reference: int = 10
     step: int = 10
-    """The loss must also show against this many intervals just before the recent ones: a limit shared
-    with another process arrives as a step, while an engine alone at the cap drifts with its workload
-    (on an H200 at 64 requests: 6-11k tok/s from second to second, 20 % down over a minute)."""
+    """The loss must also show against this many intervals just before the recent ones (their median the
+    whole loss, each of them half of it): a limit shared with another process arrives as a step, while an
+    engine alone at the cap drifts with its workload (on an H200 at 64 requests: 6-11k tok/s from second
+    to second, 20 % down over a minute)."""
     leave_s: float = 10.0
-    """No limit (or less than half the loss) this long before the harm is over."""
+    """The harm is over once most of its last `leave_s` had no limit, less than half the loss, or tokens/s
+    recovered."""
 
     def __post_init__(self) -> None:
         if not 0 < self.loss < 1:
@@ -734,23 +739,36 @@ class ThroughputSettings:
 class ThroughputJudge:
     """Feed each control interval: tokens/s, whether requests waited for admission (only then is tokens/s
     the engine's capacity, not the offered load) and whether the device was at a limit (a throttle reason
-    in most samples). Harm: at a limit, with a queue, tokens/s below (1 - loss) x the unlimited figure.
+    in most samples). Harm: at a limit in each recent interval, with a queue, tokens/s below (1 - loss) x
+    the reference and as far below the intervals just before (a step).
 
-    Over when the limit goes, when the loss shrinks below half, or when tokens/s recover by the loss's
-    share over the episode's own level (the drop that began it reversed): an engine alone at 64 requests
-    can sit at an H200's power cap most of the time with tokens/s that wander with the workload, which
-    the first two rules alone read as harm long after the outside load has gone. On that recovery the
+    The reference is the engine's own steady level: intervals with a queue whether at a limit or not,
+    never those of a throughput-harm episode (nor the drop that began it) and never the recent intervals
+    being judged, so a fresh drop does not drag its own reference down. The limit does not gate it: an
+    engine at the power cap most of the time (~80 % of seconds on an H200) never had the intervals for an
+    unlimited reference, and a 40 % fall under a shared load read as no loss; the shared load is kept out
+    of the reference by the episode and the step, not by the limit bit.
+
+    Over once most of the episode's last `leave_s` were quiet: the limit gone, the loss below half, or
+    tokens/s recovered by the loss's share over the episode's own level (the drop that began it reversed).
+    Most, not all: an engine alone at 64 requests can sit at an H200's power cap most of the time with
+    tokens/s that wander a third from second to second, back at a limit with a loss now and then, which
+    a run of quiet seconds would have to outlast long after the outside load has gone. On a recovery the
     reference restarts from the recovered figures, so a new episode needs a new drop."""
 
     def __init__(self, settings: ThroughputSettings | None = None) -> None:
         self.settings = settings or ThroughputSettings()
         self._ref: deque[float] = deque(maxlen=self.settings.reference)
+        self._pending: deque[float] = deque()
+        """Intervals with a queue not yet in the reference: the recent ones, being judged."""
+        self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
         self._history: deque[float] = deque(maxlen=self.settings.recent + self.settings.step)
-        self._quiet_since: float | None = None
         self._episode: deque[float] = deque(maxlen=self.settings.reference)
         """tokens/s with a queue during the episode: its level, which a recovery is measured from."""
-        self._leaving: list[float] = []
+        self._lately: deque[tuple[float, bool, float | None]] = deque()
+        """The episode's last `leave_s`: (time, quiet, tokens/s when requests waited)."""
+        self._began: float | None = None
         self._rebased = False
         """The reference restarted from a recovery's figures (few, but measured at this workload)."""
         self.harmful = False
@@ -767,12 +785,23 @@ class ThroughputJudge:
         """The new harm state when it changed (True: began, False: ended), else None."""
         s = self.settings
         self._history.append(tokens_per_s)
-        if binding and not limited:
-            self._ref.append(tokens_per_s)
         if binding:
             self._recent.append((tokens_per_s, limited))
+            self._pending.append(tokens_per_s)
+            self._binding_seen += 1
         else:
             self._recent.clear()
+        # An interval joins the reference once it is no longer judged (`recent` later ones with a queue,
+        # or a queue gone in between) with no harm meanwhile.
+        while len(self._pending) > (s.recent if binding else 0):
+            self._ref.append(self._pending.popleft())
+        change = self._judge(t_s, tokens_per_s, binding=binding, limited=limited)
+        if self.harmful or change is False:
+            self._pending.clear()  # the episode's intervals, and the drop that began it, are no reference
+        return change
+
+    def _judge(self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool) -> bool | None:
+        s = self.settings
         ref = self.reference
         full = len(self._recent) == s.recent
         median = statistics.median(x for x, _ in self._recent) if full else 0.0
@@ -782,41 +811,73 @@ class ThroughputJudge:
         held = full and all(lim for _, lim in self._recent)
         recovered = self._recovered(float(median)) if full else False
         if held and self.loss >= s.loss and not recovered and (self.harmful or self._stepped(float(median))):
-            self._quiet_since = None
-            self._leaving.clear()
-            if binding:
-                self._episode.append(tokens_per_s)
-            if not self.harmful:
-                self.harmful = True
+            began = not self.harmful
+            if began:
+                self.harmful, self._began = True, t_s
                 self.episodes += 1
-                return True
+            self._note(t_s, tokens_per_s, binding=binding, quiet=False)
+            return True if began else None
+        if not self.harmful:
             return None
-        if self.harmful and (not limited or self.loss < s.loss / 2 or recovered):
-            if self._quiet_since is None:
-                self._quiet_since = t_s
-            if binding:
-                self._leaving.append(tokens_per_s)
-            if t_s - self._quiet_since >= s.leave_s:
-                if recovered:  # the old reference belongs to a workload that has moved on
-                    self._ref.clear()
-                    self._ref.extend(self._leaving)
-                    self._rebased = True
-                self._end()
-                return False
-        elif self.harmful:
-            self._quiet_since = None
-            self._leaving.clear()
-            if binding:
-                self._episode.append(tokens_per_s)
-        return None
+        quiet = not limited or self.loss < s.loss / 2 or recovered
+        self._note(t_s, tokens_per_s, binding=binding, quiet=quiet)
+        if not self._settled(t_s):
+            return None
+        if recovered:  # the old reference belongs to a workload that has moved on
+            self._ref.clear()
+            self._ref.extend(x for _, quiet, x in self._lately if quiet and x is not None)
+            self._rebased = True
+        self._end()
+        return False
+
+    def _note(self, t_s: float, tokens_per_s: float, *, binding: bool, quiet: bool) -> None:
+        """One interval of the episode: its level (with a queue) and whether it was quiet."""
+        if binding and not quiet:
+            self._episode.append(tokens_per_s)
+        self._lately.append((t_s, quiet, tokens_per_s if binding else None))
+        while self._lately[0][0] < t_s - self.settings.leave_s:
+            self._lately.popleft()
+
+    def _settled(self, t_s: float) -> bool:
+        """The episode is older than `leave_s` and most of its last `leave_s` were quiet."""
+        assert self._began is not None
+        if t_s - self._began <= self.settings.leave_s:
+            return False
+        quiet = sum(1 for _, q, _ in self._lately if q)
+        return 2 * quiet > len(self._lately)
+
+    def summary(self) -> dict[str, object]:
+        """The judge's state; without a reference it says why, so a loss of 0 is never silent."""
+        s = self.settings
+        ref = self.reference
+        out: dict[str, object] = {
+            "harmful": self.harmful,
+            "episodes": self.episodes,
+            "loss": round(self.loss, 4),
+            "reference_tps": None if ref is None else round(ref, 3),
+        }
+        if ref is None:
+            out["reference_note"] = (
+                f"no reference: never {s.min_reference} intervals with requests waiting "
+                f"({self._binding_seen} seen)"
+                if self._binding_seen < s.min_reference
+                else f"no reference: {len(self._ref)} of the {s.min_reference} intervals with requests "
+                f"waiting it needs (the last {s.recent}, being judged, and those in throughput harm do not "
+                "count)"
+            )
+        return out
 
     def _stepped(self, median: float) -> bool:
         """The recent median is the loss's share below the intervals just before (queue or not: without
-        one, tokens/s are the offered load, which the engine served)."""
-        before = list(self._history)[: -self.settings.recent]
-        if len(before) < self.settings.step:
+        one, tokens/s are the offered load, which the engine served), and each recent interval at least
+        half of it: a shared limit moves them all, an engine alone at the cap dips for a second or two."""
+        s = self.settings
+        before = list(self._history)[: -s.recent]
+        if len(before) < s.step:
             return False
-        return median <= (1 - self.settings.loss) * float(statistics.median(before))
+        level = float(statistics.median(before))
+        worst = max(x for x, _ in self._recent)
+        return median <= (1 - s.loss) * level and worst <= (1 - s.loss / 2) * level
 
     def _recovered(self, median: float) -> bool:
         """tokens/s back up by the loss's share over the episode's level (only during an episode)."""
@@ -827,6 +888,6 @@ class ThroughputJudge:
 
     def _end(self) -> None:
         self.harmful = False
-        self._quiet_since = None
+        self._began = None
         self._episode.clear()
-        self._leaving.clear()
+        self._lately.clear()

@@ -1,10 +1,12 @@
 """The harm judges over constructed streams that reproduce what an H200 showed: a workload at its power
 cap most of the time, a second process's load at the same cap, and the engine alone again afterwards.
-Clock harm must end when its cause ends (or on its bound)."""
+Clock harm must end when its cause ends (or on its bound), and throughput harm must see the load although
+the workload was at a limit before it."""
 
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,13 @@ import pytest
 
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.config import load
-from soakd.policies.throttle import HarmChange, HarmJudge, HarmSettings
+from soakd.policies.throttle import (
+    HarmChange,
+    HarmJudge,
+    HarmSettings,
+    ThroughputJudge,
+    ThroughputSettings,
+)
 
 CAP = 0x4
 SW_THERMAL = 0x20
@@ -150,3 +158,74 @@ def test_harm_leave_events_say_how_the_harm_ended() -> None:
     assert [e[0] for e in harm] == ["harm_enter", "harm_leave"]
     _, message, fields = harm[1]
     assert fields["ended_by"] == "bound" and "ended by the bound" in message and "60 s" in message
+
+
+def throughput_stream(
+    rng: random.Random, n: int, tps: float, *, noise: float, limited_share: float, binding: bool = True
+) -> list[tuple[float, bool, bool]]:
+    return [
+        (tps * rng.uniform(1 - noise, 1 + noise), binding, rng.random() < limited_share) for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("limited_share", [0.8, 0.9, 1.0])
+def test_throughput_harm_is_seen_in_a_workload_at_the_cap_most_of_the_time(limited_share: float) -> None:
+    """The H200 case: with requests waiting the workload is at its power cap in 80-100 % of intervals, so a
+    reference of unlimited intervals never formed and a 40 % fall under a shared load read as no loss. The
+    engine's own level is the reference now: the fall is harm within 5 intervals, its intervals never
+    lower the reference, and the harm is over once the load has gone."""
+    rng = random.Random(5)
+    judge = ThroughputJudge(ThroughputSettings(loss=0.2))
+    t = 0.0
+    before = throughput_stream(rng, 120, 10_000.0, noise=0.1, limited_share=limited_share)
+    for tps, b, lim in before:
+        t += 1
+        assert judge.update(t, tps, binding=b, limited=lim) is None
+    assert judge.reference == pytest.approx(10_000.0, rel=0.05)
+    drop = t
+    changes = []
+    for tps, b, lim in throughput_stream(rng, 60, 6_000.0, noise=0.1, limited_share=1.0):
+        t += 1
+        changes.append((t, judge.update(t, tps, binding=b, limited=lim)))
+    began = [at for at, c in changes if c is True]
+    assert began and began[0] - drop <= 5 and judge.harmful and judge.loss > 0.3
+    # The reference is the last 60 intervals before the drop: none of the load's made it in.
+    assert judge.reference == statistics.median(tps for tps, _, _ in before[-60:])
+    ended = []
+    for tps, b, lim in throughput_stream(rng, 60, 10_000.0, noise=0.1, limited_share=limited_share):
+        t += 1
+        if judge.update(t, tps, binding=b, limited=lim) is False:
+            ended.append(t)
+    summary = judge.summary()
+    assert len(ended) == 1 and judge.episodes == 1 and summary["harmful"] is False
+    assert summary["reference_tps"] == pytest.approx(10_000.0, rel=0.05) and "reference_note" not in summary
+
+
+@pytest.mark.parametrize("limited_share", [0.8, 1.0])
+def test_an_engine_alone_at_the_cap_with_noisy_tokens_is_no_throughput_harm(limited_share: float) -> None:
+    rng = random.Random(6)
+    judge = ThroughputJudge()
+    stream = throughput_stream(rng, 1200, 10_000.0, noise=0.15, limited_share=limited_share)
+    for t, (tps, b, lim) in enumerate(stream):
+        judge.update(float(t), tps, binding=b, limited=lim)
+    assert judge.episodes == 0 and judge.reference == pytest.approx(10_000.0, rel=0.05)
+
+
+def test_without_intervals_with_a_queue_the_summary_says_there_is_no_reference() -> None:
+    """A loss of 0 with no reference is not "no loss": the summary says why it judged nothing."""
+    judge = ThroughputJudge()
+    for k in range(100):
+        judge.update(float(k), 8_000.0, binding=False, limited=True)
+    summary = judge.summary()
+    assert summary["loss"] == 0.0 and summary["reference_tps"] is None
+    assert summary["reference_note"] == "no reference: never 10 intervals with requests waiting (0 seen)"
+    # Twelve with a queue: the last three are being judged, nine of the ten it needs are in.
+    t = 0.0
+    for _ in range(12):
+        t += 1
+        judge.update(t, 8_000.0, binding=True, limited=True)
+    note = judge.summary()["reference_note"]
+    assert isinstance(note, str) and note.startswith("no reference: 9 of the 10 intervals with requests")
+    t += 1
+    judge.update(t, 8_000.0, binding=True, limited=True)
+    assert judge.summary()["reference_tps"] == 8_000.0 and "reference_note" not in judge.summary()
