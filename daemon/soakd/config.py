@@ -414,6 +414,7 @@ class HarmControlConfig(_Section):
     window: Duration = Field(default=1.0, gt=0, le=600)
     enter: Duration = Field(default=1.0, ge=0, le=3600)
     leave: Duration = Field(default=10.0, ge=0, le=3600)
+    stale: Duration = Field(default=60.0, gt=0, le=3600)
     throughput_loss: float = Field(default=0.2, gt=0, lt=1)
     act_on_throughput: bool = False
 

@@ -449,6 +449,8 @@ class Controller:
             "actions": self.batch.actions + self.recaptures,
             "dry_run": self.actuator.dry_run,
         }
+        if self.throughput.reference is not None:  # absent: no reference, so the loss of 0 judges nothing
+            fields["throughput_reference"] = self.throughput.reference
         if gate is not None:
             fields["ceiling"] = gate.limit
         if self.actuator.engine_limit is not None:
@@ -484,6 +486,7 @@ class Controller:
             "kept": self.batch.kept,
             "reverted": self.batch.reverted,
             "throughput_harm_episodes": self.throughput.episodes,
+            "throughput": self.throughput.summary(),  # reference_tps, and reference_note when there is none
             "results": self.batch.results[-50:],
             # Only levels that were in force: advice never applied has no throughput of its own.
             "levels": self.batch.levels(),

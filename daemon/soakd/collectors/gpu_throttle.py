@@ -1,6 +1,7 @@
 """Throttle state per GPU during a soak: the episode detector and the harm judge fed with every fast
-NVML sample, their changes written as `throttle_*` / `harm_*` events, and a `throttle` point per GPU per
-interval. It also integrates board power into energy (J) for the control loop's tokens-per-joule."""
+NVML sample, their changes written as `throttle_*` / `harm_*` events (a `harm_leave` says how the harm
+ended: `ended_by` "loss", "own_level" or "bound"), and a `throttle` point per GPU per interval. It also
+integrates board power into energy (J) for the control loop's tokens-per-joule."""
 
 from __future__ import annotations
 
@@ -112,16 +113,29 @@ class GpuThrottleWatch:
 
     def _harm_event(self, gpu: int, ch: HarmChange) -> None:
         ref = f" of {ch.reference_mhz:.0f} MHz" if ch.reference_mhz else ""
-        if ch.harmful:
-            kind, what = (
-                "harm_enter",
-                f"GPU {gpu}: clock loss {ch.loss:.1%}{ref} ({ch.kind}): throttling costs work",
-            )
-        else:
-            kind, what = "harm_leave", f"GPU {gpu}: clock loss {ch.loss:.1%}{ref}: the harm is over"
+        own = f"{ch.own_cap_mhz:.0f} MHz" if ch.own_cap_mhz else "unknown"
         fields: dict[str, FieldValue] = {"gpu": gpu, "harm_kind": ch.kind, "clock_loss": round(ch.loss, 4)}
         if ch.reference_mhz:
             fields["reference_mhz"] = round(ch.reference_mhz, 1)
+        if ch.own_cap_mhz:
+            fields["own_cap_mhz"] = round(ch.own_cap_mhz, 1)
+        if ch.harmful:
+            kind = "harm_enter"
+            what = f"GPU {gpu}: clock loss {ch.loss:.1%}{ref} ({ch.kind}): throttling costs work"
+        else:
+            kind = "harm_leave"
+            fields["ended_by"] = ch.ended_by
+            if ch.ended_by == "own_level":
+                how = f"the clock back within half the threshold of the engine's own at-cap clock ({own})"
+            elif ch.ended_by == "bound":
+                stale = self._judges[gpu].settings.stale_s
+                how = (
+                    f"ended by the bound: no loss over the threshold for {stale:g} s; the clock now ({own}) "
+                    "is the engine's own at-cap level, a new episode needs a new drop"
+                )
+            else:
+                how = "below half the threshold"
+            what = f"GPU {gpu}: clock loss {ch.loss:.1%}{ref}, {how}: the harm is over"
         self._on_event(kind, what, **fields)
 
     def throttled(self) -> bool:

@@ -141,6 +141,7 @@ def _gpu(b: Build) -> Sequence[Collector]:
             thermal_loss=h.thermal_loss,
             enter_s=h.enter,
             leave_s=h.leave,
+            stale_s=h.stale,
         ),
     )
     energy_every = max(1, round(tcfg.gpu_energy_interval / tcfg.gpu_slow_interval))

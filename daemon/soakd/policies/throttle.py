@@ -19,7 +19,11 @@ What the control loop acts on is narrower: `HarmJudge` says when throttling *cos
 sustained SM-clock loss against the clock the device runs at unthrottled, with thermal and HW-slowdown
 reasons held to a stricter loss than the SW power cap. An H200 serving alone touches its power cap in
 1-2 % of 100 ms samples at 340-430 W without losing clock; running at the cap is normal operation on a
-datacenter GPU, and a brief touch is not a reason to give up batch.
+datacenter GPU, and a brief touch is not a reason to give up batch. Harm under the power cap ends when
+its cause ends: back near the engine's own at-cap clock, or on a bound when its loss has not reached the
+threshold for a while (a downscale kept during harm is undone only after the harm ends).
+`ThroughputJudge` says when a limit shared with another process costs tokens/s against the engine's own
+recent level.
 
 Over 500 lines because detection (counters, reasons, clocks, harm) is one state machine whose four signals
 are judged together; each signal's rule sits beside the others.
@@ -40,6 +44,7 @@ from soakd.metric import counter_growth
 
 __all__ = [
     "BENIGN_REASONS",
+    "ENDED_BY",
     "NVML_FIELD_COUNTERS",
     "REASON_BITS",
     "HarmJudge",
@@ -473,23 +478,34 @@ class HarmSettings:
     enter_s: float = 1.0
     """The loss must hold this long before harm is declared."""
     leave_s: float = 10.0
-    """The loss must stay below half its threshold this long before the harm is over."""
+    """The loss must stay below half its threshold (or, under the power cap, the clock within half the
+    threshold of the engine's own at-cap clock) this long before the harm is over."""
+    stale_s: float = 60.0
+    """A power-cap episode whose loss has not reached its threshold for this long holds no evidence of its
+    cause and ends ("bound"); the clock then is the engine's own at-cap level."""
     reference_samples: int = 300
-    """The unthrottled clock: median of up to this many recent active samples with no throttle reason."""
+    """The unthrottled clock: median of up to this many recent active samples with no throttle reason (the
+    engine's own at-cap clock: as many samples with the power cap alone, outside harm)."""
     min_reference: int = 20
-    """Fewer unthrottled samples than this: the device's max SM clock is the reference."""
+    """Fewer unthrottled samples than this: the device's max SM clock is the reference (fewer at-cap
+    samples: no own at-cap level)."""
 
     def __post_init__(self) -> None:
-        for name in ("window_s", "enter_s", "leave_s"):
+        for name in ("window_s", "enter_s", "leave_s", "stale_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and 0 <= v <= 3600):
                 raise ValueError(f"{name} must be finite, 0-3600 s")
-        if self.window_s <= 0:
-            raise ValueError("window_s must be > 0")
+        if self.window_s <= 0 or self.stale_s <= 0:
+            raise ValueError("window_s and stale_s must be > 0")
         if not (0 < self.thermal_loss <= self.power_loss < 1):
             raise ValueError("need 0 < thermal_loss <= power_loss < 1")
         if not (1 <= self.min_reference <= self.reference_samples <= 100_000):
             raise ValueError("need 1 <= min_reference <= reference_samples <= 100000")
+
+
+ENDED_BY: Final = ("loss", "own_level", "bound")
+"""How harm ends: the loss below half its threshold; the clock back within half the threshold of the
+engine's own at-cap clock; the bound on an episode without evidence (`HarmSettings.stale_s`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,6 +519,11 @@ class HarmChange:
     loss: float
     """Median clock loss over the window at the change (0-1)."""
     reference_mhz: float | None
+    own_cap_mhz: float | None = None
+    """The engine's own at-cap clock after the change (for "bound": the clock it was rebased to), None
+    when unknown."""
+    ended_by: str = ""
+    """How it ended (one of `ENDED_BY`); "" when it began."""
 
 
 def worst_harm(kinds: Iterable[str]) -> str:
@@ -514,16 +535,31 @@ def worst_harm(kinds: Iterable[str]) -> str:
 
 class HarmJudge:
     """Feed every fast sample (time, SM clock, reason bits, thermal margin); `harmful` says whether the
-    device has lost more clock than its reason class allows, for longer than `enter_s`."""
+    device has lost more clock than its reason class allows, for longer than `enter_s`.
+
+    Harm ends when its cause ends. Under the power cap the judge keeps a second reference, the engine's
+    own at-cap clock: the median of recent busy samples with the SW power cap alone, taken outside harm
+    and its run-up. A window whose clock is within half the threshold of it is the engine's own doing:
+    it neither begins harm nor keeps it going (an H200 draining its backlog alone at the cap lost ~6 %
+    of clock, between half the threshold and the threshold, for minutes after the load had gone).
+    Thermal harm keeps the strict test: its loss below half the threshold. A power-cap episode whose
+    loss has not reached the threshold for `stale_s` ends on that bound, and the clock then becomes the
+    own at-cap level, so a new episode needs a new drop."""
 
     def __init__(self, settings: HarmSettings | None = None, max_mhz: float | None = None) -> None:
         self.settings = settings or HarmSettings()
         self._max_mhz = max_mhz if max_mhz and max_mhz > 0 else None
         self._ref: deque[float] = deque(maxlen=self.settings.reference_samples)
-        # (t, loss, class: 0 none 1 power 2 thermal, a reason bit was set)
-        self._window: deque[tuple[float, float, int, bool]] = deque()
+        self._own: deque[float] = deque(maxlen=self.settings.reference_samples)
+        self._own_pending: deque[tuple[float, float]] = deque()
+        """At-cap samples still in the window: they join `_own` unless harm or its run-up comes first."""
+        self._own_rebased = False
+        # (t, loss, class: 0 none 1 power 2 thermal, a reason bit was set, SM clock when busy)
+        self._window: deque[tuple[float, float, int, bool, float | None]] = deque()
         self._over_since: float | None = None
         self._under_since: float | None = None
+        self._last_over: float | None = None
+        """During an episode: the last time the loss was at its threshold (the evidence)."""
         self._last_t: float | None = None
         self.harmful = False
         self.kind = ""
@@ -531,6 +567,8 @@ class HarmJudge:
         """Median clock loss over the window now (0 when not judged)."""
         self.harm_s = 0.0
         self.episodes = 0
+        self.ended_by: dict[str, int] = {}
+        """Episodes ended, by how (`ENDED_BY`)."""
         self.max_loss = 0.0
         self.limited = 0.0
         """Share of the window's samples with a throttle reason set (the device at a limit)."""
@@ -540,6 +578,13 @@ class HarmJudge:
         if len(self._ref) >= self.settings.min_reference:
             return float(statistics.median(self._ref))
         return self._max_mhz
+
+    @property
+    def own_cap_mhz(self) -> float | None:
+        """The engine's own clock at the power cap, None until `min_reference` samples (or a rebase)."""
+        if self._own and (len(self._own) >= self.settings.min_reference or self._own_rebased):
+            return float(statistics.median(self._own))
+        return None
 
     def update(
         self,
@@ -566,16 +611,18 @@ class HarmJudge:
         if reasons is None and cls == 0:
             cls = 1  # no bitmask to read: a clock loss is taken as a power-cap loss
         loss = 0.0
+        clock: float | None = None
         # A throttle reason means the device draws power: busy, whatever a stale utilization said.
         if sm_mhz is not None and sm_mhz > 0 and (active is not False or bad) and not idle:
+            clock = float(sm_mhz)
             if bad == 0 and reasons is not None:
-                self._ref.append(float(sm_mhz))
+                self._ref.append(clock)
             ref = self.reference_mhz
             if ref and cls:
-                loss = max(0.0, 1.0 - float(sm_mhz) / ref)
+                loss = max(0.0, 1.0 - clock / ref)
         else:
             cls = 0  # an idle device loses no work to its clock
-        self._window.append((t_s, loss, cls, bad != 0))
+        self._window.append((t_s, loss, cls, bad != 0, clock))
         while self._window and self._window[0][0] <= t_s - s.window_s:
             self._window.popleft()
         losses = [x[1] for x in self._window]
@@ -583,61 +630,100 @@ class HarmJudge:
         self.limited = sum(1 for x in self._window if x[3]) / len(self._window)
         self.max_loss = max(self.max_loss, self.loss)
         worst = max((x[2] for x in self._window), default=0)
+        change = self._judge(t_s, worst)
+        # The engine's own at-cap clock: samples with the power cap alone, once out of the window with
+        # neither harm nor its run-up begun meanwhile (the first samples of a drop are not its level).
+        if clock is not None and cls == 1 and bad & SW_POWER_CAP:
+            self._own_pending.append((t_s, clock))
+        if self.harmful or self._over_since is not None:
+            self._own_pending.clear()
+        while self._own_pending and self._own_pending[0][0] <= t_s - s.window_s:
+            self._own.append(self._own_pending.popleft()[1])
+        return change
+
+    def _judge(self, t_s: float, worst: int) -> HarmChange | None:
+        s = self.settings
         threshold = s.thermal_loss if worst == 2 else s.power_loss
         kind = "thermal" if worst == 2 else "power"
-        if self.loss >= threshold:
+        # Within half the threshold of the engine's own at-cap clock: its own doing, neither the start
+        # nor the continuation of harm (never for thermal reasons: the device protecting itself).
+        own = None if worst == 2 or self.kind == "thermal" else self.own_cap_mhz
+        clocks = [x[4] for x in self._window if x[4] is not None]
+        near_own = own is not None and bool(clocks) and 1 - statistics.median(clocks) / own < threshold / 2
+        if self.loss >= threshold and not near_own:
             self._under_since = None
             if self._over_since is None:
                 self._over_since = t_s
-            if not self.harmful and t_s - self._over_since >= s.enter_s:
-                self.harmful, self.kind = True, kind
+            if self.harmful:
+                self._last_over = t_s
+                if kind == "thermal":
+                    self.kind = kind
+            elif t_s - self._over_since >= s.enter_s:
+                self.harmful, self.kind, self._last_over = True, kind, t_s
                 self.episodes += 1
-                return HarmChange(t_s, True, kind, self.loss, self.reference_mhz)
-            if self.harmful and kind == "thermal":
-                self.kind = kind
+                return HarmChange(t_s, True, kind, self.loss, self.reference_mhz, self.own_cap_mhz)
+            return None
+        self._over_since = None
+        if self.loss < threshold / 2 or near_own:
+            if self._under_since is None:
+                self._under_since = t_s
+            if self.harmful and t_s - self._under_since >= s.leave_s:
+                return self._end(t_s, "loss" if self.loss < threshold / 2 else "own_level")
         else:
-            self._over_since = None
-            if self.loss < threshold / 2:
-                if self._under_since is None:
-                    self._under_since = t_s
-                if self.harmful and t_s - self._under_since >= s.leave_s:
-                    self.harmful = False
-                    change = HarmChange(t_s, False, self.kind, self.loss, self.reference_mhz)
-                    self.kind = ""
-                    return change
-            else:
-                self._under_since = None
+            self._under_since = None
+        stale = self._last_over is not None and t_s - self._last_over >= s.stale_s
+        if self.harmful and self.kind == "power" and stale:
+            # In the band for stale_s: the clock now is the engine's own level, a new episode a new drop.
+            self._own.clear()
+            self._own.extend(clocks)
+            self._own_rebased = bool(clocks)
+            self._own_pending.clear()
+            return self._end(t_s, "bound")
         return None
 
+    def _end(self, t_s: float, how: str) -> HarmChange:
+        change = HarmChange(
+            t_s, False, self.kind, self.loss, self.reference_mhz, self.own_cap_mhz, ended_by=how
+        )
+        self.harmful, self.kind, self._last_over = False, "", None
+        self.ended_by[how] = self.ended_by.get(how, 0) + 1
+        return change
+
     def summary(self) -> dict[str, object]:
+        own = self.own_cap_mhz
         return {
             "harmful": self.harmful,
             "harm_s": round(self.harm_s, 3),
             "episodes": self.episodes,
+            "ended_by": dict(sorted(self.ended_by.items())),
             "max_clock_loss": round(self.max_loss, 4),
             "reference_mhz": self.reference_mhz,
+            "own_cap_mhz": None if own is None else round(own, 1),
         }
 
 
 @dataclass(frozen=True, slots=True)
 class ThroughputSettings:
-    """When a limit costs throughput: the engine's tokens/s while requests wait, against the same at no
-    limit. Clock loss misses the case where the limit is shared (another process at the power cap takes
+    """When a limit costs throughput: the engine's tokens/s while requests wait, against its own recent
+    level. Clock loss misses the case where the limit is shared (another process at the power cap takes
     SM time, not clock: on an H200, 6 % clock and 35 % of tokens)."""
 
     loss: float = 0.2
-    """Share of the unlimited tokens/s lost while the device is at a limit."""
+    """Share of the engine's own tokens/s lost while the device is at a limit."""
     recent: int = 3
     """The loss is judged on the median of this many recent control intervals."""
     reference: int = 60
-    """The unlimited tokens/s: median of up to this many recent intervals with a queue and no limit."""
+    """The engine's own tokens/s: median of up to this many intervals with a queue, at a limit or not,
+    before the recent ones and outside throughput harm."""
     min_reference: int = 10
     step: int = 10
-    """The loss must also show against this many intervals just before the recent ones: a limit shared
-    with another process arrives as a step, while an engine alone at the cap drifts with its workload
-    (on an H200 at 64 requests: 6-11k tok/s from second to second, 20 % down over a minute)."""
+    """The loss must also show against this many intervals just before the recent ones (their median the
+    whole loss, each of them half of it): a limit shared with another process arrives as a step, while an
+    engine alone at the cap drifts with its workload (on an H200 at 64 requests: 6-11k tok/s from second
+    to second, 20 % down over a minute)."""
     leave_s: float = 10.0
-    """No limit (or less than half the loss) this long before the harm is over."""
+    """The harm is over once most of its last `leave_s` had no limit, less than half the loss, or tokens/s
+    recovered."""
 
     def __post_init__(self) -> None:
         if not 0 < self.loss < 1:
@@ -653,23 +739,36 @@ class ThroughputSettings:
 class ThroughputJudge:
     """Feed each control interval: tokens/s, whether requests waited for admission (only then is tokens/s
     the engine's capacity, not the offered load) and whether the device was at a limit (a throttle reason
-    in most samples). Harm: at a limit, with a queue, tokens/s below (1 - loss) x the unlimited figure.
+    in most samples). Harm: at a limit in each recent interval, with a queue, tokens/s below (1 - loss) x
+    the reference and as far below the intervals just before (a step).
 
-    Over when the limit goes, when the loss shrinks below half, or when tokens/s recover by the loss's
-    share over the episode's own level (the drop that began it reversed): an engine alone at 64 requests
-    can sit at an H200's power cap most of the time with tokens/s that wander with the workload, which
-    the first two rules alone read as harm long after the outside load has gone. On that recovery the
+    The reference is the engine's own steady level: intervals with a queue whether at a limit or not,
+    never those of a throughput-harm episode (nor the drop that began it) and never the recent intervals
+    being judged, so a fresh drop does not drag its own reference down. The limit does not gate it: an
+    engine at the power cap most of the time (~80 % of seconds on an H200) never had the intervals for an
+    unlimited reference, and a 40 % fall under a shared load read as no loss; the shared load is kept out
+    of the reference by the episode and the step, not by the limit bit.
+
+    Over once most of the episode's last `leave_s` were quiet: the limit gone, the loss below half, or
+    tokens/s recovered by the loss's share over the episode's own level (the drop that began it reversed).
+    Most, not all: an engine alone at 64 requests can sit at an H200's power cap most of the time with
+    tokens/s that wander a third from second to second, back at a limit with a loss now and then, which
+    a run of quiet seconds would have to outlast long after the outside load has gone. On a recovery the
     reference restarts from the recovered figures, so a new episode needs a new drop."""
 
     def __init__(self, settings: ThroughputSettings | None = None) -> None:
         self.settings = settings or ThroughputSettings()
         self._ref: deque[float] = deque(maxlen=self.settings.reference)
+        self._pending: deque[float] = deque()
+        """Intervals with a queue not yet in the reference: the recent ones, being judged."""
+        self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
         self._history: deque[float] = deque(maxlen=self.settings.recent + self.settings.step)
-        self._quiet_since: float | None = None
         self._episode: deque[float] = deque(maxlen=self.settings.reference)
         """tokens/s with a queue during the episode: its level, which a recovery is measured from."""
-        self._leaving: list[float] = []
+        self._lately: deque[tuple[float, bool, float | None]] = deque()
+        """The episode's last `leave_s`: (time, quiet, tokens/s when requests waited)."""
+        self._began: float | None = None
         self._rebased = False
         """The reference restarted from a recovery's figures (few, but measured at this workload)."""
         self.harmful = False
@@ -686,12 +785,23 @@ class ThroughputJudge:
         """The new harm state when it changed (True: began, False: ended), else None."""
         s = self.settings
         self._history.append(tokens_per_s)
-        if binding and not limited:
-            self._ref.append(tokens_per_s)
         if binding:
             self._recent.append((tokens_per_s, limited))
+            self._pending.append(tokens_per_s)
+            self._binding_seen += 1
         else:
             self._recent.clear()
+        # An interval joins the reference once it is no longer judged (`recent` later ones with a queue,
+        # or a queue gone in between) with no harm meanwhile.
+        while len(self._pending) > (s.recent if binding else 0):
+            self._ref.append(self._pending.popleft())
+        change = self._judge(t_s, tokens_per_s, binding=binding, limited=limited)
+        if self.harmful or change is False:
+            self._pending.clear()  # the episode's intervals, and the drop that began it, are no reference
+        return change
+
+    def _judge(self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool) -> bool | None:
+        s = self.settings
         ref = self.reference
         full = len(self._recent) == s.recent
         median = statistics.median(x for x, _ in self._recent) if full else 0.0
@@ -701,41 +811,73 @@ class ThroughputJudge:
         held = full and all(lim for _, lim in self._recent)
         recovered = self._recovered(float(median)) if full else False
         if held and self.loss >= s.loss and not recovered and (self.harmful or self._stepped(float(median))):
-            self._quiet_since = None
-            self._leaving.clear()
-            if binding:
-                self._episode.append(tokens_per_s)
-            if not self.harmful:
-                self.harmful = True
+            began = not self.harmful
+            if began:
+                self.harmful, self._began = True, t_s
                 self.episodes += 1
-                return True
+            self._note(t_s, tokens_per_s, binding=binding, quiet=False)
+            return True if began else None
+        if not self.harmful:
             return None
-        if self.harmful and (not limited or self.loss < s.loss / 2 or recovered):
-            if self._quiet_since is None:
-                self._quiet_since = t_s
-            if binding:
-                self._leaving.append(tokens_per_s)
-            if t_s - self._quiet_since >= s.leave_s:
-                if recovered:  # the old reference belongs to a workload that has moved on
-                    self._ref.clear()
-                    self._ref.extend(self._leaving)
-                    self._rebased = True
-                self._end()
-                return False
-        elif self.harmful:
-            self._quiet_since = None
-            self._leaving.clear()
-            if binding:
-                self._episode.append(tokens_per_s)
-        return None
+        quiet = not limited or self.loss < s.loss / 2 or recovered
+        self._note(t_s, tokens_per_s, binding=binding, quiet=quiet)
+        if not self._settled(t_s):
+            return None
+        if recovered:  # the old reference belongs to a workload that has moved on
+            self._ref.clear()
+            self._ref.extend(x for _, quiet, x in self._lately if quiet and x is not None)
+            self._rebased = True
+        self._end()
+        return False
+
+    def _note(self, t_s: float, tokens_per_s: float, *, binding: bool, quiet: bool) -> None:
+        """One interval of the episode: its level (with a queue) and whether it was quiet."""
+        if binding and not quiet:
+            self._episode.append(tokens_per_s)
+        self._lately.append((t_s, quiet, tokens_per_s if binding else None))
+        while self._lately[0][0] < t_s - self.settings.leave_s:
+            self._lately.popleft()
+
+    def _settled(self, t_s: float) -> bool:
+        """The episode is older than `leave_s` and most of its last `leave_s` were quiet."""
+        assert self._began is not None
+        if t_s - self._began <= self.settings.leave_s:
+            return False
+        quiet = sum(1 for _, q, _ in self._lately if q)
+        return 2 * quiet > len(self._lately)
+
+    def summary(self) -> dict[str, object]:
+        """The judge's state; without a reference it says why, so a loss of 0 is never silent."""
+        s = self.settings
+        ref = self.reference
+        out: dict[str, object] = {
+            "harmful": self.harmful,
+            "episodes": self.episodes,
+            "loss": round(self.loss, 4),
+            "reference_tps": None if ref is None else round(ref, 3),
+        }
+        if ref is None:
+            out["reference_note"] = (
+                f"no reference: never {s.min_reference} intervals with requests waiting "
+                f"({self._binding_seen} seen)"
+                if self._binding_seen < s.min_reference
+                else f"no reference: {len(self._ref)} of the {s.min_reference} intervals with requests "
+                f"waiting it needs (the last {s.recent}, being judged, and those in throughput harm do not "
+                "count)"
+            )
+        return out
 
     def _stepped(self, median: float) -> bool:
         """The recent median is the loss's share below the intervals just before (queue or not: without
-        one, tokens/s are the offered load, which the engine served)."""
-        before = list(self._history)[: -self.settings.recent]
-        if len(before) < self.settings.step:
+        one, tokens/s are the offered load, which the engine served), and each recent interval at least
+        half of it: a shared limit moves them all, an engine alone at the cap dips for a second or two."""
+        s = self.settings
+        before = list(self._history)[: -s.recent]
+        if len(before) < s.step:
             return False
-        return median <= (1 - self.settings.loss) * float(statistics.median(before))
+        level = float(statistics.median(before))
+        worst = max(x for x, _ in self._recent)
+        return median <= (1 - s.loss) * level and worst <= (1 - s.loss / 2) * level
 
     def _recovered(self, median: float) -> bool:
         """tokens/s back up by the loss's share over the episode's level (only during an episode)."""
@@ -746,6 +888,6 @@ class ThroughputJudge:
 
     def _end(self) -> None:
         self.harmful = False
-        self._quiet_since = None
+        self._began = None
         self._episode.clear()
-        self._leaving.clear()
+        self._lately.clear()

@@ -435,6 +435,24 @@ def test_throughput_harm_is_recorded_and_acted_on_only_when_asked(tmp_path: Path
         assert ("downscale" in kinds) is acts
 
 
+def test_the_summary_says_when_the_throughput_judge_had_no_reference(tmp_path: Path) -> None:
+    """No requests waiting, so tokens/s are the offered load and no reference forms: the throughput loss of
+    0 judges nothing, and the summary and the control point say so rather than showing a plain 0."""
+    ctrl, world, _, _, clock = make(tmp_path, BATCH)
+    run_for(ctrl, world, clock, 20, waiting=0)
+    (point,) = ctrl.collect(1)
+    assert point.fields["throughput_loss"] == 0.0 and "throughput_reference" not in point.fields
+    throughput = ctrl.summary()["throughput"]
+    assert isinstance(throughput, dict) and throughput["reference_tps"] is None
+    assert throughput["reference_note"] == "no reference: never 10 intervals with requests waiting (0 seen)"
+    run_for(ctrl, world, clock, 15, waiting=3)  # a queue: the engine's own 100 tok/s is the reference
+    (point,) = ctrl.collect(2)
+    assert point.fields["throughput_reference"] == 100.0
+    throughput = ctrl.summary()["throughput"]
+    assert isinstance(throughput, dict) and throughput["reference_tps"] == 100.0
+    assert "reference_note" not in throughput
+
+
 def test_the_drain_after_the_trace_is_no_traffic_to_tune_for(tmp_path: Path) -> None:
     """Harm with requests waiting, but the replay has stopped dispatching: the backlog that drains is not
     the trace's load, so no trial starts; the same harm before the end starts one."""

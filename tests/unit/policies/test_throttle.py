@@ -256,9 +256,10 @@ def test_throughput_judge_needs_a_queue_a_held_limit_and_a_real_loss() -> None:
 
     judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, leave_s=5))
     t = 0.0
-    for i in range(20):  # the reference: 1,000 tok/s with a queue, no limit, +-10 % noise
+    for i in range(21):  # the reference: 1,000 tok/s with a queue, no limit, +-10 % noise
         t += 1
         assert judge.update(t, 1000.0 + (100 if i % 2 else -100), binding=True, limited=False) is None
+    # All but the last 3 (the intervals being judged are not their own reference): 9 x 900, 9 x 1,100.
     assert judge.reference == 1000.0
     # A limit for one second in three, or without a queue, or with a 15 % loss: no harm.
     for i in range(9):
@@ -298,10 +299,13 @@ def test_throughput_judge_ignores_drift_at_the_cap_and_ends_when_the_drop_revers
     for _ in range(20):
         t += 1
         judge.update(t, 1000.0, binding=True, limited=False)
-    for i in range(60):  # at the cap, 1,000 -> 640 tok/s over a minute: 36 % below the reference
+    for i in range(60):  # at the cap, 1,000 -> 640 tok/s over a minute: 36 % below where it started
         t += 1
         assert judge.update(t, 1000.0 - 6.0 * i, binding=True, limited=True) is None
-    assert judge.loss > 0.3 and not judge.harmful
+    # The reference follows the engine's own level at the cap (the limit no longer keeps those intervals
+    # out of it), so the drift is 23 % below it rather than 36 %: still more than the loss, and no harm,
+    # because it came as a drift and not as a step.
+    assert judge.loss > 0.2 and not judge.harmful
     changes = []
     for _ in range(20):  # a step to 300: harm
         t += 1
