@@ -315,10 +315,10 @@ def test_recorded_slo_bound_run_through_todays_policy() -> None:
     within the noise (per-tick goodput under the load scatters by 1,500-2,000 good tok/s, so twice the
     standard error of the difference is ~960). The replay is open-loop: its A' leg reads the recorded
     seconds, which ran at 36 (the recorded run's own trial), not at 64. 48 is blocked for 80 s, not an
-    hour; tried again at its end with the throughput harm still on, the harm ends a second later (48
-    kept), and the ceiling is back at 64 within a minute of the load's end (the recorded run, whose
-    throughput harm outlived the load, stayed at 48 to the end: 9-10 % fewer tokens after the load than
-    advice-only)."""
+    hour, and the ceiling is back at 64 from the A' leg on: the throughput harm, judged against the
+    engine's own level, is over 6 s after the load's end, before the block would let 48 be tried again
+    (the recorded run, whose throughput harm outlived the load, stayed at 48 to the end: 9-10 % fewer
+    tokens after the load than advice-only)."""
     ticks = replay_ticks("control", Slo(tpot_s=PAYS_TPOT_MS / 1000), data=PAYS)
     ticks_tp, times = throughput_inputs("control", PAYS)
     assert times is not None
@@ -335,21 +335,19 @@ def test_recorded_slo_bound_run_through_todays_policy() -> None:
             tick = replace(tick, harm=True, harm_kind="throughput")
         out += policy.update(tick)
     actions = [(a.kind, a.from_limit, a.to_limit) for a in out if isinstance(a, BatchAction)]
-    assert actions == [("downscale", 64, 48), ("revert", 48, 64), ("downscale", 64, 48), ("upscale", 48, 64)]
+    assert actions == [("downscale", 64, 48), ("revert", 48, 64)]
     verdicts = [r for r in out if isinstance(r, ActionResult) and r.kind == "downscale"]
     assert [(r.to_limit, r.kept, r.decided_by, r.verdict) for r in verdicts] == [
         (48, False, "aba_bracket", "inconclusive"),
-        (48, True, "harm_ended", "inconclusive"),
     ]
     first = verdicts[0]
     assert first.before is not None and first.after is not None and first.again is not None
     assert first.noise is not None and 900 < first.noise < 1000
     assert 1.25 * max(first.before, first.again) < first.after < max(first.before, first.again) + first.noise
     assert first.blocked_s == 80.0 and "inconclusive (noise)" in first.reason
-    down_again = [a for a in out if isinstance(a, BatchAction) and a.kind == "downscale"][1]
-    assert down_again.t_s == first.t_s + first.blocked_s
-    (up,) = [a for a in out if isinstance(a, BatchAction) and a.kind == "upscale"]
-    assert 0 < up.t_s - times["load_end"] < 60
+    harm_over = max(t for t, on in tp_harm.items() if on) + 1
+    assert 0 < harm_over - times["load_end"] < 15 and harm_over < first.t_s + first.blocked_s
+    assert policy.limit == 64
 
 
 def null_trials(effect: float = 1.0) -> list[tuple[list[Tick], list[Tick], list[Tick]]]:
