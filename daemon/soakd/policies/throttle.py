@@ -747,7 +747,11 @@ class ThroughputJudge:
     being judged, so a fresh drop does not drag its own reference down. The limit does not gate it: an
     engine at the power cap most of the time (~80 % of seconds on an H200) never had the intervals for an
     unlimited reference, and a 40 % fall under a shared load read as no loss; the shared load is kept out
-    of the reference by the episode and the step, not by the limit bit.
+    of the reference by the episode and the step, not by the limit bit. Until enough intervals with a
+    queue exist, the reference is what the engine served lately with none (the median of the last
+    `min_reference` busy intervals: the offered load, all of it served, a lower bound of its capacity
+    that follows the trace): on an H200 whose queue formed only when a shared load arrived, the only
+    intervals with a queue were the loaded ones, and a 27-45 % fall made its own reference.
 
     Over once most of the episode's last `leave_s` were quiet: the limit gone, the loss below half, or
     tokens/s recovered by the loss's share over the episode's own level (the drop that began it reversed).
@@ -759,8 +763,10 @@ class ThroughputJudge:
     def __init__(self, settings: ThroughputSettings | None = None) -> None:
         self.settings = settings or ThroughputSettings()
         self._ref: deque[float] = deque(maxlen=self.settings.reference)
-        self._pending: deque[float] = deque()
-        """Intervals with a queue not yet in the reference: the recent ones, being judged."""
+        self._served: deque[float] = deque(maxlen=self.settings.reference)
+        """tokens/s of busy intervals without a queue: the reference until `_ref` has enough."""
+        self._pending: deque[tuple[float, bool]] = deque()
+        """Intervals (tokens/s, with a queue) not yet in a reference: the recent ones, being judged."""
         self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
         self._history: deque[float] = deque(maxlen=self.settings.recent + self.settings.step)
@@ -777,9 +783,20 @@ class ThroughputJudge:
 
     @property
     def reference(self) -> float | None:
-        if not self._ref or (len(self._ref) < self.settings.min_reference and not self._rebased):
-            return None
-        return float(statistics.median(self._ref))
+        if self._ref and (len(self._ref) >= self.settings.min_reference or self._rebased):
+            return float(statistics.median(self._ref))
+        n = self.settings.min_reference
+        if len(self._served) >= n:
+            # The offered load follows the trace: what it served lately, not since the run's ramp-up.
+            return float(statistics.median(list(self._served)[-n:]))
+        return None
+
+    @property
+    def reference_kind(self) -> str:
+        """"capacity" (intervals with a queue), "served" (the offered load served in full) or ""."""
+        if self._ref and (len(self._ref) >= self.settings.min_reference or self._rebased):
+            return "capacity"
+        return "served" if len(self._served) >= self.settings.min_reference else ""
 
     def update(self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool) -> bool | None:
         """The new harm state when it changed (True: began, False: ended), else None."""
@@ -787,14 +804,18 @@ class ThroughputJudge:
         self._history.append(tokens_per_s)
         if binding:
             self._recent.append((tokens_per_s, limited))
-            self._pending.append(tokens_per_s)
             self._binding_seen += 1
         else:
             self._recent.clear()
-        # An interval joins the reference once it is no longer judged (`recent` later ones with a queue,
-        # or a queue gone in between) with no harm meanwhile.
-        while len(self._pending) > (s.recent if binding else 0):
-            self._ref.append(self._pending.popleft())
+        self._pending.append((tokens_per_s, binding))
+        # An interval joins a reference once it is no longer judged (`recent` later ones) with no harm
+        # meanwhile: with a queue, the capacity; without, the load served in full (idle ones left out).
+        while len(self._pending) > s.recent:
+            value, queued = self._pending.popleft()
+            if queued:
+                self._ref.append(value)
+            elif value > 0:
+                self._served.append(value)
         change = self._judge(t_s, tokens_per_s, binding=binding, limited=limited)
         if self.harmful or change is False:
             self._pending.clear()  # the episode's intervals, and the drop that began it, are no reference
@@ -855,11 +876,12 @@ class ThroughputJudge:
             "episodes": self.episodes,
             "loss": round(self.loss, 4),
             "reference_tps": None if ref is None else round(ref, 3),
+            "reference_kind": self.reference_kind,
         }
         if ref is None:
             out["reference_note"] = (
                 f"no reference: never {s.min_reference} intervals with requests waiting "
-                f"({self._binding_seen} seen)"
+                f"({self._binding_seen} seen) nor {s.min_reference} busy ones without"
                 if self._binding_seen < s.min_reference
                 else f"no reference: {len(self._ref)} of the {s.min_reference} intervals with requests "
                 f"waiting it needs (the last {s.recent}, being judged, and those in throughput harm do not "

@@ -436,21 +436,27 @@ def test_throughput_harm_is_recorded_and_acted_on_only_when_asked(tmp_path: Path
 
 
 def test_the_summary_says_when_the_throughput_judge_had_no_reference(tmp_path: Path) -> None:
-    """No requests waiting, so tokens/s are the offered load and no reference forms: the throughput loss of
-    0 judges nothing, and the summary and the control point say so rather than showing a plain 0."""
+    """An idle engine (nothing in flight, no queue) gives no reference: the throughput loss of 0 judges
+    nothing, and the summary and the control point say so rather than showing a plain 0. Served load
+    with no queue is a lower bound of the capacity (`served`); with a queue, the capacity itself."""
     ctrl, world, _, _, clock = make(tmp_path, BATCH)
-    run_for(ctrl, world, clock, 20, waiting=0)
+    run_for(ctrl, world, clock, 20, waiting=0, in_flight=0)
     (point,) = ctrl.collect(1)
     assert point.fields["throughput_loss"] == 0.0 and "throughput_reference" not in point.fields
     throughput = ctrl.summary()["throughput"]
     assert isinstance(throughput, dict) and throughput["reference_tps"] is None
-    assert throughput["reference_note"] == "no reference: never 10 intervals with requests waiting (0 seen)"
+    assert throughput["reference_note"] == (
+        "no reference: never 10 intervals with requests waiting (0 seen) nor 10 busy ones without"
+    )
+    run_for(ctrl, world, clock, 15, in_flight=5)  # busy, no queue: the load served, 100 tok/s
+    throughput = ctrl.summary()["throughput"]
+    assert isinstance(throughput, dict) and throughput["reference_kind"] == "served"
     run_for(ctrl, world, clock, 15, waiting=3)  # a queue: the engine's own 100 tok/s is the reference
     (point,) = ctrl.collect(2)
     assert point.fields["throughput_reference"] == 100.0
     throughput = ctrl.summary()["throughput"]
     assert isinstance(throughput, dict) and throughput["reference_tps"] == 100.0
-    assert "reference_note" not in throughput
+    assert throughput["reference_kind"] == "capacity" and "reference_note" not in throughput
 
 
 def test_the_drain_after_the_trace_is_no_traffic_to_tune_for(tmp_path: Path) -> None:

@@ -214,11 +214,13 @@ def test_an_engine_alone_at_the_cap_with_noisy_tokens_is_no_throughput_harm(limi
 def test_without_intervals_with_a_queue_the_summary_says_there_is_no_reference() -> None:
     """A loss of 0 with no reference is not "no loss": the summary says why it judged nothing."""
     judge = ThroughputJudge()
-    for k in range(100):
-        judge.update(float(k), 8_000.0, binding=False, limited=True)
+    for k in range(100):  # idle: nothing served, nothing waiting
+        judge.update(float(k), 0.0, binding=False, limited=True)
     summary = judge.summary()
-    assert summary["loss"] == 0.0 and summary["reference_tps"] is None
-    assert summary["reference_note"] == "no reference: never 10 intervals with requests waiting (0 seen)"
+    assert summary["loss"] == 0.0 and summary["reference_tps"] is None and summary["reference_kind"] == ""
+    assert summary["reference_note"] == (
+        "no reference: never 10 intervals with requests waiting (0 seen) nor 10 busy ones without"
+    )
     # Twelve with a queue: the last three are being judged, nine of the ten it needs are in.
     t = 0.0
     for _ in range(12):
@@ -229,3 +231,35 @@ def test_without_intervals_with_a_queue_the_summary_says_there_is_no_reference()
     t += 1
     judge.update(t, 8_000.0, binding=True, limited=True)
     assert judge.summary()["reference_tps"] == 8_000.0 and "reference_note" not in judge.summary()
+
+
+def test_a_shared_load_that_makes_the_first_queue_is_judged_against_the_load_served_before() -> None:
+    """The H200 matrix case: no request waited before the shared load (the engine served the whole offered
+    load), so the only intervals with a queue were the loaded ones and the 27-45 % fall made its own
+    reference. What the engine served lately with no queue is a lower bound of its capacity: the fall is
+    harm within 5 intervals of the load. The trace's ramp-up at the run's start (a low offered load) does
+    not drag that reference down; once intervals with a queue are enough, they are the reference."""
+    rng = random.Random(11)
+    judge = ThroughputJudge(ThroughputSettings(loss=0.2))
+    t = 0.0
+    for k in range(20):  # the ramp: 500 -> 9,000 tok/s offered, all served, nothing waits
+        t += 1
+        judge.update(t, 500.0 + k * 450.0, binding=False, limited=False)
+    for _ in range(15):
+        t += 1
+        judge.update(t, 9_000.0 * rng.uniform(0.9, 1.1), binding=False, limited=rng.random() < 0.2)
+    assert judge.reference_kind == "served" and judge.reference == pytest.approx(9_000.0, rel=0.1)
+    drop = t
+    began = None
+    for _ in range(30):  # the shared load: a queue forms, tokens/s fall 40 %, at the cap throughout
+        t += 1
+        if judge.update(t, 5_400.0 * rng.uniform(0.9, 1.1), binding=True, limited=True) and began is None:
+            began = t
+    assert began is not None and began - drop <= 5 and judge.harmful
+    ended = None
+    for _ in range(40):  # the load gone, the backlog served at full speed
+        t += 1
+        if judge.update(t, 9_500.0 * rng.uniform(0.9, 1.1), binding=True, limited=False) is False:
+            ended = t
+    assert ended is not None and judge.episodes == 1
+    assert judge.reference_kind == "capacity" and judge.reference == pytest.approx(9_500.0, rel=0.1)
