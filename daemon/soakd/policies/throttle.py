@@ -793,7 +793,8 @@ class ThroughputJudge:
 
     @property
     def reference_kind(self) -> str:
-        """"capacity" (intervals with a queue), "served" (the offered load served in full) or ""."""
+        """Which reference is in use: capacity (intervals with a queue), served (the offered load served
+        in full) or empty (none)."""
         if self._ref and (len(self._ref) >= self.settings.min_reference or self._rebased):
             return "capacity"
         return "served" if len(self._served) >= self.settings.min_reference else ""
