@@ -19,10 +19,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from test_h200_control_ab import throughput_inputs
+from test_h200_control_ab import replay_ticks, throughput_inputs
 
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.config import BatchControlConfig
+from soakd.control import Slo
+from soakd.policies.downscale import ActionResult, BatchAction, BatchPolicy, BatchSettings
 from soakd.policies.throttle import SW_POWER_CAP, HarmJudge, ThroughputJudge
 
 DATA = Path(__file__).parents[2] / "data" / "h200" / "matrix"
@@ -226,3 +228,32 @@ def test_control_against_advice_only_per_window(matrix: dict[str, Any]) -> None:
         matrix[f"shared-{p}"]["arm"].window(*matrix[f"shared-{p}"]["spans"][2]) for p in ("control", "advice")
     ]
     assert shared_after[0]["goodput_tps"] < 0.05 * shared_after[1]["goodput_tps"]
+
+
+@pytest.mark.parametrize(
+    ("arm", "slo", "old_rule"),
+    [
+        ("shared-advice", Slo(ttft_s=10.0, tpot_s=0.025), "kept"),
+        ("pays-advice", Slo(tpot_s=0.01279), "blocked"),
+    ],
+)
+def test_a_trial_cut_from_an_arm_where_nothing_moved_is_no_verdict(arm: str, slo: Slo, old_rule: str) -> None:
+    """The advice-only arms' recorded harm, queue and tokens through today's policy, open-loop: its "B" and
+    "A'" legs ran at 64 like its A (nothing moved), so any verdict would be the drift's. The before/after
+    would have kept 48 on shared (B 22 % over A) and reverted it, blocking 48 for an hour, on pays (B 11 %
+    under A); the A-B-A trial reads both as drift: inconclusive, 48 blocked for 40 s."""
+    ticks = replay_ticks(arm, slo, data=DATA)
+    settings = BatchSettings(start=64, floor=16, objective="goodput", dwell_s=5, settle_s=5, eval_s=10)
+    policy = BatchPolicy(settings)
+    out: list[BatchAction | ActionResult] = []
+    for tick in ticks:
+        out += policy.update(tick)
+    actions = [(a.kind, a.from_limit, a.to_limit) for a in out if isinstance(a, BatchAction)]
+    assert actions == [("downscale", 64, 48), ("revert", 48, 64)]
+    (result,) = [r for r in out if isinstance(r, ActionResult)]
+    assert result.before is not None and result.after is not None
+    gain = result.after / result.before - 1
+    # What the before/after rule (keep on a 3 % gain, else revert and block for retry) would have done.
+    assert (gain >= settings.min_gain) == (old_rule == "kept")
+    assert result.decided_by == "aba_bracket" and result.verdict == "inconclusive"
+    assert result.blocked_s == 2 * (settings.dwell_s + settings.settle_s + settings.eval_s) < settings.retry_s
