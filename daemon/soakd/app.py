@@ -47,6 +47,7 @@ from soakd.live import LiveRun
 from soakd.logs import bind
 from soakd.metric import Sample
 from soakd.notify import notify
+from soakd.owner import take as take_run_dir
 from soakd.parts import EngineChanges
 from soakd.redact import redacted
 from soakd.replay.admission import AdmissionGate
@@ -285,6 +286,8 @@ class Soak:
         else:
             # 0700: the run's files may name hosts, models and traffic; only the service user reads them.
             self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+            # Its one owner from the start (soakd.owner); a resume owns its folder since find_resumable.
+            take_run_dir(self.run_dir, wait_s=2.0)
             checkpoint = Checkpoint(self.run_id, self.fingerprint, self.started_utc, self.cfg.run.duration)
             checkpoint.write(self.run_dir)
             self.live.checkpoint = checkpoint

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from soakd.files import write_json_atomic
+from soakd.files import read_no_follow, write_json_atomic
 from soakd.rundir import CHECKPOINT_FILE
 
 log = structlog.get_logger(__name__)
@@ -80,7 +80,8 @@ class Checkpoint:
 def read_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The run's checkpoint, or None when it has none or it cannot be read (then it is not resumable)."""
     try:
-        data = json.loads((run_dir / CHECKPOINT_FILE).read_text(encoding="utf-8"))
+        # The run folder's own file, never a link's target (a refusal is an OSError: not resumable).
+        data = json.loads(read_no_follow(run_dir / CHECKPOINT_FILE).decode("utf-8"))
         return Checkpoint(
             run_id=str(data["run_id"]),
             fingerprint=str(data["fingerprint"]),

@@ -42,6 +42,55 @@ def not_a_regular_file(path: Path) -> str | None:
     return None if stat.S_ISREG(mode) else "not a regular file"
 
 
+class NotRegularFile(OSError):
+    """A run file that is a symlink or not a regular file: refused, its target never read or written."""
+
+
+def lstat_kind(path: Path) -> str | None:
+    """What `path` itself is when it is not a regular file ("a symlink", "a FIFO, not a regular file"...),
+    or None for a regular file and a missing one. Links are not followed: a run folder's files are
+    soakd's own, a link there points at something soakd did not write."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    for test, kind in _KINDS:
+        if test(mode):
+            return f"{kind}, not a regular file"
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def open_no_follow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """A descriptor on `path` itself, never on a link's target: a symlink is refused by the open
+    (O_NOFOLLOW), anything but a regular file by a check on the opened file (so a swap between a check
+    and the open is caught too); each refusal a NotRegularFile. A missing file is FileNotFoundError."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise NotRegularFile(errno.ELOOP, "a symlink, not followed", str(path)) from None
+        if err.errno in (errno.EISDIR, errno.ENXIO):
+            raise NotRegularFile(err.errno, "not a regular file", str(path)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", str(path))
+        # O_NONBLOCK only kept a FIFO from blocking the open; a regular file's writes are plain ones.
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_no_follow(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file `path` itself (open_no_follow's refusals), at most `max_bytes` + 1."""
+    with os.fdopen(open_no_follow(path), "rb") as fh:
+        return fh.read() if max_bytes is None else fh.read(max_bytes + 1)
+
+
 def write_private(path: Path, data: bytes, *, fsync: bool = False) -> None:
     """Replace `path` with `data` so a reader sees the old or the whole new content, never half; the
     file is created 0600 (its directory decides who may reach it)."""
@@ -63,8 +112,9 @@ def write_private(path: Path, data: bytes, *, fsync: bool = False) -> None:
 
 
 def open_private_append(path: Path) -> int:
-    """A file descriptor appending to `path`, created 0600 if new."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """A file descriptor appending to `path`, created 0600 if new; never through a symlink, never to
+    anything but a regular file (open_no_follow)."""
+    return open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
 
 def _finite(value: Any) -> Any:
@@ -89,15 +139,21 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     write_private(path, (json_text(data, indent=2, sort_keys=True, default=str) + "\n").encode(), fsync=True)
 
 
-def read_input_text(path: Path, max_bytes: int, what: str, error: type[InputError]) -> str:
+def read_input_text(
+    path: Path, max_bytes: int, what: str, error: type[InputError], *, follow: bool = True
+) -> str:
     """The UTF-8 text of a small input file read whole (a config, a run's JSON): refused by type before
-    it is opened, and past `max_bytes` before it is held, each refusal an `error` naming the file."""
-    kind = not_a_regular_file(path)
+    it is opened, and past `max_bytes` before it is held, each refusal an `error` naming the file.
+    `follow=False` (a run folder's files) refuses a symlink too, never reading its target."""
+    kind = not_a_regular_file(path) if follow else lstat_kind(path)
     if kind is not None:
         raise error(f"cannot read: {kind}", file=path)
     try:
-        with path.open("rb") as fh:
-            raw = fh.read(max_bytes + 1)
+        if follow:
+            with path.open("rb") as fh:
+                raw = fh.read(max_bytes + 1)
+        else:
+            raw = read_no_follow(path, max_bytes)
     except OSError as err:
         raise error(f"cannot read: {err.strerror}", file=path) from None
     if len(raw) > max_bytes:

@@ -30,9 +30,11 @@ from typing import Any
 import structlog
 
 from soakd.checkpoint import Checkpoint, Interruption, RequestKey, read_checkpoint
-from soakd.files import open_private_append
+from soakd.errors import InputError
+from soakd.files import NotRegularFile, open_no_follow, open_private_append, read_no_follow
 from soakd.judge.metrics import METRIC_MEASUREMENTS, RunMetrics
 from soakd.metric import Sample, parse_line
+from soakd.owner import check_run_files, release, take
 from soakd.replay.pacer import Scheduled
 from soakd.rundir import JOURNAL_FILE, SPOOL_DIR, SUMMARY_FILE
 from soakd.sinks.spool import iter_lines, list_segments
@@ -54,10 +56,14 @@ class DueJournal:
     def __init__(self, path: Path) -> None:
         self.path = path
         torn = False
-        with contextlib.suppress(FileNotFoundError), path.open("rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
-        self._fd = open_private_append(path)
+        try:
+            with contextlib.suppress(FileNotFoundError), os.fdopen(open_no_follow(path), "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
+            # Appended to only as the run folder's own regular file: never a link's target.
+            self._fd = open_private_append(path)
+        except NotRegularFile as err:
+            raise InputError(f"refused: {err.strerror}", file=path) from None
         if torn:
             # A line torn by a power loss must not swallow the first line this process appends.
             os.write(self._fd, b"\n")
@@ -95,9 +101,11 @@ def read_journal(path: Path) -> dict[RequestKey, float]:
     """Every request the journal says came due, with its replay due time; a torn last line is ignored."""
     due: dict[RequestKey, float] = {}
     try:
-        data = path.read_bytes()
+        data = read_no_follow(path)
     except FileNotFoundError:
         return due
+    except NotRegularFile as err:
+        raise InputError(f"refused: {err.strerror}", file=path) from None
     for raw in data.split(b"\n")[:-1]:  # the part after the last newline is torn (or empty)
         parts = raw.split()
         if len(parts) != 4:
@@ -241,40 +249,55 @@ def find_resumable(
     try:
         # Run ids are STAMP-NAME-XXXX (new_run_id): a 16-character UTC stamp and 4 hex digits.
         candidates = sorted(
-            (p for p in out_dir.iterdir() if p.is_dir() and p.name[17:-5] == name), reverse=True
+            (p for p in out_dir.iterdir() if p.is_dir() and not p.is_symlink() and p.name[17:-5] == name),
+            reverse=True,
         )
     except FileNotFoundError:
         candidates = []
     for run_dir in candidates:
-        checkpoint = read_checkpoint(run_dir)
-        if checkpoint is None:
-            # The newest run has no checkpoint (it died before writing one, or predates them): an older
-            # one was given up on when this one started.
-            log.info("resume_none", reason="the newest run has no checkpoint", run_dir=str(run_dir))
-            return None
-        if (run_dir / SUMMARY_FILE).exists():
-            log.info("resume_none", reason="the newest run finished", run_dir=str(run_dir))
-            return None
-        if checkpoint.stopped_by:
-            log.info("resume_none", reason=f"the newest run was stopped ({checkpoint.stopped_by})")
-            return None
-        if checkpoint.fingerprint != fp:
-            log.warning(
-                "resume_skipped", run_dir=str(run_dir), reason="config or trace changed since it started"
-            )
-            return None
-        age_s = (now - _last_seen_ns(run_dir, checkpoint)) / 1e9
-        if age_s > within_s:
-            log.warning(
-                "resume_skipped",
-                run_dir=str(run_dir),
-                reason=f"last active {age_s:.0f} s ago (run.resume_within = {within_s:.0f} s)",
-                hint=f"judge it with `soakd report {run_dir.name}`",
-            )
-            return None
-        return run_dir, checkpoint
+        # One owner per run folder, before anything in it is read: a second resume of the same run is
+        # refused here (exit 2, naming the owner's pid), never a second writer of its journal and spool.
+        take(run_dir)
+        try:
+            found = _resumable(run_dir, fp, within_s, now)
+        except BaseException:
+            release(run_dir)
+            raise
+        if found is None:
+            release(run_dir)
+        return found
     log.info("resume_none", reason="no unfinished run", output_dir=str(out_dir))
     return None
+
+
+def _resumable(run_dir: Path, fp: str, within_s: float, now: int) -> tuple[Path, Checkpoint] | None:
+    """`run_dir` and its checkpoint if it may be resumed, else None with the reason logged."""
+    check_run_files(run_dir)
+    checkpoint = read_checkpoint(run_dir)
+    if checkpoint is None:
+        # The newest run has no checkpoint (it died before writing one, or predates them): an older
+        # one was given up on when this one started.
+        log.info("resume_none", reason="the newest run has no checkpoint", run_dir=str(run_dir))
+        return None
+    if (run_dir / SUMMARY_FILE).exists():
+        log.info("resume_none", reason="the newest run finished", run_dir=str(run_dir))
+        return None
+    if checkpoint.stopped_by:
+        log.info("resume_none", reason=f"the newest run was stopped ({checkpoint.stopped_by})")
+        return None
+    if checkpoint.fingerprint != fp:
+        log.warning("resume_skipped", run_dir=str(run_dir), reason="config or trace changed since it started")
+        return None
+    age_s = (now - _last_seen_ns(run_dir, checkpoint)) / 1e9
+    if age_s > within_s:
+        log.warning(
+            "resume_skipped",
+            run_dir=str(run_dir),
+            reason=f"last active {age_s:.0f} s ago (run.resume_within = {within_s:.0f} s)",
+            hint=f"judge it with `soakd report {run_dir.name}`",
+        )
+        return None
+    return run_dir, checkpoint
 
 
 def shifted(items: Iterable[Scheduled], done: Container[RequestKey], offset_s: float) -> Iterator[Scheduled]:

@@ -32,3 +32,15 @@ REPORT_JSON = "report.json"
 """The sign-off report's figures and the digest of the files it was made from."""
 DIGEST_FILES = (META_FILE, VERDICT_FILE)
 """The files whose digest the report carries: what a signature vouches for."""
+LOCK_FILE = ".lock"
+"""The run folder's owner: an exclusive flock held by the one process that runs or resumes it, with
+that process's pid inside (soakd.owner)."""
+RUN_FILES = (
+    META_FILE,
+    SUMMARY_FILE,
+    VERDICT_FILE,
+    CHECKPOINT_FILE,
+    JOURNAL_FILE,
+    CONTROL_STATE_FILE,
+)
+"""The files soakd itself reads back from a run folder: each one must be a regular file, never a link."""

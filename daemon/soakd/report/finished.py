@@ -3,6 +3,7 @@ and the sign-off report written (also right after `soakd run`)."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from soakd.errors import EXIT_STOPPED, UsageError
 from soakd.judge.criteria import Ending
 from soakd.judge.metrics import RunMetrics
 from soakd.judge.verdict import Verdict, stopped_early
+from soakd.owner import check_run_files
 from soakd.report.html import build_doc, write_report
 from soakd.report.runs import fold_spool, judge, read_json
 from soakd.report.series import SeriesBuilder
@@ -47,7 +49,7 @@ class FinishedRun:
     def recorded_verdict(self) -> dict[str, Any] | None:
         """verdict.json as the run wrote it (or a --rejudge rewrote it); None when it has none."""
         path = self.run_dir / VERDICT_FILE
-        return read_json(path) if path.exists() else None
+        return read_json(path) if os.path.lexists(path) else None
 
     def stopped_code(self) -> int:
         """The code a stop exited with (4, or the systemd unit's 0): the run's, not the criteria's. The
@@ -76,6 +78,9 @@ class FinishedRun:
 def open_run(run_dir: Path, given: Config | None) -> FinishedRun:
     """A run folder's metadata and summary, and the config to judge it by; a folder that is not a
     soakd run's, or whose config this soakd cannot load, is a one-line UsageError."""
+    # Read-only, never locked (a live run's owner keeps writing), never through a link: a run file that
+    # is a symlink or not a regular file is refused, naming it, before any is read.
+    check_run_files(run_dir, segments=False, error=UsageError)
     meta = read_json(run_dir / META_FILE)
     if not isinstance(meta.get("config"), dict) or "run_id" not in meta:
         raise UsageError("not a soakd run's metadata (no config or run_id)", file=run_dir / META_FILE)
@@ -88,7 +93,7 @@ def open_run(run_dir: Path, given: Config | None) -> FinishedRun:
             file=run_dir / META_FILE,
         ) from None
     summary_path = run_dir / SUMMARY_FILE
-    summary = read_json(summary_path) if summary_path.exists() else {}
+    summary = read_json(summary_path) if os.path.lexists(summary_path) else {}
     return FinishedRun(run_dir, meta, summary, config)
 
 
@@ -130,7 +135,7 @@ def report_after_run(run_dir: Path) -> Path | None:
     try:
         meta = read_json(run_dir / META_FILE)
         verdict = read_json(run_dir / VERDICT_FILE)
-        summary = read_json(run_dir / SUMMARY_FILE) if (run_dir / SUMMARY_FILE).exists() else {}
+        summary = read_json(run_dir / SUMMARY_FILE) if os.path.lexists(run_dir / SUMMARY_FILE) else {}
         _, series = fold_spool(run_dir)
         data = series.build(meta["config"])
         doc = build_doc(run_dir, meta, verdict, data, source="spool", summary=summary)

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("soakd.engine",),
     ("soakd.traces",),
     ("soakd.judge",),  # the live judge: metrics fold, criteria, verdict
-    ("soakd.sinks",),
+    ("soakd.sinks", "soakd.owner"),  # the run folder's one owner and its own files (the spool's segments)
     ("soakd.report",),  # a finished run read back: re-judging, the sign-off report, comparisons
     ("soakd.replay",),
     ("soakd.live",),  # the run's live state, read by the collectors' factories, the jobs, the parts
