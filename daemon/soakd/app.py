@@ -16,7 +16,6 @@ import gc
 import itertools
 import os
 import platform
-import signal
 import socket
 import time
 from collections.abc import Callable, Iterable
@@ -67,6 +66,7 @@ from soakd.resume import (
 from soakd.rundir import JOURNAL_FILE, META_FILE, SUMMARY_FILE, VERDICT_FILE
 from soakd.sinks.registry import open_sinks
 from soakd.sinks.writer import SampleWriter
+from soakd.stopsignals import STOP_SIGNALS, StopSignals
 from soakd.traces.loader import Trace, open_trace
 from soakd.wiring import (
     RunParts,
@@ -109,8 +109,12 @@ class Soak:
         engine_factory: Callable[[Config, str, EngineCollector], Engine] | None = None,
         resume: bool = False,
         stopped_exit_code: int = EXIT_STOPPED,
+        signals: StopSignals | None = None,
     ) -> None:
         self.cfg = cfg
+        # The process's stop signals, when the caller installed them before this run was set up (the
+        # CLI); without them the run installs the loop's own handlers.
+        self._signals = signals
         self._stopped_code = stopped_exit_code
         self._progress = progress
         self._engine_factory = engine_factory or (
@@ -191,22 +195,39 @@ class Soak:
         }
         write_json_atomic(self.run_dir / META_FILE, meta)
 
+    def _enter(self, phase: str) -> None:
+        """The run reached `phase` (judge.criteria.STOP_PHASES): what a stop signal's verdict names."""
+        if self.live.phase != phase:
+            self.live.phase = phase
+            log.info("run_phase", phase=phase)
+
     def _on_signal(self, signame: str) -> None:
+        """A stop signal (SIGINT, SIGTERM, SIGHUP alike), in whatever phase the run is. The first stops the
+        run: no more sends, the requests in flight drain (up to replay.drain_timeout), the verdict of the
+        work done is written, with the phase (`stopped_in`). A stop during the warm-up aborts its requests
+        (they are not the soak's); a further signal during the drain aborts the requests still in
+        flight (each recorded once, failed as aborted) and the run goes on to its verdict."""
         live = self.live
-        log.warning("signal_received", signal=signame)
+        log.warning("signal_received", signal=signame, phase=live.phase)
         live.interrupted = True
         first = not live.stopped_by
         if first:
             live.stopped_by = signame
+            live.stopped_in = live.phase
             if live.checkpoint is not None:
                 live.checkpoint.stopped_by = signame
                 _guard_sync("checkpoint", lambda: live.write_checkpoint(self.run_dir))
             pending = live.replayer.pending if live.replayer is not None else 0
             notify(f"STOPPING=1\nSTATUS=stopping ({signame}): draining {pending} requests in flight")
-            with contextlib.suppress(RuntimeError):
-                self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
+            if self._stop_task is None:
+                with contextlib.suppress(RuntimeError):
+                    self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
         if live.replayer is not None:
-            live.replayer.stop()
+            if live.replay_start is None or not first:
+                # The warm-up's requests, or a drain the operator will not wait for: aborted now.
+                live.replayer.abort()
+            else:
+                live.replayer.stop()
         elif first and not live.engine_started and live.checkpoint is not None:
             # The engine's start (minutes for a GPU engine) is cut short: its processes are killed and
             # the run ends with its verdict. One is left now too, in case the kill outlasts the service
@@ -220,16 +241,30 @@ class Soak:
     # -- the run ---------------------------------------------------------------------------------------
 
     async def run(self) -> RunResult:
-        cfg, live = self.cfg, self.live
         self._t_start = time.monotonic()
         bind(run_id=self.run_id, host=self.host)
         loop = asyncio.get_running_loop()
         # First of all: a stop at any later point is a stop (marked, never resumed), not a default kill.
         # SIGHUP (the terminal closed) as SIGTERM; the engine's processes never see SIGINT or SIGHUP
         # (engine/vllm_local.py: TERMINAL_SIGNALS).
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self._on_signal, sig.name)
+        signals = self._signals
+        if signals is not None:
+            signals.attach(loop, self._on_signal)
+            if signals.received:
+                # Came while the config, the trace and this run were set up: the run begins stopped.
+                self._on_signal(signals.received[0])
+        else:
+            for sig in STOP_SIGNALS:
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.add_signal_handler(sig, self._on_signal, sig.name)
+        try:
+            return await self._run(loop)
+        finally:
+            if signals is not None:
+                signals.detach()
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> RunResult:
+        cfg, live = self.cfg, self.live
         self._open_run_dir()
         sinks = build_sinks(
             cfg,
@@ -262,12 +297,14 @@ class Soak:
             try:
                 async with parts.stack:
                     stats, ran_s = await self._run_replay(parts)
+                    self._enter("verdict")
                     if not live.stopped_by:
                         notify("STOPPING=1\nSTATUS=stopping")
                         # The natural end stops the engine and ships the spool too: ask for time as a
                         # stop does.
-                        self._stop_task = asyncio.get_running_loop().create_task(self._extend_stop())
+                        self._stop_task = loop.create_task(self._extend_stop())
             finally:
+                self._enter("verdict")
                 verdict = self._finish(writer, stats, ran_s)
                 _guard_sync("spool_flush", lambda: spool.flush(fsync=True))
         summary_doc = self._summary(verdict, stats, ran_s, writer, parts.stack, sinks.stack)
@@ -289,6 +326,8 @@ class Soak:
             # Its one owner from the start (soakd.owner); a resume owns its folder since find_resumable.
             take_run_dir(self.run_dir, wait_s=2.0)
             checkpoint = Checkpoint(self.run_id, self.fingerprint, self.started_utc, self.cfg.run.duration)
+            # A stop that came during the setup: this run is never resumed either.
+            checkpoint.stopped_by = self.live.stopped_by
             checkpoint.write(self.run_dir)
             self.live.checkpoint = checkpoint
         self._journal = DueJournal(self.run_dir / JOURNAL_FILE)
@@ -318,6 +357,8 @@ class Soak:
         engine, writer = b.engine, b.writer
         if self.interrupted:
             return None  # stopped before the start began: no engine is started for nothing
+        # In attach mode, the wait for the server to be ready: the same task, cut short the same way.
+        self._enter("engine_start")
         # A task of its own, so a stop signal can cut it short (_on_signal cancels it).
         self._start_task = asyncio.ensure_future(engine.start())
         try:
@@ -355,6 +396,7 @@ class Soak:
         gate = AdmissionGate(cfg.replay.max_concurrency)
         n = cfg.replay.warmup_requests
         if n > 0:
+            self._enter("warmup")
 
             def on_replayer(replayer: Replayer) -> None:
                 live.replayer = replayer  # so a stop signal during warm-up ends it
@@ -415,6 +457,7 @@ class Soak:
             sessions=cfg.replay.sessions,
             spec_sink=profile.add if "engine" in cfg.telemetry.collectors else None,
             on_due=self._journal_due,
+            on_drain=lambda: self._enter("drain"),
         )
         notify("READY=1\nSTATUS=replaying")
         if self.resumed is not None:
@@ -431,6 +474,7 @@ class Soak:
         gc.freeze()
         # The replayer's own start: its clock begins START_S after run() is called.
         t0 = live.replay_start = live.clock.monotonic() + START_S
+        self._enter("replay")
         changes = EngineChanges(cfg.engine.changes, parts.build.engine, live)
         changes.start(t0)
         live.replaying = True
@@ -545,6 +589,8 @@ class Soak:
             # own (error). Not `resume.interruptions`, the crashes it was resumed from.
             "stopped_early": ending.early,
             "stopped_by": ending.stopped_by,
+            # The phase the stop came in (judge.criteria.STOP_PHASES), empty if none.
+            "stopped_in": ending.stopped_in,
             "replay_began": ending.replay_began,
             # The whole run across resumed processes, lost-in-flight requests counted as failed (the
             # verdict's figures); `replay` is this process's replayer alone.
@@ -588,7 +634,7 @@ class Soak:
             live.metrics,
             ran_s=ran_s,
             planned_s=self.cfg.run.duration,
-            ending=Ending(live.stopped_by, live.error, self._replay_began()),
+            ending=Ending(live.stopped_by, live.error, self._replay_began(), live.stopped_in),
             interruptions=live.interruptions(),
             stopped_code=self._stopped_code,
         )

@@ -17,12 +17,10 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from types import FrameType
 from typing import Any, NoReturn
 
 import structlog
@@ -40,6 +38,7 @@ from soakd.errors import (
     UsageError,
 )
 from soakd.files import json_text
+from soakd.stopsignals import StopSignals
 
 log = structlog.get_logger(__name__)
 
@@ -467,6 +466,17 @@ def _load_config(path: Path | None, overrides: dict[str, Any]) -> Any:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    # Before anything else: a stop signal in any phase, this one included, stops the run with its verdict
+    # (soakd.stopsignals), never the default death.
+    signals = StopSignals()
+    signals.install()
+    try:
+        return _run(args, signals)
+    finally:
+        signals.restore()
+
+
+def _run(args: argparse.Namespace, signals: StopSignals) -> int:
     from soakd.app import Soak
     from soakd.progress import Progress
 
@@ -485,29 +495,35 @@ def _cmd_run(args: argparse.Namespace) -> int:
     console.detach()
     show = not args.no_progress and sys.stderr.isatty()
     progress = Progress(enabled=show)
-    soak = Soak(cfg, progress=progress.update, resume=args.resume, stopped_exit_code=args.stopped_exit_code)
+    soak = Soak(
+        cfg,
+        progress=progress.update,
+        resume=args.resume,
+        stopped_exit_code=args.stopped_exit_code,
+        signals=signals,
+    )
     try:
         result = asyncio.run(soak.run())
         progress.finish(result.summary)
     finally:
         progress.close()
         console.restore()
+    # A signal the run did not see came after its loop ended, its verdict written.
+    late = bool(signals.late)
     written = not result.verdict_error
     report = None
-    # A service stop (SIGTERM) or a closed terminal (SIGHUP) is quick: the report comes later.
-    if cfg.run.report and written and result.stopped_by not in ("SIGTERM", "SIGHUP"):
+    # A service stop (SIGTERM) or a closed terminal (SIGHUP) is quick: the report comes later; so is a
+    # stop that came once the verdict was written.
+    if cfg.run.report and written and result.stopped_by not in ("SIGTERM", "SIGHUP") and not late:
         from soakd.report.finished import report_after_run
 
-        # The run's loop, and its signal handlers, are gone: a stop now skips the report, and the exit
-        # code is still the one verdict.json records (not a KeyboardInterrupt's 130 or a default kill).
-        old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+        # The run's loop is gone: a stop now cuts the report short, and the exit code is still the one
+        # verdict.json records (not a KeyboardInterrupt's 130 or a default kill).
         try:
-            report = report_after_run(result.run_dir)
+            with signals.reporting():
+                report = report_after_run(result.run_dir)
         except KeyboardInterrupt:
             print("soakd: stopped while writing the report: `soakd report RUN` writes it", file=sys.stderr)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
     if args.json:
         detail = result.verdict.to_dict() if written else None
         doc = {**result.summary, "verdict_detail": detail, "run_dir": str(result.run_dir)}
@@ -530,10 +546,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # What verdict.json records: 3 ended early on its own; a stop's code (4; the systemd unit asks for
     # 0: a service stop is a clean end, a cancelled CI job must not look green); else 0 PASS / 1 FAIL.
     return result.verdict.exit_code
-
-
-def _interrupt(signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
 
 
 def _print_summary(summary: dict[str, Any], run_dir: Path, report: Path | None = None) -> None:

@@ -34,6 +34,10 @@ class LiveRun:
     interrupted: bool = False
     stopped_by: str = ""
     """The signal that stopped the run (SIGTERM: a service stop), or empty."""
+    phase: str = "setup"
+    """The phase the run is in (judge.criteria.STOP_PHASES), set by the run as it goes."""
+    stopped_in: str = ""
+    """The phase the stop signal came in, or empty."""
     error: str = ""
     """Why the run ended early on its own (engine failure, a criterion, the trace changed)."""
 

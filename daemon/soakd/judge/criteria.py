@@ -343,6 +343,13 @@ class CriterionResult:
     """A line that states a fact and does not judge (the duration of a run the operator stopped)."""
 
 
+STOP_PHASES = ("setup", "engine_start", "warmup", "replay", "drain", "verdict")
+"""The phases of `soakd run` a stop signal can come in, in order: setup (the config, the trace, the run
+folder, the sinks), engine_start (an in-process start, or the wait for an attached server to be ready),
+warmup, replay, drain (the replay's end: no more sends, the requests in flight finish), verdict (the
+engine and the other parts stopping, the verdict being written)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Ending:
     """How a run ended, as the verdict judges it. Not its crashes: those are `interruptions` (a daemon
@@ -356,6 +363,9 @@ class Ending:
     changed trace): it has not shown the planned duration and cannot pass."""
     replay_began: bool = True
     """False for a run stopped (or failed) before its replay began: nothing was replayed to judge."""
+    stopped_in: str = ""
+    """The phase a stop signal came in (`STOP_PHASES`: setup, engine_start, warmup, replay, drain,
+    verdict); empty when not stopped, or in a file written before the phase was recorded."""
 
     @property
     def early(self) -> bool:

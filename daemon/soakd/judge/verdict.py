@@ -48,6 +48,7 @@ class Verdict:
             "planned_s": self.planned_s,
             "stopped_early": self.ending.early,
             "stopped_by": self.ending.stopped_by,
+            "stopped_in": self.ending.stopped_in,
             "ended_early": self.ending.error,
             "replay_began": self.ending.replay_began,
             "interruptions": self.interruptions,
@@ -88,9 +89,12 @@ def stop_note(doc: Mapping[str, Any]) -> str:
     by = doc.get("stopped_by")
     if not by:
         return "stopped before the end"
+    # Files written before the phase was recorded have no `stopped_in`.
+    phase = doc.get("stopped_in")
+    where = f" in {phase}" if phase else ""
     if doc.get("replay_began") is False:
-        return f"stopped by {by} before the replay began: nothing was replayed"
-    return f"stopped early by {by} at {ran:.0f} s of {planned:.0f} s: the verdict judges the work done"
+        return f"stopped by {by}{where} before the replay began: nothing was replayed"
+    return f"stopped early by {by}{where} at {ran:.0f} s of {planned:.0f} s: the verdict judges the work done"
 
 
 def verdict_lines(doc: Mapping[str, Any]) -> list[str]:

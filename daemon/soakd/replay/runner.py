@@ -220,8 +220,10 @@ class Replayer:
         sessions: str = "closed",
         spec_sink: SpecSink | None = None,
         on_due: DueSink | None = None,
+        on_drain: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
+        self._on_drain = on_drain
         self._on_due = on_due
         self._spec_sink = spec_sink
         self._scheduled = scheduled
@@ -257,6 +259,15 @@ class Replayer:
     def stop(self) -> None:
         """Stop dispatching new requests; those in flight drain as at the normal end."""
         self._stop.set()
+
+    def abort(self) -> None:
+        """Stop dispatching and abort the requests in flight now, without waiting for the drain (a second
+        stop signal, a stop during the warm-up): each is recorded once, failed as aborted."""
+        self._stop.set()
+        if self._tasks:
+            log.warning("replay_aborted", aborting=len(self._tasks))
+        for task in list(self._tasks):
+            task.cancel()
 
     @property
     def pending(self) -> int:
@@ -315,6 +326,8 @@ class Replayer:
         ends_at = t0 + self._duration_s if self._duration_s is not None else None
         try:
             for n, item in enumerate(self._iterate()):
+                if self._stop.is_set():
+                    break  # stopped before its first request was sent
                 if ends_at is not None and self._clock.monotonic() >= ends_at:
                     # Behind schedule at the run's end (an engine or a host that cannot keep the pace):
                     # the requests still owed are not sent after the duration, the run ends on time.
@@ -353,6 +366,8 @@ class Replayer:
         finally:
             stop_wait.cancel()
             self._draining = True
+        if self._on_drain is not None:
+            self._on_drain()
         await self._drain()
         return self.stats
 

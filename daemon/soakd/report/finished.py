@@ -72,7 +72,8 @@ class FinishedRun:
         if not stopped_by and not error and stopped_early(s):
             checkpoint = read_checkpoint(self.run_dir)
             stopped_by = (checkpoint.stopped_by if checkpoint is not None else "") or "a stop signal"
-        return Ending(stopped_by, error, bool(s.get("replay_began", True)))
+        phase = str(s.get("stopped_in") or "") if stopped_by else ""
+        return Ending(stopped_by, error, bool(s.get("replay_began", True)), phase)
 
 
 def open_run(run_dir: Path, given: Config | None) -> FinishedRun:

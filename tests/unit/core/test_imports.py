@@ -18,6 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
         "soakd", "soakd.errors", "soakd.units", "soakd.rundir", "soakd.nvml_fields", "soakd.redact",
         "soakd.files", "soakd.logs", "soakd.metric", "soakd.ticker", "soakd.sse", "soakd.notify",
         "soakd.loopwatch", "soakd.lifecycle", "soakd.checkpoint", "soakd.console", "soakd.clock",
+        "soakd.stopsignals",
     ),
     ("soakd.judge.dsl",),  # the criteria language: the config validates expressions with it
     ("soakd.config",),
