@@ -82,10 +82,11 @@ MAX_CHAIN_BLOCKS = 1 << 20
 625k. A turn needing more is a bad row naming its token count."""
 _CHAIN_IDS_KEPT = 1 << 21  # ids remembered over all sessions for their next turn; LRU sessions go first
 MADE_UP_IDS_PER_BYTE = 64
-"""Made-up block ids a trace may ask for in total: this many per byte of the file (at least
-MIN_MADE_UP_IDS). Real traces need a few per byte (a BurstGPT row of 60 bytes and 1000 tokens: 63 ids);
-a crafted file that multiplies tokens by turns is refused on the line where it runs over, so the time
-each pass over the trace takes stays proportional to its size."""
+"""Made-up block ids the session turns of a trace may span in total (a turn's shared prefix counted
+again: it is built again): this many per byte of the file, at least MIN_MADE_UP_IDS. Real traces need
+about one per byte (a BurstGPT row of 60 bytes and 1000 tokens: 63 ids); a crafted file that multiplies
+tokens by turns is refused on the line where it runs over, so the time each pass over the trace
+takes stays proportional to its size."""
 MIN_MADE_UP_IDS = 1 << 24
 MAX_HELD_IDS = 1 << 22
 """Made-up block ids a trace sorted on read may hold in memory at once (~170 MB)."""
@@ -480,6 +481,7 @@ def _specs(rows: Iterable[Row], default_block_size: int, made_up: _MadeUp) -> It
     """
     chains: OrderedDict[str, tuple[int, ...]] = OrderedDict()
     kept = 0
+    asked = 0  # made-up ids in the specs so far, shared prefixes included: what each pass builds
     next_id = _CHAIN_ID_BASE
     first: float | None = None
     for index, row in enumerate(rows):
@@ -491,7 +493,8 @@ def _specs(rows: Iterable[Row], default_block_size: int, made_up: _MadeUp) -> It
         if needed:
             if needed > MAX_CHAIN_BLOCKS:  # _checked refuses these first; kept here as the guard
                 raise made_up.error(_too_many_blocks(row.input_tokens, block_size), row.line)
-            if next_id - _CHAIN_ID_BASE + needed > made_up.budget:
+            asked += needed
+            if asked > made_up.budget:
                 raise made_up.error(
                     f"session turns of this trace need more than {made_up.budget} made-up prefix "
                     f"blocks in all ({MADE_UP_IDS_PER_BYTE} per byte of the file); give the rows "

@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 import soakd
+from soakd.config import TraceConfig
 from soakd.errors import EXIT_INPUT, EXIT_OK
+from soakd.traces import loader, open_trace
 from soakd.traces.loader import MAX_CHAIN_BLOCKS, MAX_HELD_IDS, MIN_MADE_UP_IDS, _Spans
 
 RSS_LIMIT_MB = 500
@@ -68,6 +70,13 @@ def _native_many_at_cap(p: Path) -> Path:
     rows = [
         {"t": 0, "input_tokens": MAX_CHAIN_BLOCKS, "output_tokens": 1, "session": str(i)} for i in range(n)
     ]
+    return _jsonl(p / "t.jsonl", [_HEADER_1, *rows])
+
+
+def _native_one_session(p: Path) -> Path:
+    # Turns of one session at the cap: each shares the last one's blocks, yet each builds them again.
+    n = MIN_MADE_UP_IDS // MAX_CHAIN_BLOCKS + 2
+    rows = [{"t": i, "input_tokens": MAX_CHAIN_BLOCKS, "output_tokens": 1, "session": "s"} for i in range(n)]
     return _jsonl(p / "t.jsonl", [_HEADER_1, *rows])
 
 
@@ -139,6 +148,14 @@ HOSTILE: list[tuple[str, Any, tuple[str, ...], int, int | None, str | None]] = [
         MIN_MADE_UP_IDS // MAX_CHAIN_BLOCKS + 2,
         "input_tokens",
     ),
+    (
+        "native-one-session",
+        _native_one_session,
+        (),
+        EXIT_INPUT,
+        MIN_MADE_UP_IDS // MAX_CHAIN_BLOCKS + 2,
+        "input_tokens",
+    ),
     ("native-sorted", _native_sorted, ("--sort",), EXIT_INPUT, None, "input_tokens"),
     ("burstgpt-sessions", _burstgpt, (), EXIT_INPUT, 2, "Request tokens"),
     ("bailian-sessions", _bailian, (), EXIT_INPUT, 1, "input_length"),
@@ -191,3 +208,34 @@ def test_spans_count_distinct_ids() -> None:
     assert spans.count == len({10, 11, 12, 13, 19, 20, 5, *range(14, 19)})
     spans.add_all([])
     assert spans.count == 12
+
+
+def _open_native(path: Path, rows: list[dict[str, Any]]) -> list[Any]:
+    _jsonl(path, [{"format": "soakd-trace", "version": 1, "block_size": 4}, *rows])
+    trace = open_trace(TraceConfig(path=str(path)), Path, 0)
+    return [trace.summary, *trace]
+
+
+def test_session_prefixes_and_their_count_stay_exact(tmp_path: Path) -> None:
+    rows = [
+        {"t": 0, "input_tokens": 8, "output_tokens": 1, "session": "a"},
+        {"t": 1, "input_tokens": 8, "output_tokens": 1, "session": "b"},
+        {"t": 2, "input_tokens": 16, "output_tokens": 1, "session": "a"},
+    ]
+    summary, a1, b1, a2 = _open_native(tmp_path / "t.jsonl", rows)
+    assert a2.hash_ids[:2] == a1.hash_ids and not set(a2.hash_ids) & set(b1.hash_ids)
+    assert summary.unique_blocks == len({*a1.hash_ids, *b1.hash_ids, *a2.hash_ids}) == 6
+
+
+def test_a_session_past_the_remembered_ids_starts_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loader, "_CHAIN_IDS_KEPT", 3)
+    rows = [
+        {"t": 0, "input_tokens": 8, "output_tokens": 1, "session": "a"},
+        {"t": 1, "input_tokens": 8, "output_tokens": 1, "session": "b"},  # 4 ids kept: a is forgotten
+        {"t": 2, "input_tokens": 8, "output_tokens": 1, "session": "a"},
+    ]
+    summary, a1, _, a2 = _open_native(tmp_path / "t.jsonl", rows)
+    assert not set(a1.hash_ids) & set(a2.hash_ids)
+    assert summary.unique_blocks == 6
