@@ -1,8 +1,8 @@
 """Memory bounds of the trace readers: tiny crafted files must not make soakd build gigabytes.
 
-Each hostile file runs through `soakd trace inspect` in its own process, whose peak RSS is read from
-the kernel's accounting of that child (wait4): it must stay under 500 MB, and bad input must end with
-exit code 2 and one line naming the file, line and key.
+Each hostile file runs through `soakd trace inspect` in its own process, whose peak RSS is read, once it
+has exited, from getrusage(RUSAGE_CHILDREN) of the small process that started it: it must stay under
+500 MB, and bad input must end with exit code 2 and one line naming the file, line and key.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +28,41 @@ HANG_GUARD_S = 600  # only a hang guard for a busy 2-core machine, never a perfo
 DAEMON = Path(soakd.__file__).resolve().parents[1]
 
 
+# Run in a small process of its own, which starts soakd and reads its peak RSS once it has exited. Not
+# straight from pytest: Linux counts the RSS of the process that forks a child into the child's peak, and
+# pytest after a thousand tests is itself hundreds of MB.
+_MEASURE = """
+import json, resource, subprocess, sys
+limit, out, err, *argv = sys.argv[1:]
+with open(out, "wb") as o, open(err, "wb") as e:
+    p = subprocess.Popen(argv, stdout=o, stderr=e)
+    try:
+        p.wait(float(limit))
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+print(json.dumps([p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))
+"""
+
+
 def _inspect(path: str, *flags: str) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, peak RSS in MB) of `soakd trace inspect` in a child process."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DAEMON), os.environ.get("PYTHONPATH", "")])}
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "soakd", "trace", "inspect", path, *flags], stdout=out, stderr=err, env=env
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        soakd_argv = [sys.executable, "-m", "soakd", "trace", "inspect", path, *flags]
+        measured = subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(HANG_GUARD_S), str(out), str(err), *soakd_argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+            timeout=HANG_GUARD_S + 60,
         )
-        guard = threading.Timer(HANG_GUARD_S, proc.kill)
-        guard.start()
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS, not every child's
-        guard.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read().decode(), err.read().decode()
-    code = proc.returncode
+        code, maxrss = json.loads(measured.stdout)
+        stdout, stderr = out.read_text(), err.read_text()
     scale = 1024 if sys.platform != "darwin" else 1024 * 1024  # ru_maxrss: KiB on Linux, bytes on macOS
-    return code, stdout, stderr, usage.ru_maxrss / scale
+    return int(code), stdout, stderr, maxrss / scale
 
 
 def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
