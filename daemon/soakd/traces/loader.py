@@ -463,6 +463,13 @@ class _MadeUp:
         return TraceError(reason, file=self.name, line=line or None, key=self.key)
 
 
+class _MadeUpIds(tuple[int, ...]):
+    """The block ids _specs made up for a session turn: runs of consecutive ids, told apart from a
+    trace's own by type (a trace's ids may be any size), so the summary counts them per run."""
+
+    __slots__ = ()
+
+
 def _chain_blocks(row: Row, default_block_size: int) -> int:
     """How many block ids the loader makes up for a row (0: it has its own, or is not a session turn)."""
     if not row.session or row.hash_ids:
@@ -505,7 +512,7 @@ def _specs(rows: Iterable[Row], default_block_size: int, made_up: _MadeUp) -> It
             kept -= len(old)
             prefix = old[:needed]
             fresh = needed - len(prefix)
-            hash_ids = prefix + tuple(range(next_id, next_id + fresh))
+            hash_ids = _MadeUpIds(itertools.chain(prefix, range(next_id, next_id + fresh)))
             next_id += fresh
             chains[row.session] = hash_ids
             kept += needed
@@ -539,7 +546,7 @@ def _held(specs: Iterable[RequestSpec], made_up: _MadeUp) -> list[RequestSpec]:
     out: list[RequestSpec] = []
     held = 0
     for spec in specs:
-        if spec.hash_ids and spec.hash_ids[0] >= _CHAIN_ID_BASE:
+        if isinstance(spec.hash_ids, _MadeUpIds):
             held += len(spec.hash_ids)
             if held > MAX_HELD_IDS:
                 raise made_up.error(
@@ -659,7 +666,7 @@ class _Tally:
         self.input_tokens += spec.input_tokens
         self.output_tokens += spec.output_tokens
         self.total_blocks += len(spec.hash_ids)
-        if spec.hash_ids and spec.hash_ids[0] >= _CHAIN_ID_BASE:  # made up by _specs: all or none
+        if isinstance(spec.hash_ids, _MadeUpIds):
             self.made_up.add_all(spec.hash_ids)
         else:
             self.blocks.update(spec.hash_ids)

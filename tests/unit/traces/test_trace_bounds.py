@@ -255,3 +255,15 @@ def test_a_session_past_the_remembered_ids_starts_afresh(
     summary, a1, _, a2 = _open_native(tmp_path / "t.jsonl", rows)
     assert not set(a1.hash_ids) & set(a2.hash_ids)
     assert summary.unique_blocks == 6
+
+
+def test_a_traces_own_large_ids_are_counted_as_its_own(tmp_path: Path) -> None:
+    big = 1 << 60  # above the made-up ids' base: told apart by where they come from, not by size
+    rows = [
+        {"t": 0, "input_tokens": 8, "output_tokens": 1, "hash_ids": [big, big + 7]},
+        {"t": 1, "input_tokens": 8, "output_tokens": 1, "hash_ids": [big, big + 9], "session": "a"},
+        {"t": 2, "input_tokens": 8, "output_tokens": 1, "session": "b"},
+    ]
+    summary, _, also_own, made_up = _open_native(tmp_path / "t.jsonl", rows)
+    assert also_own.hash_ids == (big, big + 9) and len(made_up.hash_ids) == 2
+    assert summary.unique_blocks == 5
