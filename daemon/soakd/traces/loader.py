@@ -16,6 +16,7 @@ the file.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import gzip
 import hashlib
@@ -63,8 +64,32 @@ _TIME_KEYS = {
     "burstgpt": burstgpt.TIME_KEY,
     "sharegpt": sharegpt.TIME_KEY,
 }
+_INPUT_KEYS = {  # the key of a row's prompt length, for errors about what it makes the loader build
+    "native": "input_tokens",
+    "mooncake": "input_length",
+    "bailian": "input_length",
+    "azure": "ContextTokens",
+    "burstgpt": "Request tokens",
+    "sharegpt": "conversations",
+}
 _MAX_CHAINS = 100_000  # sessions whose prefix blocks are remembered for their next turn
 _CHAIN_ID_BASE = 1 << 48  # block ids made up for session prefixes; far above any trace's own ids
+# Memory bounds on what session rows make up. A session turn without block ids of its own gets
+# ceil(tokens / block_size) made-up ids, so a 40-byte row could ask for 2**25 of them (~1.3 GB of Python
+# ints) and a handful of rows for many times that. The bounds below hold whatever the file says:
+MAX_CHAIN_BLOCKS = 1 << 20
+"""Most made-up block ids one session turn may span (~40 MB): a 10M-token context in blocks of 16 is
+625k. A turn needing more is a bad row naming its token count."""
+_CHAIN_IDS_KEPT = 1 << 21  # ids remembered over all sessions for their next turn; LRU sessions go first
+MADE_UP_IDS_PER_BYTE = 64
+"""Made-up block ids the session turns of a trace may span in total (a turn's shared prefix counted
+again: it is built again): this many per byte of the file, at least MIN_MADE_UP_IDS. Real traces need
+about one per byte (a BurstGPT row of 60 bytes and 1000 tokens: 63 ids); a crafted file that multiplies
+tokens by turns is refused on the line where it runs over, so the time each pass over the trace
+takes stays proportional to its size."""
+MIN_MADE_UP_IDS = 1 << 24
+MAX_HELD_IDS = 1 << 22
+"""Made-up block ids a trace sorted on read may hold in memory at once (~170 MB)."""
 _BAD_EXAMPLES = 3
 
 _Items = Iterator[Row | TraceError | Skip]
@@ -145,6 +170,7 @@ def open_trace(
     name = str(source)
     stamp = _stamp(source, name)
     fmt = cfg.format if cfg.format != "auto" else detect(source, name)
+    made_up = _MadeUp(name, fmt, stamp)
     counter = _counter(cfg, resolve) if fmt == "sharegpt" else sharegpt.estimate_tokens
     block_size = cfg.block_size or DEFAULT_BLOCK_SIZE
 
@@ -155,7 +181,7 @@ def open_trace(
     counts = _Counts()
     tally = _Tally()
     rows = _checked(items(digest.update), name, fmt, cfg, counts, allow_unsorted=cfg.sort)
-    for spec in _transform(_specs(rows, block_size), transforms, seed):
+    for spec in _transform(_specs(rows, block_size, made_up), transforms, seed):
         tally.add(spec)
     held: list[RequestSpec] | None = None
     if counts.unsorted_at is not None:
@@ -163,7 +189,7 @@ def open_trace(
         log.warning("trace_sorted_on_read", file=name, first_backwards=str(counts.unsorted_at))
         unsorted = _checked(items(None), name, fmt, cfg, _Counts(), allow_unsorted=True)
         ordered = sorted(unsorted, key=lambda r: r.t_s)
-        held = list(_transform(_specs(ordered, block_size), transforms, seed))
+        held = _held(_transform(_specs(ordered, block_size, made_up), transforms, seed), made_up)
         tally = _Tally()
         for spec in held:
             tally.add(spec)
@@ -196,7 +222,7 @@ def open_trace(
         if _stamp(source, name) != stamp:
             raise TraceError("changed since it was validated; restart the run", file=name)
         rows = _checked(items(None), name, fmt, cfg, _Counts(), allow_unsorted=False)
-        return _transform(_specs(rows, block_size), transforms, seed)
+        return _transform(_specs(rows, block_size, made_up), transforms, seed)
 
     return Trace(summary, specs)
 
@@ -393,7 +419,12 @@ def _checked(
 ) -> Iterator[Row]:
     """Good rows only: bad ones raise (or are counted with skip_bad_rows); arrival order is enforced."""
     prev: float | None = None
-    for item in items:
+    default_block_size = cfg.block_size or DEFAULT_BLOCK_SIZE
+    for read in items:
+        item = read
+        if isinstance(read, Row) and _chain_blocks(read, default_block_size) > MAX_CHAIN_BLOCKS:
+            reason = _too_many_blocks(read.input_tokens, read.block_size or default_block_size)
+            item = TraceError(reason, file=name, line=read.line or None, key=_INPUT_KEYS[fmt])
         if isinstance(item, Row):
             if prev is not None and item.t_s < prev:
                 err = TraceError(
@@ -419,14 +450,45 @@ def _checked(
                 counts.bad_examples.append(str(item))
 
 
-def _specs(rows: Iterable[Row], default_block_size: int) -> Iterator[RequestSpec]:
+class _MadeUp:
+    """The file a trace's made-up block ids are counted against, and their budget (see
+    MADE_UP_IDS_PER_BYTE); errors name the file, the row's line and its token count's key."""
+
+    def __init__(self, name: str, fmt: str, size: int | None) -> None:
+        self.name = name
+        self.key = _INPUT_KEYS[fmt]
+        self.budget = max(MIN_MADE_UP_IDS, MADE_UP_IDS_PER_BYTE * (size or 0))
+
+    def error(self, reason: str, line: int) -> TraceError:
+        return TraceError(reason, file=self.name, line=line or None, key=self.key)
+
+
+class _MadeUpIds(tuple[int, ...]):
+    """The block ids _specs made up for a session turn: runs of consecutive ids, told apart from a
+    trace's own by type (a trace's ids may be any size), so the summary counts them per run."""
+
+    __slots__ = ()
+
+
+def _chain_blocks(row: Row, default_block_size: int) -> int:
+    """How many block ids the loader makes up for a row (0: it has its own, or is not a session turn)."""
+    if not row.session or row.hash_ids:
+        return 0
+    return blocks_needed(row.input_tokens, row.block_size or default_block_size)
+
+
+def _specs(rows: Iterable[Row], default_block_size: int, made_up: _MadeUp) -> Iterator[RequestSpec]:
     """RequestSpecs: times from the first row, numbered, session turns chained onto their predecessors.
 
     A turn of a session without block ids of its own gets the previous turn's prompt blocks as its
     prefix (and fresh blocks for the rest), so its prompt starts with the previous prompt token for
-    token and the prefix cache can hit, as it does in a real conversation.
+    token and the prefix cache can hit, as it does in a real conversation. The prefixes remembered are
+    bounded (_MAX_CHAINS sessions, _CHAIN_IDS_KEPT ids: a session forgotten starts afresh), and so are
+    the ids made up over the whole trace (`made_up.budget`), checked before they are built.
     """
     chains: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+    kept = 0
+    asked = 0  # made-up ids in the specs so far, shared prefixes included: what each pass builds
     next_id = _CHAIN_ID_BASE
     first: float | None = None
     for index, row in enumerate(rows):
@@ -434,16 +496,29 @@ def _specs(rows: Iterable[Row], default_block_size: int) -> Iterator[RequestSpec
             first = row.t_s
         block_size = row.block_size or default_block_size
         hash_ids = row.hash_ids
-        if row.session and not hash_ids:
-            needed = blocks_needed(row.input_tokens, block_size)
-            prefix = chains.get(row.session, ())[:needed]
+        needed = _chain_blocks(row, default_block_size)
+        if needed:
+            if needed > MAX_CHAIN_BLOCKS:  # _checked refuses these first; kept here as the guard
+                raise made_up.error(_too_many_blocks(row.input_tokens, block_size), row.line)
+            asked += needed
+            if asked > made_up.budget:
+                raise made_up.error(
+                    f"session turns of this trace need more than {made_up.budget} made-up prefix "
+                    f"blocks in all ({MADE_UP_IDS_PER_BYTE} per byte of the file); give the rows "
+                    "hash_ids, fewer tokens, or a larger trace.block_size",
+                    row.line,
+                )
+            old = chains.pop(row.session, ())
+            kept -= len(old)
+            prefix = old[:needed]
             fresh = needed - len(prefix)
-            hash_ids = prefix + tuple(range(next_id, next_id + fresh))
+            hash_ids = _MadeUpIds(itertools.chain(prefix, range(next_id, next_id + fresh)))
             next_id += fresh
             chains[row.session] = hash_ids
-            chains.move_to_end(row.session)
-            if len(chains) > _MAX_CHAINS:
-                chains.popitem(last=False)
+            kept += needed
+            while chains and (len(chains) > _MAX_CHAINS or kept > _CHAIN_IDS_KEPT):
+                _, evicted = chains.popitem(last=False)
+                kept -= len(evicted)
         yield RequestSpec(
             index=index,
             arrival_s=row.t_s - first,
@@ -457,6 +532,30 @@ def _specs(rows: Iterable[Row], default_block_size: int) -> Iterator[RequestSpec
             images=row.images,
             sampling=row.sampling,
         )
+
+
+def _too_many_blocks(input_tokens: int, block_size: int) -> str:
+    return (
+        f"a session turn of {input_tokens} tokens spans {blocks_needed(input_tokens, block_size)} prefix "
+        f"blocks of {block_size}, more than {MAX_CHAIN_BLOCKS}; give it hash_ids or a larger block_size"
+    )
+
+
+def _held(specs: Iterable[RequestSpec], made_up: _MadeUp) -> list[RequestSpec]:
+    """The specs of a trace sorted on read, in a list, refused once their made-up ids pass MAX_HELD_IDS."""
+    out: list[RequestSpec] = []
+    held = 0
+    for spec in specs:
+        if isinstance(spec.hash_ids, _MadeUpIds):
+            held += len(spec.hash_ids)
+            if held > MAX_HELD_IDS:
+                raise made_up.error(
+                    f"too many session blocks to sort in memory (more than {MAX_HELD_IDS}); "
+                    "sort the file by time instead of trace.sort",
+                    spec.line,
+                )
+        out.append(spec)
+    return out
 
 
 def _transform(specs: Iterator[RequestSpec], transforms: Transforms, seed: int) -> Iterator[RequestSpec]:
@@ -512,8 +611,42 @@ def _unit(salt: bytes, key: bytes, n: int) -> float:
     return int.from_bytes(h.digest(), "little") / 2**64
 
 
+class _Spans:
+    """A set of ints kept as sorted, disjoint [start, end) runs: the made-up ids of session prefixes,
+    which come in runs, so memory is per run (at most one per request), not per id."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.count = 0
+
+    def add_all(self, ids: Iterable[int]) -> None:
+        start = prev = -1
+        for x in ids:
+            if x != prev + 1:
+                if prev >= 0:
+                    self._add(start, prev + 1)
+                start = x
+            prev = x
+        if prev >= 0:
+            self._add(start, prev + 1)
+
+    def _add(self, start: int, end: int) -> None:
+        """Add [start, end), merging the runs it touches."""
+        i = bisect.bisect_left(self._ends, start)  # the first run that ends at or after `start`
+        j = bisect.bisect_right(self._starts, end)  # runs from i up to j touch [start, end)
+        if i < j:
+            start = min(start, self._starts[i])
+            end = max(end, self._ends[j - 1])
+            self.count -= sum(e - s for s, e in zip(self._starts[i:j], self._ends[i:j], strict=True))
+        self._starts[i:j] = [start]
+        self._ends[i:j] = [end]
+        self.count += end - start
+
+
 class _Tally:
-    """Running totals for a TraceSummary, fed one spec at a time (memory: one int per distinct block)."""
+    """Running totals for a TraceSummary, fed one spec at a time (memory: one int per distinct block of
+    the trace's own, one run per request for the ids made up for sessions)."""
 
     def __init__(self) -> None:
         self.requests = 0
@@ -521,6 +654,7 @@ class _Tally:
         self.output_tokens = 0
         self.total_blocks = 0
         self.blocks: set[int] = set()
+        self.made_up = _Spans()
         self.last_arrival = 0.0
         self.block_size = 0
         self.session_turns: dict[str, int] = {}
@@ -532,7 +666,10 @@ class _Tally:
         self.input_tokens += spec.input_tokens
         self.output_tokens += spec.output_tokens
         self.total_blocks += len(spec.hash_ids)
-        self.blocks.update(spec.hash_ids)
+        if isinstance(spec.hash_ids, _MadeUpIds):
+            self.made_up.add_all(spec.hash_ids)
+        else:
+            self.blocks.update(spec.hash_ids)
         self.last_arrival = spec.arrival_s
         if spec.session:
             self.session_turns[spec.session] = self.session_turns.get(spec.session, 0) + 1
@@ -549,7 +686,7 @@ class _Tally:
         token_counts: str = "recorded",
         transforms: dict[str, float] | None = None,
     ) -> TraceSummary:
-        unique = len(self.blocks)
+        unique = len(self.blocks) + self.made_up.count
         return TraceSummary(
             path=path,
             format=fmt,
