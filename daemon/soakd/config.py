@@ -723,8 +723,11 @@ def _decode_error_line(message: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
-_KEY = re.compile(r"""^\s*("[^"]*"|'[^']*'|[A-Za-z0-9_.-]+)\s*=""")
+# Linear in the line (a config line may be 1 MiB long): the table name is every character up to the
+# first "]", taken whole and stripped after (a lazy name between optional spaces tried every split of
+# a long run of spaces: cubic); each run is possessive.
+_HEADER = re.compile(r"^\s*+\[\[?+([^\]]++)\]\]?+\s*+(?:#.*+)?+$")
+_KEY = re.compile(r"""^\s*+("[^"]*+"|'[^']*+'|[A-Za-z0-9_.-]++)\s*+=""")
 
 
 def _find_line(text: str, loc: Sequence[str]) -> int | None:
@@ -735,7 +738,7 @@ def _find_line(text: str, loc: Sequence[str]) -> int | None:
     for number, raw in enumerate(text.splitlines(), start=1):
         header = _HEADER.match(raw)
         if header:
-            table = [part.strip().strip("\"'") for part in header.group(1).split(".")]
+            table = [part.strip().strip("\"'") for part in header.group(1).strip().split(".")]
             if raw.lstrip().startswith("[["):
                 # The n-th [[a.b]] opens item n of array a.b, which pydantic's location names a.b.n.
                 n = items.get(tuple(table), 0)
