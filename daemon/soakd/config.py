@@ -196,6 +196,8 @@ class EngineConfig(_Section):
     kind: Literal["vllm-local", "vllm-server", "openai"] = "vllm-local"
     url: str = ""
     api_key_env: str = "SOAKD_OPENAI_API_KEY"
+    """The environment variable holding an API key (a bearer token), used when set and non-empty. With
+    credentials in `url` (user:password@, basic auth) as well, the run is refused (exit 2): one way only."""
     sender: Literal["process", "loop"] = "process"
     """Where an HTTP engine's completions are sent and read: a process of soakd's own (its event loop
     does nothing else, so no collector or sink delays a send) or soakd's main event loop."""

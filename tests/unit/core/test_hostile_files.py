@@ -223,3 +223,34 @@ def test_a_special_or_huge_credential_is_refused_before_anything_is_written(
     assert rss < PEAK_RSS_BYTES, rss >> 20
     # Nothing half-made: no output folder (runs/), no run in it.
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("target", "key", "refused"),
+    [
+        ("http://user:pw-Zq9secret@127.0.0.1:9", "sk-Zq9apikey", True),
+        ("http://user:pw-Zq9secret@127.0.0.1:9", "", False),  # the default variable, empty: no key
+        ("http://127.0.0.1:9", "sk-Zq9apikey", False),
+    ],
+    ids=["userinfo-and-key", "userinfo-only", "key-only"],
+)
+def test_credentials_in_the_url_and_an_api_key_are_refused_before_anything_is_written(
+    tmp_path: Path, target: str, key: str, refused: bool
+) -> None:
+    # Where both are given the run is refused in one line naming both, never showing either; one alone
+    # passes this check (and then fails later, on the port nobody listens on, with exit 3).
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err, _ = _run(
+        ["run", "--target", target, "--trace", "bundled:demo", "--set", "engine.start_timeout=1s"],
+        tmp_path,
+        timeout_s=60.0,
+        extra_env={"SOAKD_OPENAI_API_KEY": key},
+    )
+    assert "Zq9" not in err and "Traceback" not in err, err[-2000:]
+    if refused:
+        assert code == 2 and err.count("\n") == 1, err[-2000:]
+        assert "engine.url: credentials in the URL (http://<redacted>@127.0.0.1:9)" in err, err
+        assert "$SOAKD_OPENAI_API_KEY" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+    else:
+        assert code != 2 and "Cannot combine" not in err, err[-2000:]
