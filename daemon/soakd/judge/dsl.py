@@ -110,6 +110,7 @@ _TOKEN = re.compile(
 MAX_TOKEN_CHARS = 64
 """A number, name or duration longer than this is a typo or an attack, never a criterion."""
 MAX_CHECK_CHARS = 1000
+"""A check is one comparison: a line of text, not a page."""
 _PCT = re.compile(r"p(\d{1,2}(?:\.\d+)?)$")
 
 
@@ -155,7 +156,7 @@ def _tokens(text: str) -> list[tuple[str, str]]:
     while pos < len(stripped):
         m = _TOKEN.match(stripped, pos)
         if m is None or m.end() == pos:
-            raise ValueError(f"{_shown(text)}: unexpected {stripped[pos : pos + 40].lstrip()[:20]!r}")
+            raise ValueError(f"{_shown(text)}: unexpected {stripped[pos:].lstrip()[:20]!r}")
         kind = m.lastgroup
         assert kind is not None
         token = m.group(kind)
