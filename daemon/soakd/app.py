@@ -124,6 +124,11 @@ class Soak:
         self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
         self.model = resolve_model(cfg)
         self.host = cfg.run.host or socket.gethostname()
+        # Secrets are read now, before the output folder is made (a bad credential is bad input: exit 2
+        # with nothing half-made), then taken out of the environment the engine's processes inherit.
+        self._sinks, secret_names = open_sinks(cfg, os.environ)
+        for name in (*secret_names, "CREDENTIALS_DIRECTORY"):
+            os.environ.pop(name, None)
         out_dir = cfg.resolve(cfg.run.output_dir)
         check_writable(out_dir, cfg.source)
         self.fingerprint = fingerprint(cfg.model_dump(mode="json"), asdict(self.trace.summary))
@@ -148,11 +153,6 @@ class Soak:
         self._verdict_error = ""
         self._parts: RunParts | None = None
         self._t_start = time.monotonic()
-        # Secrets are read now, before anything is written (a bad credential is bad input: exit 2 with
-        # nothing half-made), then taken out of the environment the engine's processes inherit.
-        self._sinks, secret_names = open_sinks(cfg, os.environ)
-        for name in (*secret_names, "CREDENTIALS_DIRECTORY"):
-            os.environ.pop(name, None)
 
     # The run's outcome as the CLI and the tests read it.
     @property

@@ -12,7 +12,7 @@ from soakd.errors import ConfigError, EngineError, SinkError
 from soakd.redact import redact_text, redact_url
 from soakd.sinks.influx import make_writer
 from soakd.traces.loader import open_trace
-from soakd.wiring import resolve_model
+from soakd.wiring import check_engine_auth, resolve_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,10 @@ async def _check_server(cfg: Config) -> CheckResult:
     """Attach mode: the server answers and serves a model (no local vLLM is needed or looked for)."""
     from soakd.engine.openai_http import OpenAIEngine
 
+    try:
+        check_engine_auth(cfg, os.environ)
+    except ConfigError as err:
+        return CheckResult("engine", False, err.reason)  # not tried: aiohttp refuses both at once
     # A check sends no replay: no sender process.
     engine = OpenAIEngine(
         cfg.engine.model_copy(update={"start_timeout": SERVER_CHECK_TIMEOUT_S, "sender": "loop"})

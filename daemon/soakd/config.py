@@ -196,6 +196,8 @@ class EngineConfig(_Section):
     kind: Literal["vllm-local", "vllm-server", "openai"] = "vllm-local"
     url: str = ""
     api_key_env: str = "SOAKD_OPENAI_API_KEY"
+    """The environment variable holding an API key (a bearer token), used when set and non-empty. With
+    credentials in `url` (user:password@, basic auth) as well, the run is refused (exit 2): one way only."""
     sender: Literal["process", "loop"] = "process"
     """Where an HTTP engine's completions are sent and read: a process of soakd's own (its event loop
     does nothing else, so no collector or sink delays a send) or soakd's main event loop."""
@@ -723,8 +725,11 @@ def _decode_error_line(message: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
-_KEY = re.compile(r"""^\s*("[^"]*"|'[^']*'|[A-Za-z0-9_.-]+)\s*=""")
+# Linear in the line (a config line may be 1 MiB long): the table name is every character up to the
+# first "]", taken whole and stripped after (a lazy name between optional spaces tried every split of
+# a long run of spaces: cubic); each run is possessive.
+_HEADER = re.compile(r"^\s*+\[\[?+([^\]]++)\]\]?+\s*+(?:#.*+)?+$")
+_KEY = re.compile(r"""^\s*+("[^"]*+"|'[^']*+'|[A-Za-z0-9_.-]++)\s*+=""")
 
 
 def _find_line(text: str, loc: Sequence[str]) -> int | None:
@@ -735,7 +740,7 @@ def _find_line(text: str, loc: Sequence[str]) -> int | None:
     for number, raw in enumerate(text.splitlines(), start=1):
         header = _HEADER.match(raw)
         if header:
-            table = [part.strip().strip("\"'") for part in header.group(1).split(".")]
+            table = [part.strip().strip("\"'") for part in header.group(1).strip().split(".")]
             if raw.lstrip().startswith("[["):
                 # The n-th [[a.b]] opens item n of array a.b, which pydantic's location names a.b.n.
                 n = items.get(tuple(table), 0)

@@ -139,6 +139,78 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     write_private(path, (json_text(data, indent=2, sort_keys=True, default=str) + "\n").encode(), fsync=True)
 
 
+class NotRegular(OSError):
+    """An input that opened but is not a regular file (checked on the open descriptor)."""
+
+
+def _kind(mode: int) -> str:
+    for test, kind in _KINDS:
+        if test(mode):
+            return f"{kind}, not a regular file"
+    return "not a regular file"
+
+
+def read_bounded(path: Path, max_bytes: int) -> bytes:
+    """At most `max_bytes + 1` bytes of the regular file `path` (more than `max_bytes`: too large).
+
+    Opened non-blocking (a FIFO opens at once instead of waiting for a writer) and checked on the open
+    descriptor (no race with a swap after a check by name): anything but a regular file raises
+    NotRegular saying what it is; a symlink is followed (systemd credentials and mounted secrets are
+    often links), a symlink loop raises OSError(ELOOP)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegular(errno.EINVAL, _kind(mode))
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _reason(err: OSError) -> str:
+    if isinstance(err, NotRegular):
+        return str(err.strerror)
+    if err.errno == errno.ELOOP:
+        return "a symlink loop"
+    return err.strerror or type(err).__name__
+
+
+MAX_CREDENTIAL_BYTES = 64 << 10
+"""A credential (a token, a password) is a line; 64 KiB holds any, and bounds what a wrong path costs."""
+
+
+def read_credential(path: Path, error: type[InputError], *, key: str) -> str | None:
+    """The text of the credential file `path` (a trailing line break dropped), or None when it does not
+    exist; every other failure (not a regular file: a FIFO, /dev/zero, a directory; a symlink loop;
+    larger than 64 KiB; not UTF-8; unreadable) is an `error` naming the file and the config `key`,
+    never quoting the content."""
+    try:
+        raw = read_bounded(path, MAX_CREDENTIAL_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise error(f"credential {path}: cannot read: {_reason(err)}", key=key) from None
+    if len(raw) > MAX_CREDENTIAL_BYTES:
+        raise error(
+            f"credential {path}: larger than {MAX_CREDENTIAL_BYTES >> 10} KiB: not a credential", key=key
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        # `from None`: the decode error quotes the offending bytes.
+        raise error(f"credential {path}: not UTF-8 text", key=key) from None
+    # A file written with `echo` or an editor ends in a line break that is not part of the secret.
+    return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+
+
 def read_input_text(
     path: Path, max_bytes: int, what: str, error: type[InputError], *, follow: bool = True
 ) -> str:
@@ -149,13 +221,10 @@ def read_input_text(
     if kind is not None:
         raise error(f"cannot read: {kind}", file=path)
     try:
-        if follow:
-            with path.open("rb") as fh:
-                raw = fh.read(max_bytes + 1)
-        else:
-            raw = read_no_follow(path, max_bytes)
+        raw = read_bounded(path, max_bytes) if follow else read_no_follow(path, max_bytes)
     except OSError as err:
-        raise error(f"cannot read: {err.strerror}", file=path) from None
+        # Swapped for a FIFO or a device since the check by name: refused on the descriptor, not hung.
+        raise error(f"cannot read: {_reason(err)}", file=path) from None
     if len(raw) > max_bytes:
         raise error(f"larger than {max_bytes >> 20} MiB: not {what}", file=path)
     try:

@@ -4,15 +4,17 @@ the fixed-rate tickers beside them, as one part that starts with the run and sto
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import structlog
 from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES, EVENT_JOB_MISSED, JobEvent
+from apscheduler.executors.asyncio import AsyncIOExecutor
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
 from soakd.collectors.ceiling import CeilingTracker
@@ -43,6 +45,44 @@ ProgressFn = Callable[[float, float, ReplayStats], None]
 _SCHEDULER_LOG = logging.getLogger("apscheduler.scheduler.soakd")
 _SCHEDULER_LOG.addFilter(lambda record: not str(record.msg).startswith('Execution of job "%s" skipped'))
 SKIP_SAY_EVERY_S = 60.0
+
+
+def ending_quietly(job: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """`job` as a scheduler job that a cancellation (the scheduler shut down while it ran: the run
+    ends) ends quietly, as a run that returned. Otherwise APScheduler logs the CancelledError as the
+    job's error, traceback and all, and soakd counts a failed job (a checkpoint in its worker thread
+    at the stop: its write goes on, and the stop writes its own after it)."""
+
+    @functools.wraps(job)
+    async def run(*args: object, **kwargs: object) -> None:
+        try:
+            await job(*args, **kwargs)
+        except asyncio.CancelledError:
+            log.debug("job_cancelled", job=getattr(job, "__name__", "?"), reason="the scheduler stopped")
+
+    return run
+
+
+class _QuietExecutor(AsyncIOExecutor):  # type: ignore[misc]  # APScheduler has no types
+    """APScheduler's asyncio executor, but a job's task cancelled by the shutdown before it even began
+    (due in the same loop turn as the stop) is a run that ended, not "Error running job" with a
+    CancelledError traceback."""
+
+    def _run_job_error(self, job_id: str, exc: BaseException, traceback: object = None) -> None:
+        if isinstance(exc, asyncio.CancelledError):
+            self._run_job_success(job_id, [])  # the base's bookkeeping of a run that ended; no events
+            return
+        super()._run_job_error(job_id, exc, traceback)
+
+
+def make_scheduler() -> AsyncIOScheduler:
+    """The run's scheduler: runs coalesced, one instance of each job at a time, its lines through
+    `_SCHEDULER_LOG`, jobs cancelled by its shutdown ending quietly (add them through ending_quietly)."""
+    return AsyncIOScheduler(
+        job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30},
+        executors={"default": _QuietExecutor()},
+        logger=_SCHEDULER_LOG,
+    )
 
 
 class SkipLog:
@@ -127,10 +167,7 @@ class Jobs:
         self.skips = SkipLog()
         self.last_collect = time.monotonic()
         self._sync: asyncio.Future[None] | None = None
-        self.scheduler = AsyncIOScheduler(
-            job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 30},
-            logger=_SCHEDULER_LOG,
-        )
+        self.scheduler = make_scheduler()
         self.scheduler.add_listener(
             self._on_job_event, EVENT_JOB_MISSED | EVENT_JOB_ERROR | EVENT_JOB_MAX_INSTANCES
         )
@@ -147,8 +184,11 @@ class Jobs:
             self.errors += 1
             log.error("job_failed", job=event.job_id, error=repr(getattr(event, "exception", None)))
 
+    def _add(self, job: Callable[..., Awaitable[None]], trigger: str, **kwargs: Any) -> None:
+        self.scheduler.add_job(ending_quietly(job), trigger, **kwargs)
+
     def _add_jobs(self) -> None:
-        cfg, add = self.cfg, self.scheduler.add_job
+        cfg, add = self.cfg, self._add
         tcfg = cfg.telemetry
         # Jobs are coroutines so they run on the event loop, never in APScheduler's thread pool.
         if "gpu" in self._runner.names:

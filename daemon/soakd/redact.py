@@ -20,7 +20,9 @@ _SECRET_PARAM = re.compile(
 )
 _SECRET_NAME = re.compile(r"token|secret|passw|pwd|key|credential|auth", re.IGNORECASE)
 # A URL inside text: a scheme, "://", then anything up to whitespace or a closing quote/bracket.
-_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>`]+")
+# A scheme starts only where a run of scheme characters starts (not inside one, as at every "." of
+# "a.a.a..." with a word boundary: quadratic), and each run is possessive: linear in the text.
+_URL_IN_TEXT = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*+://[^\s\"'<>`]++")
 
 
 def redact_url(url: str) -> str:

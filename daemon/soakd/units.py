@@ -6,7 +6,11 @@ from __future__ import annotations
 import math
 import re
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+# Matched at one position at a time, its digits possessive: linear in the text (a search for it over a
+# long run of digits without a unit was quadratic).
+_DURATION_PART = re.compile(r"(\d++(?:\.\d++)?+)(ms|s|m|h|d)")
+MAX_DURATION_CHARS = 64
+"""A duration written longer than this ("1h30m" is 5) is not one."""
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 MAX_DURATION_S = 366 * 86400.0
 """Every duration and interval: a soak of a year is far beyond any use, and a bound keeps sleeps, timers
@@ -28,11 +32,11 @@ def parse_duration(value: object) -> float:
     if not isinstance(value, str):
         raise ValueError("expected a duration such as 90s, 10m or 8h")
     text = value.strip().replace(" ", "")
+    if len(text) > MAX_DURATION_CHARS:
+        raise ValueError(f"a duration of {len(text)} characters is not one (at most {MAX_DURATION_CHARS})")
     pos = 0
     total = 0.0
-    for match in _DURATION_PART.finditer(text):
-        if match.start() != pos:
-            break
+    while (match := _DURATION_PART.match(text, pos)) is not None:
         total += float(match.group(1)) * _UNIT_S[match.group(2)]
         pos = match.end()
     if pos != len(text) or not text:

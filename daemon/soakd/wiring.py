@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -37,6 +38,7 @@ from soakd.parts import EnginePart, collectors_part, controller_part
 from soakd.policies.actuator import Actuator
 from soakd.policies.throttle import ThrottleState
 from soakd.probe import hardware_profiles, model_bytes
+from soakd.redact import redact_url
 from soakd.resume import DueJournal, ResumeState
 from soakd.rundir import LIMIT_FILE, SPOOL_DIR
 from soakd.shapes import effective_load_format
@@ -53,17 +55,19 @@ log = structlog.get_logger(__name__)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
-def resolve_model(cfg: Config) -> str:
+def resolve_model(cfg: Config, env: Mapping[str, str] | None = None) -> str:
     """The model vLLM loads: a local folder, or a hub id (`hf:NAME`, or a bare ORG/NAME when no such
     local folder exists: a local folder wins) passed through as vLLM takes it.
 
-    For `engine.kind = "openai"` the server has its model already: the URL is what must be given.
+    For `engine.kind = "openai"` the server has its model already: the URL is what must be given, and
+    its authentication one way only (check_engine_auth, against `env`, default the process environment).
     """
     if cfg.engine.kind == "openai":
         if not cfg.engine.url:
             raise ConfigError(
                 'engine.kind = "openai" needs the server\'s base URL', file=cfg.source, key="engine.url"
             )
+        check_engine_auth(cfg, os.environ if env is None else env)
         return cfg.engine.served_model
     model = cfg.engine.model
     if model.startswith("hf:"):
@@ -81,6 +85,28 @@ def resolve_model(cfg: Config) -> str:
             key="engine.model",
         )
     return str(path)
+
+
+def check_engine_auth(cfg: Config, env: Mapping[str, str]) -> None:
+    """One way to authenticate to an OpenAI-compatible server: credentials in the URL
+    (`http://user:password@host`, HTTP basic auth) or an API key (the variable `engine.api_key_env`
+    names, a bearer token), never both. Both given is bad input, refused before the run starts: which
+    one the server expects is not soakd's to guess. The variable only counts when set and non-empty
+    (`api_key_env` has a default name); neither secret is ever shown."""
+    name = cfg.engine.api_key_env
+    if not name or not env.get(name, ""):
+        return
+    try:
+        userinfo = "@" in urlsplit(cfg.engine.url).netloc
+    except ValueError:
+        return  # an unparsable URL is refused where it is used, in words of its own
+    if userinfo:
+        raise ConfigError(
+            f"credentials in the URL ({redact_url(cfg.engine.url)}) and an API key in ${name} (engine."
+            "api_key_env): give one (user:password in the URL for basic auth, or the key for a bearer token)",
+            file=cfg.source,
+            key="engine.url",
+        )
 
 
 def new_run_id(name: str, now: datetime | None = None) -> str:

@@ -99,10 +99,18 @@ AGGREGATES = ("min", "max", "mean", "sustained_ratio")
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_SPAN_S = 3600.0
 
+# Every pattern is linear in its input: each unbounded run is possessive (`++`, `*+`: never given back),
+# so a token that does not fit one kind is refused after one scan, not after trying every way to split
+# it (a 10k-digit number followed by a letter took seconds, 100k digits minutes). Tokens are then
+# bounded in length (MAX_TOKEN_CHARS) and a check in characters (MAX_CHECK_CHARS).
 _TOKEN = re.compile(
-    r"\s*(?:(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)(?![\w.])|(?P<dur>\d[\w.]*)|(?P<name>[A-Za-z_][A-Za-z0-9_.]*)"
-    r"|(?P<op><=|>=|==|!=|<|>)|(?P<punct>[(),=]))"
+    r"\s*+(?:(?P<num>[-+]?+(?:\d++(?:\.\d*+)?+|\.\d++)(?:[eE][-+]?+\d++)?+)(?![\w.])|(?P<dur>\d[\w.]*+)"
+    r"|(?P<name>[A-Za-z_][A-Za-z0-9_.]*+)|(?P<op><=|>=|==|!=|<|>)|(?P<punct>[(),=]))"
 )
+MAX_TOKEN_CHARS = 64
+"""A number, name or duration longer than this is a typo or an attack, never a criterion."""
+MAX_CHECK_CHARS = 1000
+"""A check is one comparison: a line of text, not a page."""
 _PCT = re.compile(r"p(\d{1,2}(?:\.\d+)?)$")
 
 
@@ -136,6 +144,11 @@ def _duration(text: str) -> float:
     return seconds
 
 
+def _shown(text: str) -> str:
+    """A check as an error quotes it: at most a line's worth of it."""
+    return repr(text) if len(text) <= 80 else repr(text[:60]) + f"... ({len(text)} characters)"
+
+
 def _tokens(text: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     pos = 0
@@ -143,10 +156,14 @@ def _tokens(text: str) -> list[tuple[str, str]]:
     while pos < len(stripped):
         m = _TOKEN.match(stripped, pos)
         if m is None or m.end() == pos:
-            raise ValueError(f"unexpected {stripped[pos:].lstrip()[:20]!r}")
+            raise ValueError(f"{_shown(text)}: unexpected {stripped[pos:].lstrip()[:20]!r}")
         kind = m.lastgroup
         assert kind is not None
-        out.append((kind, m.group(kind)))
+        token = m.group(kind)
+        if len(token) > MAX_TOKEN_CHARS:
+            what = {"num": "a number", "dur": "a duration", "name": "a name"}.get(kind, "a token")
+            raise ValueError(f"{_shown(text)}: {what} of {len(token)} characters (at most {MAX_TOKEN_CHARS})")
+        out.append((kind, token))
         pos = m.end()
     return out
 
@@ -155,6 +172,8 @@ def parse_check(text: str) -> Check:
     """Parse one check; ValueError says what is wrong, in words a config error can carry."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError("a check is a string like 'p99(ttft_offered_ms) < 500'")
+    if len(text) > MAX_CHECK_CHARS:
+        raise ValueError(f"{_shown(text)}: a check is at most {MAX_CHECK_CHARS} characters")
     toks = _tokens(text)
     ops = [i for i, (kind, _) in enumerate(toks) if kind == "op"]
     if len(ops) != 1:

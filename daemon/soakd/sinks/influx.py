@@ -24,6 +24,7 @@ from influxdb_client.rest import ApiException
 
 from soakd.config import InfluxConfig
 from soakd.errors import ConfigError, SinkError, SinkRejected
+from soakd.files import read_credential
 
 log = structlog.get_logger(__name__)
 
@@ -199,22 +200,11 @@ def read_secret(name: str, env: Mapping[str, str], *, key: str) -> str:
     # A name from the config becomes a file name: one path component, nothing that walks out.
     if directory and name and "/" not in name and name not in (".", ".."):
         path = Path(directory) / name
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            raise ConfigError(f"credential {path}: {err.strerror or type(err).__name__}", key=key) from None
-        else:
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                # `from None`: the decode error quotes the offending bytes.
-                raise ConfigError(f"credential {path}: not UTF-8 text", key=key) from None
+        text = read_credential(path, ConfigError, key=key)
+        if text is not None:
             if name in env:
                 log.warning("influx_secret_from_credential", name=name, ignored="environment variable")
-            # A file written with `echo` or an editor ends in a line break that is not part of the secret.
-            return text[:-2] if text.endswith("\r\n") else text.removesuffix("\n")
+            return text
     return env.get(name, "")
 
 

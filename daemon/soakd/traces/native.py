@@ -25,7 +25,8 @@ Every following line is one request, in arrival order:
 - `turn` (integer >= 0, optional, default 0): turn within the session.
 - `images` (integer >= 0, optional): images attached to the request; kept as metadata.
 - `sampling` (object of numbers or booleans, optional): the request's recorded sampling parameters,
-  e.g. {"temperature": 0.7, "top_p": 0.9}; replay uses temperature and top_p when present.
+  e.g. {"temperature": 0.7, "top_p": 0.9}; replay uses temperature and top_p when present. Those vLLM
+  knows are bounded as vLLM takes them (SAMPLING_BOUNDS: temperature in [0, 2], top_p in (0, 1], ...).
 - `api` (string, optional): "completions" or "chat", as recorded; metadata.
 - `prompt` (string or array, optional): the recorded prompt text (only with `trace record
   --record-prompts`); metadata, never replayed or logged.
@@ -45,7 +46,7 @@ from typing import Any
 
 from soakd.config import MAX_BLOCK_SIZE
 from soakd.errors import TraceError
-from soakd.traces.model import RequestSpec, Row, RowReader, Skip, blocks_needed
+from soakd.traces.model import MAX_TOKENS, RequestSpec, Row, RowReader, Skip, blocks_needed
 
 FORMAT_NAME = "soakd-trace"
 VERSION = 1
@@ -124,10 +125,49 @@ def _sampling(r: RowReader) -> tuple[tuple[str, float], ...]:
         if not isinstance(v, int | float) or (isinstance(v, float) and not math.isfinite(v)):
             raise r.error(f"expected a number or boolean, got {v!r:.40}", f"sampling.{name}")
         try:
-            out.append((str(name), float(v)))
+            number = float(v)
         except OverflowError:  # an integer beyond float range
             raise r.error(f"expected a finite number, got {str(v)[:40]}...", f"sampling.{name}") from None
+        bounds = SAMPLING_BOUNDS.get(name)
+        if bounds is not None:
+            _check_sampling(r, name, v, number, bounds)
+        out.append((str(name), number))
     return tuple(out)
+
+
+# The sampling parameters vLLM knows, bounded as its SamplingParams accepts them (_verify_args): a
+# recorded value vLLM would refuse (temperature -5, top_p 1e308) is a trace error naming the row, not a
+# request failing at replay. (low, low inclusive, high, high inclusive, integer); None: unbounded.
+_Bounds = tuple[float | None, bool, float | None, bool, bool]
+SAMPLING_BOUNDS: dict[str, _Bounds] = {
+    "temperature": (0.0, True, 2.0, True, False),
+    "top_p": (0.0, False, 1.0, True, False),
+    "top_k": (-1.0, True, None, True, True),  # -1 (and 0): every token
+    "min_p": (0.0, True, 1.0, True, False),
+    "presence_penalty": (-2.0, True, 2.0, True, False),
+    "frequency_penalty": (-2.0, True, 2.0, True, False),
+    "repetition_penalty": (0.0, False, None, True, False),
+    "max_tokens": (1.0, True, MAX_TOKENS, True, True),
+    "min_tokens": (0.0, True, MAX_TOKENS, True, True),
+    "seed": (None, True, None, True, True),
+    "n": (1.0, True, None, True, True),
+}
+
+
+def _check_sampling(r: RowReader, name: str, raw: object, value: float, bounds: _Bounds) -> None:
+    low, low_in, high, high_in, integer = bounds
+    key = f"sampling.{name}"
+    if isinstance(raw, bool):
+        raise r.error(f"expected a number, got {raw!r}", key)
+    if integer and not float(value).is_integer():
+        raise r.error(f"expected an integer, got {value:g}", key)
+    below = low is not None and (value < low if low_in else value <= low)
+    above = high is not None and (value > high if high_in else value >= high)
+    if below or above:
+        lo = "" if low is None else ("[" if low_in else "(") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}" + ("]" if high_in else ")")
+        where = f"{lo}, {hi}" if low is not None and high is not None else f">{'=' if low_in else ''} {low:g}"
+        raise r.error(f"{value:g} is out of range (vLLM takes {where})", key)
 
 
 def _parse_header(r: RowReader) -> int:

@@ -36,10 +36,13 @@ sys.exit(code if code >= 0 else 128 - code)
 """
 
 
-def _run(argv: list[str], cwd: Path, timeout_s: float = 60.0) -> tuple[int, str, int]:
-    """(exit code, stderr, peak RSS in bytes) of `python -m soakd ARGV`, run in `cwd` and killed by its
-    process group on timeout."""
+def _run(
+    argv: list[str], cwd: Path, timeout_s: float = 60.0, extra_env: dict[str, str] | None = None
+) -> tuple[int, str, int]:
+    """(exit code, stderr, peak RSS in bytes) of `python -m soakd ARGV`, run in `cwd` (with `extra_env`
+    set) and killed by its process group on timeout."""
     env = {k: v for k, v in os.environ.items() if k not in ("SOAKD_CONFIG", "JOURNAL_STREAM")}
+    env.update(extra_env or {})
     rss_file = cwd.parent / f"{cwd.name}.maxrss"
     rss_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
@@ -173,3 +176,81 @@ def test_a_special_or_hostile_trace_is_refused(
         assert err.startswith(f"soakd: error: {tmp_path / name}"), err
         assert reason in err or (endless and argv[0] == "check" and _UNDETECTED in err), err
         assert rss < PEAK_RSS_BYTES, (argv, rss >> 20)
+
+
+def _big_credential(path: Path) -> Path:
+    path.write_bytes(b"x" * (65 << 10))
+    return path
+
+
+CREDENTIALS: list[tuple[str, Callable[[Path], Path], str]] = [
+    ("fifo", _fifo, "cannot read: a FIFO, not a regular file"),
+    ("symlink-loop", _loop, "cannot read: a symlink loop"),
+    ("dev-zero", _dev_zero, "cannot read: a character device, not a regular file"),
+    ("folder", _folder, "cannot read: a directory, not a regular file"),
+    ("sixty-five-kib", _big_credential, "larger than 64 KiB: not a credential"),
+]
+# An engine that is only a URL (nothing to load), InfluxDB shipping on: its token is read at start.
+_RUN_CONFIG = """
+[engine]
+kind = "openai"
+url = "http://127.0.0.1:9"
+
+[sinks.influx]
+enabled = true
+api = "v2"
+"""
+
+
+@pytest.mark.parametrize(("kind", "make", "reason"), CREDENTIALS, ids=[c[0] for c in CREDENTIALS])
+def test_a_special_or_huge_credential_is_refused_before_anything_is_written(
+    tmp_path: Path, kind: str, make: Callable[[Path], Path], reason: str
+) -> None:
+    (tmp_path / "c.toml").write_text(_RUN_CONFIG)
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    token = make(creds / "SOAKD_INFLUX_TOKEN")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err, rss = _run(
+        ["run", "--config", "c.toml", "--trace", "bundled:demo"],
+        tmp_path,
+        timeout_s=30.0,
+        extra_env={"CREDENTIALS_DIRECTORY": str(creds)},
+    )
+    assert code == 2 and err == (f"soakd: error: sinks.influx.token_env: credential {token}: {reason}\n"), (
+        err[-2000:]
+    )
+    assert rss < PEAK_RSS_BYTES, rss >> 20
+    # Nothing half-made: no output folder (runs/), no run in it.
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("target", "key", "refused"),
+    [
+        ("http://user:pw-Zq9secret@127.0.0.1:9", "sk-Zq9apikey", True),
+        ("http://user:pw-Zq9secret@127.0.0.1:9", "", False),  # the default variable, empty: no key
+        ("http://127.0.0.1:9", "sk-Zq9apikey", False),
+    ],
+    ids=["userinfo-and-key", "userinfo-only", "key-only"],
+)
+def test_credentials_in_the_url_and_an_api_key_are_refused_before_anything_is_written(
+    tmp_path: Path, target: str, key: str, refused: bool
+) -> None:
+    # Where both are given the run is refused in one line naming both, never showing either; one alone
+    # passes this check (and then fails later, on the port nobody listens on, with exit 3).
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, err, _ = _run(
+        ["run", "--target", target, "--trace", "bundled:demo", "--set", "engine.start_timeout=1s"],
+        tmp_path,
+        timeout_s=60.0,
+        extra_env={"SOAKD_OPENAI_API_KEY": key},
+    )
+    assert "Zq9" not in err and "Traceback" not in err, err[-2000:]
+    if refused:
+        assert code == 2 and err.count("\n") == 1, err[-2000:]
+        assert "engine.url: credentials in the URL (http://<redacted>@127.0.0.1:9)" in err, err
+        assert "$SOAKD_OPENAI_API_KEY" in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+    else:
+        assert code != 2 and "Cannot combine" not in err, err[-2000:]

@@ -321,6 +321,20 @@ def test_target_attaches_to_a_running_server() -> None:
     assert overrides["engine.served_model"] == "Qwen/Qwen3-8B" and "engine.model" not in overrides
 
 
+def test_check_reports_url_credentials_with_an_api_key_without_trying_the_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SOAKD_OPENAI_API_KEY", "sk-Zq9apikey")
+    code, out, err = run(["check", "--json", "--target", "http://user:Zq9pw@127.0.0.1:9"], capsys)
+    results = {c["name"]: c for c in json.loads(out)}
+    assert code == 1 and "Zq9" not in out + err
+    for name in ("model", "engine"):
+        assert not results[name]["ok"]
+        assert results[name]["detail"].startswith("credentials in the URL (http://<redacted>@127.0.0.1:9)")
+        assert "$SOAKD_OPENAI_API_KEY" in results[name]["detail"]
+
+
 def test_every_subcommand_has_a_description() -> None:
     import argparse
 

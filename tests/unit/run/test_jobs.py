@@ -9,7 +9,7 @@ import logging
 import sys
 
 import pytest
-from apscheduler.events import EVENT_JOB_MAX_INSTANCES
+from apscheduler.events import EVENT_JOB_ERROR, EVENT_JOB_MAX_INSTANCES
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from structlog.testing import capture_logs
 
@@ -66,3 +66,48 @@ def test_a_real_scheduler_skipping_a_job_logs_no_line_per_skip(monkeypatch: pyte
     assert out.count('"event": "job_skipped"') == 1 and '"job": "stuck"' in out
     logging.getLogger("apscheduler.scheduler.soakd").warning("another of APScheduler's lines")
     assert "another of APScheduler's lines" in term.getvalue()  # only the skip line is dropped
+
+
+def test_jobs_cancelled_by_the_shutdown_end_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """A job running when the scheduler shuts down (the checkpoint in its worker thread, at the stop)
+    and one due in the same loop turn (its task cancelled before it began) end without an error line,
+    a traceback or a failed-job count."""
+    failed: list[object] = []
+    started: list[str] = []
+
+    async def main() -> None:
+        held = asyncio.Event()
+
+        async def checkpoint() -> None:
+            started.append("checkpoint")
+            await asyncio.to_thread(held.is_set)
+            await held.wait()  # still running at the shutdown
+            started.append("checkpoint done")
+
+        async def due_now() -> None:
+            started.append("due_now")
+
+        scheduler = jobs_module.make_scheduler()
+        scheduler.add_listener(failed.append, EVENT_JOB_ERROR)
+        scheduler.add_job(jobs_module.ending_quietly(checkpoint), "interval", seconds=0.02, id="checkpoint")
+        scheduler.start()
+        for _ in range(500):
+            if started:
+                break
+            await asyncio.sleep(0.01)
+        # Due at once, its task made now and cancelled by the shutdown before its first step.
+        scheduler.add_job(jobs_module.ending_quietly(due_now), "date", id="due_now")
+        scheduler.shutdown(wait=False)
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    caplog.set_level(logging.DEBUG)
+    with capture_logs() as said:
+        asyncio.run(main())
+    assert "checkpoint" in started
+    assert failed == []
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert errors == [], [(r.name, r.getMessage()) for r in errors]
+    assert [e for e in said if e["log_level"] in ("warning", "error", "critical")] == []
+    assert "checkpoint done" not in started  # cancelled while it ran
+    assert "due_now" not in started  # cancelled before it began

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from soakd import files
 from soakd.config import InfluxConfig
 from soakd.errors import ConfigError
 from soakd.sinks import influx
@@ -109,10 +110,10 @@ def test_undecodable_credential_error_quotes_no_byte_of_it(tmp_path: Path) -> No
 def test_permission_denied_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = creds(tmp_path, SOAKD_INFLUX_PASSWORD=SECRET.encode())
 
-    def denied(self: Path) -> bytes:  # as for a non-root user and a mode 0400 root file
-        raise PermissionError(13, "Permission denied", str(self))
+    def denied(path: Path, max_bytes: int) -> bytes:  # as for a non-root user and a mode 0400 root file
+        raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(Path, "read_bytes", denied)
+    monkeypatch.setattr(files, "read_bounded", denied)
     with pytest.raises(ConfigError, match="Permission denied") as info:
         read_secret("SOAKD_INFLUX_PASSWORD", {"CREDENTIALS_DIRECTORY": str(d)}, key="k")
     assert SECRET not in str(info.value)
