@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import signal
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -34,7 +35,9 @@ class StopSignals:
         self.received: list[str] = []
         """Every stop signal's name, in order of arrival."""
         self._old: dict[signal.Signals, Any] = {}
-        self._target: tuple[asyncio.AbstractEventLoop, Callable[[str], None]] | None = None
+        self._target: tuple[asyncio.AbstractEventLoop, Callable[[str], None], contextvars.Context] | None = (
+            None
+        )
         self._raise = False
         self._detached = False
         self.late: list[str] = []
@@ -50,8 +53,10 @@ class StopSignals:
         self._old.clear()
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_signal: Callable[[str], None]) -> None:
-        """Hand each later signal to `on_signal`, on `loop` (the run's)."""
-        self._target = (loop, on_signal)
+        """Hand each later signal to `on_signal`, on `loop` (the run's), in the caller's context: a signal
+        lands in whatever context the main thread is in (the loop's idle one, mostly), and the run's log
+        keys (run_id: journald's RUN_ID) are bound in the run's."""
+        self._target = (loop, on_signal, contextvars.copy_context())
 
     def detach(self) -> None:
         self._target = None
@@ -71,11 +76,11 @@ class StopSignals:
         self.received.append(name)
         target = self._target
         if target is not None:
-            loop, on_signal = target
+            loop, on_signal, context = target
             try:
                 # A Python-level handler runs in the main thread, the loop's, between two bytecodes:
                 # scheduled, not called, so the run's state is never changed under the loop's feet.
-                loop.call_soon_threadsafe(on_signal, name)
+                loop.call_soon_threadsafe(on_signal, name, context=context)
                 return
             except RuntimeError:  # the loop is closed: the run is over
                 self.detach()

@@ -345,11 +345,14 @@ max_concurrency = 8
     assert sizes == sorted(sizes) and len(sizes) <= 4 and recapture.fields["previous"] in ("1", "")
     # Harm at each of the recording's two loads, within 3 s of the clock falling (15.3 s and 50.3 s of
     # the recording, which plays from the replay's start, right after the warm-up).
+    # Clock harm only: throughput harm compares the CPU engine's tokens/s with a GPU recording's limit
+    # bits, two machines whose coincidences mean nothing here (its own tests use recorded H200 runs).
     (warmup,) = [e for e in by["events"] if e.tags["kind"] == "warmup"]
-    harm_s = [(e.time_ns - warmup.time_ns) / 1e9 for e in events["harm_enter"]]
-    assert len(harm_s) == 2 and all(0 < h - t <= 3.0 for h, t in zip(harm_s, (15.3, 50.3), strict=True)), (
-        harm_s
-    )
+    clock = [e for e in events["harm_enter"] if e.fields.get("harm_kind") != "throughput"]
+    harm_s = [(e.time_ns - warmup.time_ns) / 1e9 for e in clock]
+    assert len(harm_s) == 2 and all(0 < h - t <= 3.0 for h, t in zip(harm_s, (15.3, 50.3), strict=True)), [
+        ((e.time_ns - warmup.time_ns) / 1e9, e.fields.get("harm_kind")) for e in events["harm_enter"]
+    ]
     down = events["downscale"][0]
     assert down.fields["from_limit"] == 8 and down.fields["to_limit"] == 6 and "rebuilt" not in down.fields
     assert "harm (power)" in str(down.fields["reason"]) and float(down.fields["ev_binding_share"]) >= 0.5

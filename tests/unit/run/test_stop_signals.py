@@ -103,3 +103,29 @@ def test_the_stop_note_names_the_phase_and_reads_older_files() -> None:
     assert (
         stop_note(early) == "stopped by SIGHUP in engine_start before the replay began: nothing was replayed"
     )
+
+
+async def test_a_signal_reaches_the_run_in_the_context_it_attached_from(signals: StopSignals) -> None:
+    """The run binds its log keys (run_id: journald's RUN_ID) in its own context; a signal lands in
+    whatever context the main thread is in. The handler runs in the one `attach` was called from, so the
+    `signal_received` line carries the run's keys (under systemd it was missing from `journalctl RUN_ID=`)."""
+    import contextvars
+
+    key: contextvars.ContextVar[str] = contextvars.ContextVar("key", default="none")
+    seen: list[str] = []
+    got = asyncio.Event()
+
+    def on_signal(name: str) -> None:
+        seen.append(f"{name}:{key.get()}")
+        got.set()
+
+    async def run() -> None:
+        key.set("the run's")
+        signals.attach(asyncio.get_running_loop(), on_signal)
+
+    await asyncio.create_task(run())  # its own context, as asyncio.run gives the run
+    assert key.get() == "none"
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.wait_for(got.wait(), 10)
+    signals.detach()
+    assert seen == ["SIGTERM:the run's"]
