@@ -6,7 +6,6 @@ Written by the running daemon (atomically, every `run.checkpoint_interval`), rea
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from soakd.files import read_no_follow, write_json_atomic
+from soakd.files import read_json_no_follow, write_json_atomic
 from soakd.rundir import CHECKPOINT_FILE
 
 log = structlog.get_logger(__name__)
@@ -81,7 +80,7 @@ def read_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The run's checkpoint, or None when it has none or it cannot be read (then it is not resumable)."""
     try:
         # The run folder's own file, never a link's target (a refusal is an OSError: not resumable).
-        data = json.loads(read_no_follow(run_dir / CHECKPOINT_FILE).decode("utf-8"))
+        data = read_json_no_follow(run_dir / CHECKPOINT_FILE)
         return Checkpoint(
             run_id=str(data["run_id"]),
             fingerprint=str(data["fingerprint"]),

@@ -28,7 +28,7 @@ import structlog
 from soakd.config import ControlConfig
 from soakd.engine.base import EngineInfo
 from soakd.engine.live_limit import read_status, status_path
-from soakd.files import read_no_follow, write_private
+from soakd.files import read_json_no_follow, write_private
 from soakd.metric import FieldValue, Sample
 from soakd.policies.actuator import Actuator, write_limit
 from soakd.policies.downscale import (
@@ -539,7 +539,7 @@ def state_of(path: Path) -> dict[str, Any] | None:
     """The saved controller state of a run directory, or None."""
     try:
         # Never through a symlink, never a FIFO or device (files.open_no_follow): a refusal reads as none.
-        data = json.loads(read_no_follow(path / CONTROL_STATE_FILE).decode("utf-8"))
+        data = read_json_no_follow(path / CONTROL_STATE_FILE)
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

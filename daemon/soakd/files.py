@@ -36,14 +36,22 @@ def not_a_regular_file(path: Path) -> str | None:
         if err.errno == errno.ELOOP:
             return "a symlink loop"
         return None
+    return _mode_kind(mode)
+
+
+def _mode_kind(mode: int) -> str | None:
+    """What a file of `mode` is when it is not a regular file ("a FIFO, not a regular file"...), or None."""
+    if stat.S_ISREG(mode):
+        return None
     for test, kind in _KINDS:
         if test(mode):
             return f"{kind}, not a regular file"
-    return None if stat.S_ISREG(mode) else "not a regular file"
+    return "not a regular file"
 
 
 class NotRegularFile(OSError):
-    """A run file that is a symlink or not a regular file: refused, its target never read or written."""
+    """A file refused by a check on its open descriptor or by O_NOFOLLOW (a FIFO, a device, a directory;
+    a run file that is a symlink): its target never read or written; `strerror` says what it is."""
 
 
 def lstat_kind(path: Path) -> str | None:
@@ -54,12 +62,7 @@ def lstat_kind(path: Path) -> str | None:
         mode = path.lstat().st_mode
     except OSError:
         return None
-    if stat.S_ISLNK(mode):
-        return "a symlink"
-    for test, kind in _KINDS:
-        if test(mode):
-            return f"{kind}, not a regular file"
-    return None if stat.S_ISREG(mode) else "not a regular file"
+    return "a symlink" if stat.S_ISLNK(mode) else _mode_kind(mode)
 
 
 def open_no_follow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
@@ -89,6 +92,12 @@ def read_no_follow(path: Path, max_bytes: int | None = None) -> bytes:
     """The bytes of the regular file `path` itself (open_no_follow's refusals), at most `max_bytes` + 1."""
     with os.fdopen(open_no_follow(path), "rb") as fh:
         return fh.read() if max_bytes is None else fh.read(max_bytes + 1)
+
+
+def read_json_no_follow(path: Path) -> Any:
+    """The JSON in a run folder's own file `path` (read_no_follow): OSError when it is missing, a link or
+    not a regular file; ValueError when it is not UTF-8 JSON."""
+    return json.loads(read_no_follow(path).decode("utf-8"))
 
 
 def write_private(path: Path, data: bytes, *, fsync: bool = False) -> None:
@@ -139,29 +148,18 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     write_private(path, (json_text(data, indent=2, sort_keys=True, default=str) + "\n").encode(), fsync=True)
 
 
-class NotRegular(OSError):
-    """An input that opened but is not a regular file (checked on the open descriptor)."""
-
-
-def _kind(mode: int) -> str:
-    for test, kind in _KINDS:
-        if test(mode):
-            return f"{kind}, not a regular file"
-    return "not a regular file"
-
-
 def read_bounded(path: Path, max_bytes: int) -> bytes:
     """At most `max_bytes + 1` bytes of the regular file `path` (more than `max_bytes`: too large).
 
     Opened non-blocking (a FIFO opens at once instead of waiting for a writer) and checked on the open
     descriptor (no race with a swap after a check by name): anything but a regular file raises
-    NotRegular saying what it is; a symlink is followed (systemd credentials and mounted secrets are
+    NotRegularFile saying what it is; a symlink is followed (systemd credentials and mounted secrets are
     often links), a symlink loop raises OSError(ELOOP)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegular(errno.EINVAL, _kind(mode))
+        kind = _mode_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise NotRegularFile(errno.EINVAL, kind)
         chunks: list[bytes] = []
         left = max_bytes + 1
         while left > 0:
@@ -176,7 +174,7 @@ def read_bounded(path: Path, max_bytes: int) -> bytes:
 
 
 def _reason(err: OSError) -> str:
-    if isinstance(err, NotRegular):
+    if isinstance(err, NotRegularFile):
         return str(err.strerror)
     if err.errno == errno.ELOOP:
         return "a symlink loop"

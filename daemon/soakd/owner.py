@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from soakd.errors import InputError
-from soakd.files import NotRegularFile, lstat_kind, open_no_follow
+from soakd.files import lstat_kind, open_no_follow
 from soakd.rundir import LOCK_FILE, RUN_FILES, SPOOL_DIR
 from soakd.sinks.spool import SEGMENT_RE
 
@@ -62,9 +62,7 @@ def take(run_dir: Path, *, wait_s: float = 0.0) -> None:
     path = run_dir / LOCK_FILE
     try:
         fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
-    except NotRegularFile as err:
-        raise InputError(f"cannot own the run folder: {err.strerror}", file=path) from None
-    except OSError as err:
+    except OSError as err:  # NotRegularFile (a link, a FIFO...) included: its strerror says which
         raise InputError(f"cannot own the run folder: {err.strerror}", file=path) from None
     deadline = time.monotonic() + wait_s
     while True:

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import importlib.util
 import os
 import shutil
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -167,6 +169,17 @@ def stub_config(tmp_path: Path, **overrides: object) -> Config:
     }
     base.update(overrides)
     return load(None, base)
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script that is not in a package (a benchmark's figures), imported under `name`: registered in
+    sys.modules first, as its dataclasses look their module up there."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def recorded_run_dir(root: Path, name: str, *, data: Path) -> Path:

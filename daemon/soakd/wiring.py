@@ -55,19 +55,19 @@ log = structlog.get_logger(__name__)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
-def resolve_model(cfg: Config, env: Mapping[str, str] | None = None) -> str:
+def resolve_model(cfg: Config) -> str:
     """The model vLLM loads: a local folder, or a hub id (`hf:NAME`, or a bare ORG/NAME when no such
     local folder exists: a local folder wins) passed through as vLLM takes it.
 
     For `engine.kind = "openai"` the server has its model already: the URL is what must be given, and
-    its authentication one way only (check_engine_auth, against `env`, default the process environment).
+    its authentication one way only (check_engine_auth, against the process environment).
     """
     if cfg.engine.kind == "openai":
         if not cfg.engine.url:
             raise ConfigError(
                 'engine.kind = "openai" needs the server\'s base URL', file=cfg.source, key="engine.url"
             )
-        check_engine_auth(cfg, os.environ if env is None else env)
+        check_engine_auth(cfg, os.environ)
         return cfg.engine.served_model
     model = cfg.engine.model
     if model.startswith("hf:"):

@@ -763,8 +763,8 @@ class ThroughputJudge:
     def __init__(self, settings: ThroughputSettings | None = None) -> None:
         self.settings = settings or ThroughputSettings()
         self._ref: deque[float] = deque(maxlen=self.settings.reference)
-        self._served: deque[float] = deque(maxlen=self.settings.reference)
-        """tokens/s of busy intervals without a queue: the reference until `_ref` has enough."""
+        self._served: deque[float] = deque(maxlen=self.settings.min_reference)
+        """tokens/s of the last busy intervals without a queue: the reference until `_ref` has enough."""
         self._pending: deque[tuple[float, bool]] = deque()
         """Intervals (tokens/s, with a queue) not yet in a reference: the recent ones, being judged."""
         self._binding_seen = 0
@@ -783,13 +783,12 @@ class ThroughputJudge:
 
     @property
     def reference(self) -> float | None:
-        if self._ref and (len(self._ref) >= self.settings.min_reference or self._rebased):
+        kind = self.reference_kind
+        if kind == "capacity":
             return float(statistics.median(self._ref))
-        n = self.settings.min_reference
-        if len(self._served) >= n:
-            # The offered load follows the trace: what it served lately, not since the run's ramp-up.
-            return float(statistics.median(list(self._served)[-n:]))
-        return None
+        # The offered load follows the trace: what it served lately (the last `min_reference`), not since
+        # the run's ramp-up.
+        return float(statistics.median(self._served)) if kind == "served" else None
 
     @property
     def reference_kind(self) -> str:
@@ -797,7 +796,7 @@ class ThroughputJudge:
         in full) or empty (none)."""
         if self._ref and (len(self._ref) >= self.settings.min_reference or self._rebased):
             return "capacity"
-        return "served" if len(self._served) >= self.settings.min_reference else ""
+        return "served" if len(self._served) == self._served.maxlen else ""
 
     def update(self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool) -> bool | None:
         """The new harm state when it changed (True: began, False: ended), else None."""

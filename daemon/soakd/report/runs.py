@@ -11,7 +11,7 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import EXIT_STOPPED, UsageError
-from soakd.files import read_input_text, read_no_follow, write_json_atomic
+from soakd.files import read_input_text, read_json_no_follow, write_json_atomic
 from soakd.judge.criteria import Ending, evaluate, run_context
 from soakd.judge.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
 from soakd.judge.verdict import Verdict, lost_in_flight, make_verdict
@@ -92,7 +92,7 @@ def warn_torn_tails(spool_dir: Path) -> None:
 def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
     """The crashes a run was resumed from, as its checkpoint lists them (none without one)."""
     try:
-        data = json.loads(read_no_follow(run_dir / CHECKPOINT_FILE).decode("utf-8"))
+        data = read_json_no_follow(run_dir / CHECKPOINT_FILE)
         items = data.get("interruptions", [])
     except (OSError, ValueError, AttributeError):
         return []
@@ -197,7 +197,7 @@ def fold_spool(run_dir: Path) -> tuple[RunMetrics, SeriesBuilder]:
 def load_metrics(run_dir: Path) -> dict[str, float | None]:
     """A finished run's metrics: verdict.json's `metrics` when it has them, else folded from the spool."""
     try:
-        data = json.loads(read_no_follow(run_dir / VERDICT_FILE).decode("utf-8"))
+        data = read_json_no_follow(run_dir / VERDICT_FILE)
         metrics = data.get("metrics") if isinstance(data, dict) else None
     except (OSError, ValueError):
         metrics = None

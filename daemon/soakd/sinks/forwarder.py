@@ -23,7 +23,7 @@ import structlog
 
 from soakd.config import InfluxConfig
 from soakd.errors import SinkError, SinkRejected
-from soakd.files import read_no_follow
+from soakd.files import read_json_no_follow
 from soakd.metric import FieldValue
 from soakd.sinks.influx import LineWriter
 from soakd.sinks.spool import FILE_MODE, list_segments, open_segment, read_lines
@@ -375,7 +375,7 @@ class Forwarder:
 
     def _load_state(self) -> _Cursor:
         try:
-            data = json.loads(read_no_follow(self.state_path).decode("utf-8"))
+            data = read_json_no_follow(self.state_path)
         except FileNotFoundError:
             return _Cursor("", 0)
         except (OSError, ValueError) as err:

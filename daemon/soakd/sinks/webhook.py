@@ -47,7 +47,7 @@ import structlog
 from soakd import __version__
 from soakd.config import WebhookConfig
 from soakd.errors import ConfigError, SinkError
-from soakd.files import open_private_append, read_no_follow, write_private
+from soakd.files import open_private_append, read_json_no_follow, write_private
 from soakd.metric import FieldValue, Sample, parse_line
 from soakd.rundir import VERDICT_FILE
 from soakd.sinks.forwarder import Forwarder
@@ -709,7 +709,7 @@ class WebhookSink:
 def failed_criteria(run_dir: Path, run_id: str) -> str:
     """The criteria the run's verdict.json says failed, comma-separated ("" when unreadable or none)."""
     try:
-        doc = json.loads(read_no_follow(run_dir / VERDICT_FILE).decode("utf-8"))
+        doc = read_json_no_follow(run_dir / VERDICT_FILE)
         if doc.get("run_id") != run_id:
             return ""
         return ", ".join(str(c["name"]) for c in doc["criteria"] if not c["passed"])

@@ -7,11 +7,9 @@ through today's policy, give the decisions the policy stands for."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
 import statistics
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -33,6 +31,7 @@ from soakd.policies.downscale import (
     objective_value,
 )
 from soakd.policies.throttle import ThroughputJudge
+from soakd.testing import load_script
 
 DATA = Path(__file__).parents[2] / "data" / "h200" / "control_ab"
 PAYS = Path(__file__).parents[2] / "data" / "h200" / "control_pays"
@@ -41,12 +40,7 @@ FIGURES = Path(__file__).parents[3] / "benchmarks" / "h200_control" / "figures.p
 
 @pytest.fixture(scope="module")
 def figures() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("h200_control_figures", FIGURES)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(FIGURES, "h200_control_figures")
 
 
 def summary(arm: str) -> dict[str, Any]:

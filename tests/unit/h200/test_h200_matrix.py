@@ -10,12 +10,9 @@ the drift comes out inconclusive, not a verdict; no action where there is no loa
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -26,6 +23,7 @@ from soakd.config import BatchControlConfig
 from soakd.control import Slo
 from soakd.policies.downscale import ActionResult, BatchAction, BatchPolicy, BatchSettings
 from soakd.policies.throttle import SW_POWER_CAP, HarmJudge, ThroughputJudge
+from soakd.testing import load_script
 
 DATA = Path(__file__).parents[2] / "data" / "h200" / "matrix"
 FIGURES = Path(__file__).parents[3] / "benchmarks" / "h200_matrix" / "figures.py"
@@ -39,16 +37,7 @@ def matrix() -> dict[str, Any]:
     return arms
 
 
-def _figures() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("h200_matrix_figures", FIGURES)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-FIG = _figures()
+FIG = load_script(FIGURES, "h200_matrix_figures")
 
 
 def events(arm: str) -> list[tuple[str, dict[str, Any]]]:
