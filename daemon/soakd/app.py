@@ -238,6 +238,15 @@ class Soak:
                 self._start_task.cancel()
             _guard_sync("early_verdict", lambda: self._judge(live.offset_s))
 
+    def _adopt(self, replayer: Replayer) -> None:
+        """`replayer` is the one a stop signal ends from now on. A signal that came while it was being
+        made (the warm-up's phase logged, the schedule read) found none to end: it ends this one now,
+        before its first send (the warm-up aborted, the replay stopped), or it would be lost."""
+        live = self.live
+        live.replayer = replayer
+        if live.stopped_by:
+            replayer.stop()
+
     # -- the run ---------------------------------------------------------------------------------------
 
     async def run(self) -> RunResult:
@@ -399,7 +408,7 @@ class Soak:
             self._enter("warmup")
 
             def on_replayer(replayer: Replayer) -> None:
-                live.replayer = replayer  # so a stop signal during warm-up ends it
+                self._adopt(replayer)  # so a stop signal during warm-up ends it
 
             self._warmup_sent += await warm_up(
                 engine,
@@ -413,6 +422,7 @@ class Soak:
                 timeout_s=cfg.engine.start_timeout,
                 seed=cfg.run.seed,
             )
+            live.replayer = None  # done: a later signal is not its to take
         if parts.controller is not None:
             parts.controller.actuator.gate = gate
         if "engine" in cfg.telemetry.collectors and "per_step" in info.signals:
@@ -441,7 +451,7 @@ class Soak:
             return stats, live.offset_s
         info, prompts, gate = started
         controller, writer, profile = parts.controller, parts.build.writer, parts.build.profile
-        replayer = live.replayer = Replayer(
+        replayer = Replayer(
             parts.build.engine,
             await self._scheduled(),
             prompts,
@@ -459,6 +469,7 @@ class Soak:
             on_due=self._journal_due,
             on_drain=lambda: self._enter("drain"),
         )
+        self._adopt(replayer)
         notify("READY=1\nSTATUS=replaying")
         if self.resumed is not None:
             log.info("resume_replaying", resume_s=round(time.monotonic() - self._t_start, 3))

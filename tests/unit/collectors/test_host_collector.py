@@ -278,6 +278,7 @@ def test_host_collector_reports_its_own_and_the_engines_cpu(tmp_path: Path) -> N
         # As an in-process engine reports them: soakd's own pid among the engine's.
         pids = [os.getpid(), burner.pid]
         collector = HostCollector(lambda: pids, spool, root=tmp_path, clock=lambda: t[0])
+        wall0 = time.monotonic()
         collector.collect(1 * S)  # primes; first sight of the engine process: its CPU counts from here
         end = time.process_time() + 0.3
         while time.process_time() < end:
@@ -285,11 +286,15 @@ def test_host_collector_reports_its_own_and_the_engines_cpu(tmp_path: Path) -> N
         time.sleep(0.5)
         t[0] = 1.0
         host = next(s for s in collector.collect(2 * S) if s.measurement == "host")
+        # One process can use at most one core for the real time the two reads spanned (more than the
+        # fake second on a busy machine); the 1 % is psutil's tick rounding.
+        most = 100.0 * (time.monotonic() - wall0) + 1.0
         # 0.3 s of this process's CPU in one (fake) second; the burner ran flat out for ~0.8 s.
-        assert 25.0 <= float(host.fields["soakd_cpu_percent"]) <= 100.0
+        assert 25.0 <= float(host.fields["soakd_cpu_percent"]) <= most
         assert float(host.fields["soakd_cpu_seconds"]) >= 0.3
-        # The burner alone: this process's 0.3 s are soakd's, not counted twice.
-        assert 30.0 <= float(host.fields["engine_cpu_percent"]) <= 100.0
+        # The burner alone: this process's 0.3 s are soakd's, not counted twice. On a busy machine the
+        # burner gets less than a core: at least a tenth of the span it had.
+        assert 10.0 <= float(host.fields["engine_cpu_percent"]) <= most
         assert host.fields["engine_procs"] == 2
         collector.close()
     finally:
