@@ -166,7 +166,11 @@ class Soakd:
 
     def finish(self, timeout_s: float) -> tuple[int, dict[str, Any]]:
         assert self.proc.stdout is not None
-        out = self.proc.stdout.read() if self.proc.wait(timeout=timeout_s) is not None else ""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"soakd still running {timeout_s:.0f} s after the signal: {self.tail()}")
+        out = self.proc.stdout.read()
         self._reader.join(timeout=10)
         return self.proc.returncode, json.loads(out)
 

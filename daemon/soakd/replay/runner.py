@@ -357,6 +357,10 @@ class Replayer:
                 assert built is not None
                 if not self._ahead:
                     await self._clock.sleep_until(deadline)
+                    if self._stop.is_set():
+                        # Stopped during the exact wait: an abort there has already cancelled what was
+                        # in flight, and a request sent now would be one it never saw.
+                        break
                 self._dispatch(item, deadline, due_wall_ns, built.ids)
             if self._duration_s is not None and not self._stop.is_set():
                 # The soak lasts its duration even when the last request is due earlier.

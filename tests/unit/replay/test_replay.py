@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -179,6 +179,32 @@ async def test_stop_ends_dispatch_and_drain_timeout_aborts_in_flight() -> None:
     assert stats.scheduled == 1  # the request due at 30 s was never dispatched
     assert len(records) == 1
     assert records[0].error.startswith("aborted")
+
+
+class StopInTheExactWait(FakeClock):
+    """Calls `on_wait` as the replayer starts its exact wait for a due time (the trace's clock starts at
+    0; the replayer's own first wait, before it, is not one): a stop signal's moment."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__(start)
+        self.on_wait: Callable[[], None] = lambda: None
+
+    async def sleep_until(self, deadline: float, precise: bool = True) -> None:
+        if precise and self.now < deadline and deadline >= 0.0:
+            self.on_wait()
+        await super().sleep_until(deadline, precise)
+
+
+@pytest.mark.parametrize("how", ["abort", "stop"])
+async def test_a_stop_during_the_exact_wait_sends_nothing_more(how: str) -> None:
+    clock = StopInTheExactWait(-START)
+    engine = FakeEngine(clock)
+    rep, records = make(engine, [spec(0, 0.0), spec(1, 0.0)], clock)
+    clock.on_wait = getattr(rep, how)
+    stats = await rep.run()
+    # The warm-up's case: an abort cancels what is in flight; a request sent after it was never seen by
+    # it, and one that never ends held the run for its drain timeout.
+    assert engine.requests == [] and records == [] and stats.scheduled == 0
 
 
 async def test_gate_limit_can_be_lowered_and_raised() -> None:
