@@ -1,8 +1,8 @@
 """Fakes for tests of soakd and of code built on it: clocks that tests move by hand, an HTTP app served on
 a free loopback port, an in-process engine that streams tokens (StubEngine) with a config for a short
-soak over it (stub_config), a fake pynvml module (FakeNvml), and a run folder rebuilt from a recorded
-run's files (recorded_run_dir). (The replay's virtual-time clock, which wakes sleepers in order, is
-soakd.clock.FakeClock.)
+soak over it (stub_config), a fake pynvml module (FakeNvml), a run folder rebuilt from a recorded
+run's files (recorded_run_dir), and a child process whose peak RSS is read (measured, PeakRss). (The
+replay's virtual-time clock, which wakes sleepers in order, is soakd.clock.FakeClock.)
 
 This module may import any other soakd module (it sits in the top layer of the import graph); nothing in
 the package imports it."""
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gzip
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -388,3 +389,66 @@ class FakeNvml:
             else:
                 out.append(_nvml_field(fid, 3, 0, ret=self.NVML_ERROR_NOT_SUPPORTED))
         return out
+
+
+# The small parent `measured` puts between a test and the process it measures. Linux counts the RSS of
+# the process that forks a child into the child's peak (a forked copy starts at its parent's size, and a
+# vforked or spawned one's exec records the parent's high-water mark), so a child of pytest, itself
+# hundreds of MB after a thousand tests, would report pytest's peak; a child of this one starts small.
+# It is transparent to the test: the stop signals sent to its process group reach the child alone (this
+# parent ignores them), a SIGKILL of this parent takes the child with it (PR_SET_PDEATHSIG), and it ends
+# as the child did (its exit code, or the same signal). It writes {"pid", "maxrss_kib"} to RSS_FILE.
+_MEASURE = """
+import ctypes, json, os, signal, sys
+rss_file, *argv = sys.argv[1:]
+stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+for s in stops:
+    signal.signal(s, signal.SIG_IGN)
+parent = os.getpid()
+pid = os.fork()
+if pid == 0:
+    for s in stops:
+        signal.signal(s, signal.SIG_DFL)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(137)  # the parent was killed before prctl took effect
+    os.execv(argv[0], argv)
+_, status, usage = os.wait4(pid, 0)
+with open(rss_file, "w") as f:
+    json.dump({"pid": pid, "maxrss_kib": usage.ru_maxrss}, f)
+if os.WIFSIGNALED(status):
+    sig = os.WTERMSIG(status)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+PEAK_RSS_LIMIT_MB = 500
+"""What a case of hostile or careless input may cost soakd at most."""
+
+
+def measured(argv: list[str], rss_file: Path) -> list[str]:
+    """`argv` run under a small parent that writes the child's peak RSS to `rss_file` when it ends (Linux):
+    give the result to subprocess.Popen as the command, then read it with `PeakRss.read(rss_file)`."""
+    return [sys.executable, "-c", _MEASURE, str(rss_file), *argv]
+
+
+@dataclass(frozen=True)
+class PeakRss:
+    """What `measured` wrote: the measured process's pid and its peak RSS."""
+
+    pid: int
+    mb: float
+
+    @classmethod
+    def read(cls, rss_file: Path) -> PeakRss:
+        doc = json.loads(rss_file.read_text())
+        return cls(int(doc["pid"]), int(doc["maxrss_kib"]) / 1024)
+
+    def note(self, case: str) -> None:
+        """Append this case's figure to the file $SOAKD_RSS_LOG names, when set: how
+        benchmarks/bench_hostile_rss.py collects the figures of the tests that measure a process."""
+        log = os.environ.get("SOAKD_RSS_LOG")
+        if log:
+            with Path(log).open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"case": case, "peak_rss_mb": round(self.mb, 1)}) + "\n")

@@ -29,6 +29,7 @@ import pytest
 from soakd.judge.verdict import verdict_lines
 from soakd.rundir import JOURNAL_FILE
 from soakd.sinks.spool import iter_samples
+from soakd.testing import PEAK_RSS_LIMIT_MB, PeakRss, measured
 
 pytestmark = pytest.mark.integration
 
@@ -126,8 +127,9 @@ class Soakd:
 
     def __init__(self, tmp_path: Path, mode: str, env: dict[str, str]) -> None:
         argv = ["run", "--config", str(_config(tmp_path, mode)), "--json", "--no-progress"]
+        self.rss_file = tmp_path / "soakd.maxrss"
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SOAK, mode, *argv],
+            measured([sys.executable, "-c", _SOAK, mode, *argv], self.rss_file),
             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, **env}, start_new_session=True,
         )  # fmt: skip
@@ -173,6 +175,12 @@ class Soakd:
         out = self.proc.stdout.read()
         self._reader.join(timeout=10)
         return self.proc.returncode, json.loads(out)
+
+    def peak_rss(self, case: str) -> float:
+        """soakd's peak RSS in MB, once it has ended (noted for benchmarks/bench_hostile_rss.py)."""
+        peak = PeakRss.read(self.rss_file)
+        peak.note(case)
+        return peak.mb
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -253,6 +261,7 @@ def test_a_stop_signal_in_any_phase_stops_with_its_verdict(
         # The first signal drains: whatever was in flight finished, none aborted.
         assert doc["requests"]["failed"] == 0, doc["requests"]
     assert f"by {signame} in {phase}" in "\n".join(verdict_lines(verdict))
+    assert s.peak_rss(f"signal/{signame}/{phase}") < PEAK_RSS_LIMIT_MB
 
 
 def test_a_second_signal_ends_the_drain_and_the_verdict_is_still_written(
@@ -274,6 +283,7 @@ def test_a_second_signal_ends_the_drain_and_the_verdict_is_still_written(
     recorded = _requests_once(run_dir, doc)
     # Every request sent was aborted by the second signal, and recorded once as such.
     assert recorded > 0 and doc["requests"]["failed"] == recorded and doc["requests"]["completed"] == 0
+    assert s.peak_rss("signal/second-in-drain") < PEAK_RSS_LIMIT_MB
 
 
 def _due(tmp_path: Path) -> int:

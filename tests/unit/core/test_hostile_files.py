@@ -15,25 +15,9 @@ from pathlib import Path
 
 import pytest
 
-PEAK_RSS_BYTES = 500 << 20
+from soakd.testing import PEAK_RSS_LIMIT_MB, PeakRss, measured
 
-
-# Runs ARGV in DIR as its forked child and writes that child's peak RSS (KiB) to RSS_FILE. A child
-# forked from this small process starts small; ru_maxrss of one forked (or vforked, or spawned) from
-# pytest itself starts at pytest's own peak, hundreds of MB, and would hide soakd's.
-_MEASURE = """
-import os, sys
-rss_file, cwd, *argv = sys.argv[1:]
-os.chdir(cwd)
-pid = os.fork()
-if pid == 0:
-    os.execv(argv[0], argv)
-_, status, usage = os.wait4(pid, 0)
-with open(rss_file, "w") as f:
-    f.write(str(usage.ru_maxrss))
-code = os.waitstatus_to_exitcode(status)
-sys.exit(code if code >= 0 else 128 - code)
-"""
+PEAK_RSS_BYTES = PEAK_RSS_LIMIT_MB << 20
 
 
 def _run(
@@ -46,7 +30,8 @@ def _run(
     rss_file = cwd.parent / f"{cwd.name}.maxrss"
     rss_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _MEASURE, str(rss_file), str(cwd), sys.executable, "-m", "soakd", *argv],
+        measured([sys.executable, "-m", "soakd", *argv], rss_file),
+        cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -59,7 +44,7 @@ def _run(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         pytest.fail(f"soakd {' '.join(argv)} still running after {timeout_s:.0f} s")
-    rss = int(rss_file.read_text()) * 1024
+    rss = int(PeakRss.read(rss_file).mb * 2**20)
     rss_file.unlink()
     return proc.returncode, err_bytes.decode("utf-8", "replace"), rss
 

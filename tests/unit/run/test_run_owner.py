@@ -23,6 +23,7 @@ from soakd.owner import RunOwned, check_run_files, release, take
 from soakd.resume import DueJournal, read_journal
 from soakd.rundir import JOURNAL_FILE, LOCK_FILE, META_FILE
 from soakd.sinks.spool import Spool, iter_samples
+from soakd.testing import PEAK_RSS_LIMIT_MB, PeakRss, measured
 
 DAEMON = Path(__file__).resolve().parents[3] / "daemon"
 
@@ -56,10 +57,13 @@ OVERRIDES = {
 }
 
 
-def _soakd(tmp: Path, *args: str) -> subprocess.Popen[str]:
+def _soakd(tmp: Path, *args: str, rss: Path | None = None) -> subprocess.Popen[str]:
+    """`soakd run ARGS`; with `rss`, under the parent that measures its peak RSS (its pid is then the
+    parent's: soakd's own is in what `PeakRss.read(rss)` reads at the end)."""
     code = _CLI.format(tmp=str(tmp), over=json.dumps(OVERRIDES))
+    argv = [sys.executable, "-c", code, "run", "--no-progress", *args]
     return subprocess.Popen(
-        [sys.executable, "-c", code, "run", "--no-progress", *args],
+        measured(argv, rss) if rss is not None else argv,
         cwd=tmp,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -100,15 +104,21 @@ def _crash_a_run(tmp: Path) -> Path:
 def test_two_resumes_of_one_crashed_run_at_once_only_one_takes_it_up(tmp_path: Path) -> None:
     run_dir = _crash_a_run(tmp_path)
     journal_at_crash = read_journal(run_dir / JOURNAL_FILE)
-    a = _soakd(tmp_path, "--resume")
-    b = _soakd(tmp_path, "--resume")
+    a = _soakd(tmp_path, "--resume", rss=tmp_path / "a.maxrss")
+    b = _soakd(tmp_path, "--resume", rss=tmp_path / "b.maxrss")
     try:
         _, err_a = a.communicate(timeout=120)
         _, err_b = b.communicate(timeout=120)
     finally:
         _stop(a)
         _stop(b)
-    codes = sorted([(a.returncode, a.pid, err_a), (b.returncode, b.pid, err_b)], key=lambda t: t[0] != 2)
+    peak_a, peak_b = PeakRss.read(tmp_path / "a.maxrss"), PeakRss.read(tmp_path / "b.maxrss")
+    for peak in (peak_a, peak_b):
+        peak.note("owner/two-resumes-at-once")
+        assert peak.mb < PEAK_RSS_LIMIT_MB
+    codes = sorted(
+        [(a.returncode, peak_a.pid, err_a), (b.returncode, peak_b.pid, err_b)], key=lambda t: t[0] != 2
+    )
     (refused_code, _, refused_err), (owner_code, owner_pid, owner_err) = codes
     assert refused_code == 2, (a.returncode, err_a[-2000:], b.returncode, err_b[-2000:])
     # PASS or FAIL (the lost requests may fail a criterion): the run's own verdict, not an error.

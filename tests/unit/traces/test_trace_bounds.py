@@ -1,7 +1,7 @@
 """Memory bounds of the trace readers: tiny crafted files must not make soakd build gigabytes.
 
 Each hostile file runs through `soakd trace inspect` in its own process, whose peak RSS is read, once it
-has exited, from getrusage(RUSAGE_CHILDREN) of the small process that started it: it must stay under
+has exited, by the small process that started it (soakd.testing.measured): it must stay under
 500 MB, and bad input must end with exit code 2 and one line naming the file, line and key.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,49 +21,31 @@ import pytest
 import soakd
 from soakd.config import TraceConfig
 from soakd.errors import EXIT_INPUT, EXIT_OK
+from soakd.testing import PEAK_RSS_LIMIT_MB, PeakRss, measured
 from soakd.traces import loader, open_trace
 from soakd.traces.loader import MAX_CHAIN_BLOCKS, MAX_HELD_IDS, MIN_MADE_UP_IDS, _Spans
 
-RSS_LIMIT_MB = 500
+RSS_LIMIT_MB = PEAK_RSS_LIMIT_MB
 HANG_GUARD_S = 600  # only a hang guard for a busy 2-core machine, never a performance threshold
 DAEMON = Path(soakd.__file__).resolve().parents[1]
-
-
-# Run in a small process of its own, which starts soakd and reads its peak RSS once it has exited. Not
-# straight from pytest: Linux counts the RSS of the process that forks a child into the child's peak, and
-# pytest after a thousand tests is itself hundreds of MB.
-_MEASURE = """
-import json, resource, subprocess, sys
-limit, out, err, *argv = sys.argv[1:]
-with open(out, "wb") as o, open(err, "wb") as e:
-    p = subprocess.Popen(argv, stdout=o, stderr=e)
-    try:
-        p.wait(float(limit))
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-print(json.dumps([p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))
-"""
 
 
 def _inspect(path: str, *flags: str) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, peak RSS in MB) of `soakd trace inspect` in a child process."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DAEMON), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "out", Path(tmp) / "err"
-        soakd_argv = [sys.executable, "-m", "soakd", "trace", "inspect", path, *flags]
-        measured = subprocess.run(
-            [sys.executable, "-c", _MEASURE, str(HANG_GUARD_S), str(out), str(err), *soakd_argv],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
-            timeout=HANG_GUARD_S + 60,
+        rss = Path(tmp) / "maxrss"
+        argv = measured([sys.executable, "-m", "soakd", "trace", "inspect", path, *flags], rss)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
         )
-        code, maxrss = json.loads(measured.stdout)
-        stdout, stderr = out.read_text(), err.read_text()
-    scale = 1024 if sys.platform != "darwin" else 1024 * 1024  # ru_maxrss: KiB on Linux, bytes on macOS
-    return int(code), stdout, stderr, maxrss / scale
+        try:
+            stdout, stderr = proc.communicate(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail(f"trace inspect {path} still running after {HANG_GUARD_S} s")
+        return proc.returncode, stdout, stderr, PeakRss.read(rss).mb
 
 
 def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
@@ -196,6 +179,7 @@ def test_hostile_trace_stays_within_memory(
 ) -> None:
     path = build(tmp_path)
     got, _, err, rss_mb = _inspect(str(path), *flags)
+    PeakRss(0, rss_mb).note(f"trace/{name}")
     assert rss_mb < RSS_LIMIT_MB, f"{name}: peak RSS {rss_mb:.0f} MB"
     assert got == code, err
     if code == EXIT_INPUT:
