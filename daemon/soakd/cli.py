@@ -605,7 +605,7 @@ def _latency_lines(req: dict[str, Any]) -> list[str]:
     ]
     share = req.get("admission_wait_share")
     if isinstance(share, int | float) and share > 0:
-        from soakd.judge.criteria import waited_share
+        from soakd.judge.requests import waited_share
 
         out.append(
             f"  admission ceiling bound: {waited_share(share)} of requests waited at replay.max_concurrency, "

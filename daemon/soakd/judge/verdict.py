@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from soakd.errors import EXIT_ERROR, EXIT_FAIL, EXIT_OK, EXIT_STOPPED
-from soakd.judge.criteria import CriterionResult, Ending, RequestSummary
+from soakd.judge.criteria import CriterionResult, Ending
+from soakd.judge.requests import RequestSummary
 
 
 @dataclass(frozen=True, slots=True)

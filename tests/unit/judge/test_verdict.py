@@ -9,7 +9,8 @@ import pytest
 
 from soakd.config import load
 from soakd.files import write_json_atomic
-from soakd.judge.criteria import Ending, evaluate, summarize
+from soakd.judge.criteria import Ending, evaluate
+from soakd.judge.requests import summarize
 from soakd.judge.verdict import make_verdict, stop_note, stopped_early
 from soakd.metric import Sample
 
@@ -134,7 +135,7 @@ def test_older_verdicts_that_say_interrupted_are_read_as_stopped_early() -> None
 def test_quantiles_stay_exact_then_bounded_and_within_the_error() -> None:
     import numpy as np
 
-    from soakd.judge.criteria import Quantiles
+    from soakd.judge.requests import Quantiles
 
     rng = np.random.default_rng(5)
     values = rng.lognormal(-3.0, 1.0, size=200_000)  # latencies around 50 ms with a long tail
