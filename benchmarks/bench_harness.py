@@ -76,7 +76,7 @@ from soakd.clock import SystemClock
 from soakd.collectors.replay import ReplayCollector
 from soakd.config import ArrivalConfig, SyntheticTraceConfig
 from soakd.engine.base import EngineInfo, GenerationRequest
-from soakd.judge.criteria import RequestFolder, summarize
+from soakd.judge.requests import RequestFolder, summarize
 from soakd.logs import configure as configure_logs
 from soakd.metric import Sample
 from soakd.replay.admission import AdmissionGate
@@ -835,7 +835,7 @@ def run_spool(n: int, batches: tuple[int, ...], spool_root: Path) -> Json:
                     count += 1
                 secs = time.perf_counter() - t
                 read = {"samples": count, "seconds": secs, "samples_per_s": count / secs}
-                # What `soakd report` does with them (judge.criteria.summarize over the spool), on a
+                # What `soakd report` does with them (judge.requests.summarize over the spool), on a
                 # slice: its time per sample, then (traced, on a smaller slice) the memory it holds per
                 # sample until it returns.
                 m = min(n, SUMMARIZE_SAMPLES)

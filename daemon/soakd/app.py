@@ -40,7 +40,7 @@ from soakd.errors import EXIT_ERROR, EXIT_STOPPED, EngineError
 from soakd.files import write_json_atomic
 from soakd.jobs import Jobs, ProgressFn
 from soakd.judge.criteria import Ending
-from soakd.judge.verdict import Verdict
+from soakd.judge.verdict import Verdict, verdict_of, write_verdict
 from soakd.lifecycle import Stack
 from soakd.live import LiveRun
 from soakd.logs import bind
@@ -54,7 +54,6 @@ from soakd.replay.pacer import Scheduled, schedule
 from soakd.replay.prompts import PromptSynth
 from soakd.replay.runner import START_S, Replayer, ReplayStats, RequestRecord
 from soakd.replay.warmup import warm_up
-from soakd.report.runs import verdict_of
 from soakd.resume import (
     DueJournal,
     ResumeState,
@@ -651,13 +650,11 @@ class Soak:
         )
         path = self.run_dir / VERDICT_FILE
         try:
-            write_json_atomic(path, verdict.to_dict())
+            write_verdict(self.run_dir, verdict, remove_if_refused=True)
             self._verdict_error = ""
         except OSError as err:
             self._verdict_error = f"{path}: {err.strerror or err}"
             log.error("verdict_not_written", path=str(path), error=str(err))
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
         return verdict
 
     # -- crash-resume -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pydantic import (
 
 from soakd.errors import ConfigError
 from soakd.files import read_input_text
-from soakd.judge.dsl import validate
+from soakd.lang.criteria import validate
 from soakd.units import MAX_DURATION_S, parse_duration
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -487,7 +487,7 @@ class CriteriaConfig(_Section):
     # Daemon crashes resumed during the run. Each one restarted the engine, so the soak did not show
     # `run.duration` of continuous serving: by default an interrupted soak cannot pass.
     max_interruptions: Annotated[int, Field(ge=0, le=1_000_000)] | Literal[False] = 0
-    # k6-threshold-style lines over the run's metrics, e.g. "p99(ttft_offered_ms) < 500" (soakd.judge.dsl).
+    # k6-threshold-style lines over the run's metrics, e.g. "p99(ttft_offered_ms) < 500" (lang.criteria).
     checks: list[Annotated[str, AfterValidator(_check_expr)]] = Field(default_factory=list)
     # Checks judged during the run too (k6's abortOnFail): once one fails, past `abort_grace` of replay,
     # the run stops early (drained, FAIL, exit 3) instead of spending the night on a soak that cannot pass.

@@ -115,21 +115,8 @@ class Controller:
         self.batch = BatchPolicy(BatchSettings.from_config(cfg.batch, start_limit, dry_run=cfg.dry_run))
         self._good_tokens = 0.0
         self._last_energy: float | None = None
-        h = cfg.harm
-        self.throughput = ThroughputJudge(ThroughputSettings(loss=h.throughput_loss, leave_s=h.leave))
-        r = cfg.recapture
-        self.recapture_settings = RecaptureSettings(
-            idle_s=r.idle,
-            min_hit_rate=r.min_hit_rate,
-            min_gain=r.min_gain,
-            min_steps=r.min_steps,
-            cooldown_s=r.cooldown,
-            long_idle_s=r.long_idle,
-            quantile=r.quantile,
-            max_sizes=r.max_sizes,
-            max_size=r.max_size or None,
-            align=r.align,
-        )
+        self.throughput = ThroughputJudge(ThroughputSettings.from_config(cfg.harm))
+        self.recapture_settings = RecaptureSettings.from_config(cfg.recapture)
         self.recapture: RecapturePolicy | None = None
         self.recapture_note = ""
         self._hist_seen: Counter[int] = Counter()

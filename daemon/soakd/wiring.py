@@ -161,7 +161,7 @@ def engine_config(cfg: Config, run_dir: Path, offset_s: float) -> EngineConfig:
 def make_drift(cfg: Config, writer: SampleWriter) -> AcceptanceDrift:
     dcfg = cfg.telemetry.spec_drift
     return AcceptanceDrift(
-        DriftSettings(dcfg.baseline, dcfg.window, dcfg.threshold, dcfg.min_draft_tokens),
+        DriftSettings.from_config(dcfg),
         on_event=writer.event,
     )
 

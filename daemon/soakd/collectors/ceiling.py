@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from soakd.judge.criteria import Quantiles
+from soakd.judge.requests import Quantiles
 from soakd.metric import FieldValue
 from soakd.probe import ModelBytes
 

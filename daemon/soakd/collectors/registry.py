@@ -131,18 +131,10 @@ def _gpu(b: Build) -> Sequence[Collector]:
         "cuda_driver": cuda,
         "devices": [source.static(i).to_dict() for i in range(source.gpu_count())],
     }
-    h = b.cfg.control.harm
     watch = GpuThrottleWatch(
         {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())},
         on_event=b.writer.event,
-        harm=HarmSettings(
-            window_s=h.window,
-            power_loss=h.power_loss,
-            thermal_loss=h.thermal_loss,
-            enter_s=h.enter,
-            leave_s=h.leave,
-            stale_s=h.stale,
-        ),
+        harm=HarmSettings.from_config(b.cfg.control.harm),
     )
     energy_every = max(1, round(tcfg.gpu_energy_interval / tcfg.gpu_slow_interval))
     nvml = NvmlCollector(source, on_fast=watch.observe, energy_every=energy_every)

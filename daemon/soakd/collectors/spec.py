@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from soakd.config import SpecDriftConfig
 from soakd.metric import FieldValue, Sample
 
 if TYPE_CHECKING:
@@ -135,8 +136,13 @@ class DriftSettings:
     threshold: float
     """Relative drop of the acceptance rate (0.2: 20 % below the baseline) that raises a `spec_drift`
     event; it clears when the window is back within half of it."""
-    min_draft_tokens: int = 200
+    min_draft_tokens: int = SpecDriftConfig().min_draft_tokens
     """A window (or the baseline) with fewer draft tokens is not judged: too few to say anything."""
+
+    @classmethod
+    def from_config(cls, d: SpecDriftConfig) -> DriftSettings:
+        """[telemetry.spec_drift]."""
+        return cls(d.baseline, d.window, d.threshold, d.min_draft_tokens)
 
 
 class AcceptanceDrift:

@@ -1,2 +1,2 @@
-"""The live judge: the criteria language, the run's metrics fold, the criteria and the verdict. It runs
-inside the soak (and again, offline, from a run folder in soakd.report)."""
+"""The live judge: the run's request and metrics folds, the criteria and the verdict. It runs inside the
+soak (and again, offline, from a run folder in soakd.report)."""

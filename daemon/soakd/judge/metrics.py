@@ -16,8 +16,8 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from soakd.judge.criteria import RequestFolder, RequestSummary
-from soakd.judge.dsl import DISTRIBUTIONS
+from soakd.judge.requests import RequestFolder, RequestSummary
+from soakd.lang.criteria import DISTRIBUTIONS
 from soakd.metric import Sample
 
 BUCKET_S = 10

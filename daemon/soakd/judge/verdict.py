@@ -1,4 +1,5 @@
-"""The verdict of a run: PASS/FAIL with its evidence, written atomically to the run directory.
+"""The verdict of a run: PASS/FAIL with its evidence, judged from its folded points (`verdict_of`) and
+written atomically to the run directory by the one writer of verdict.json (`write_verdict`).
 
 Two different things a reader must not confuse:
 - `stopped_early`: this run's replay ended before its planned duration, either by the operator's stop
@@ -10,12 +11,19 @@ Verdicts written before `stopped_early` existed have `interrupted` in its place 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from soakd.config import CriteriaConfig
 from soakd.errors import EXIT_ERROR, EXIT_FAIL, EXIT_OK, EXIT_STOPPED
-from soakd.judge.criteria import CriterionResult, Ending, RequestSummary
+from soakd.files import write_json_atomic
+from soakd.judge.criteria import CriterionResult, Ending, evaluate, run_context
+from soakd.judge.metrics import RunMetrics
+from soakd.judge.requests import RequestSummary
+from soakd.rundir import VERDICT_FILE
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,3 +157,60 @@ def make_verdict(
         interruptions or [],
         metrics or {},
     )
+
+
+def verdict_of(
+    run_id: str,
+    criteria: CriteriaConfig,
+    metrics: RunMetrics,
+    *,
+    ran_s: float,
+    planned_s: float,
+    interruptions: list[dict[str, Any]],
+    ending: Ending | None = None,
+    stopped_code: int = EXIT_STOPPED,
+) -> Verdict:
+    """The verdict over the run's folded points and its interruptions (nothing is written)."""
+    lost = lost_in_flight(interruptions)
+    # One accounting: the criteria, `metrics`, `checks` and everything that reads them count the lost.
+    metrics.lost_in_flight = lost
+    requests = metrics.summary()
+    results = evaluate(
+        criteria,
+        requests,
+        ran_s=ran_s,
+        planned_s=planned_s,
+        ending=ending,
+        interruptions=len(interruptions),
+        lost_in_flight=lost,
+        metrics=metrics,
+    )
+    values = {**metrics.scalars(), **run_context(ran_s, len(interruptions), lost)}
+    for r in results:
+        if r.expr:
+            values.setdefault(r.name, r.value)
+    return make_verdict(
+        run_id,
+        results,
+        requests,
+        ran_s=ran_s,
+        planned_s=planned_s,
+        ending=ending,
+        stopped_code=stopped_code,
+        interruptions=interruptions,
+        metrics=values,
+    )
+
+
+def write_verdict(run_dir: Path, verdict: Verdict, *, remove_if_refused: bool = False) -> None:
+    """Write the run's verdict.json (atomically): the one place it is written. OSError when the disk
+    refuses it; with `remove_if_refused`, an earlier verdict.json is removed first (best effort), so that
+    none is left that says otherwise than the run that could not write its own."""
+    path = run_dir / VERDICT_FILE
+    try:
+        write_json_atomic(path, verdict.to_dict())
+    except OSError:
+        if remove_if_refused:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        raise

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from soakd.config import RecaptureControlConfig
+
 __all__ = [
     "MAX_CANDIDATES",
     "CoverageStats",
@@ -253,29 +255,33 @@ def padding_stats(hist: Mapping[int, int], sizes: Sequence[int]) -> CoverageStat
     )
 
 
+# Defaults are written once, in the config's [control.recapture]; the settings take them from there.
+_RECAPTURE = RecaptureControlConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class RecaptureSettings:
     """When to re-capture and how to choose the sizes. Times in seconds of the caller's `t_s`."""
 
-    idle_s: float = 60.0
+    idle_s: float = _RECAPTURE.idle
     """The engine must have been idle this long before a re-capture may run (it stalls serving)."""
-    min_hit_rate: float = 0.9
+    min_hit_rate: float = _RECAPTURE.min_hit_rate
     """A graph hit rate below this over the recent window makes a re-capture wanted (0-1)."""
-    min_gain: float = 0.05
+    min_gain: float = _RECAPTURE.min_gain
     """The new sizes must raise the hit rate by this much, or cut the padding waste by this much (0-1)."""
-    min_steps: int = 1000
+    min_steps: int = _RECAPTURE.min_steps
     """Steps in the recent window before the sizes are judged at all."""
-    cooldown_s: float = 1800.0
+    cooldown_s: float = _RECAPTURE.cooldown
     """Time after a re-capture (or a failed one) before the next."""
-    long_idle_s: float = 3600.0
+    long_idle_s: float = _RECAPTURE.long_idle
     """After an idle period this long, re-capture whenever the gain test passes, even at a good hit rate."""
-    quantile: float = 0.99
+    quantile: float = _RECAPTURE.quantile
     """Quantile of the steps the largest size covers; steps above it run eagerly (0 < q <= 1)."""
-    max_sizes: int = 12
+    max_sizes: int = _RECAPTURE.max_sizes
     """At most this many capture sizes (each costs memory and capture time)."""
-    max_size: int | None = None
+    max_size: int | None = _RECAPTURE.max_size or None
     """Cap on the largest size (tokens), e.g. what the engine's memory allows; None: no cap."""
-    align: int = 1
+    align: int = _RECAPTURE.align
     """Every size but a capped largest one is a multiple of this."""
 
     def __post_init__(self) -> None:
@@ -293,6 +299,22 @@ class RecaptureSettings:
             raise ValueError("max_sizes and align must be >= 1")
         if self.max_size is not None and self.max_size < 1:
             raise ValueError("max_size must be >= 1 when given")
+
+    @classmethod
+    def from_config(cls, r: RecaptureControlConfig) -> RecaptureSettings:
+        """[control.recapture]'s thresholds (its `max_size` 0: no cap)."""
+        return cls(
+            idle_s=r.idle,
+            min_hit_rate=r.min_hit_rate,
+            min_gain=r.min_gain,
+            min_steps=r.min_steps,
+            cooldown_s=r.cooldown,
+            long_idle_s=r.long_idle,
+            quantile=r.quantile,
+            max_sizes=r.max_sizes,
+            max_size=r.max_size or None,
+            align=r.align,
+        )
 
 
 @dataclass(frozen=True, slots=True)

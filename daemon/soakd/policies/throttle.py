@@ -40,6 +40,7 @@ from enum import StrEnum
 from typing import Final
 
 from soakd import nvml_fields
+from soakd.config import HarmControlConfig
 from soakd.metric import counter_growth
 
 __all__ = [
@@ -465,22 +466,26 @@ THERMAL_REASONS: Final = 0x8 | 0x20 | 0x40 | 0x80
 """HwSlowdown, SW/HW thermal slowdown, HW power brake: the device protects itself (edge-GPU throttling)."""
 
 
+# Defaults are written once, in the config's [control.harm]; the settings take them from there.
+_HARM = HarmControlConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class HarmSettings:
     """When throttling costs enough to act on. Losses are shares of the unthrottled SM clock."""
 
-    window_s: float = 1.0
+    window_s: float = _HARM.window
     """The loss is the median over this window of fast samples (a 100 ms tier: ~10 samples)."""
-    power_loss: float = 0.10
+    power_loss: float = _HARM.power_loss
     """Clock loss under the SW power cap alone that counts as harm."""
-    thermal_loss: float = 0.03
+    thermal_loss: float = _HARM.thermal_loss
     """Clock loss that counts as harm when a thermal, HW-slowdown or power-brake reason is set."""
-    enter_s: float = 1.0
+    enter_s: float = _HARM.enter
     """The loss must hold this long before harm is declared."""
-    leave_s: float = 10.0
+    leave_s: float = _HARM.leave
     """The loss must stay below half its threshold (or, under the power cap, the clock within half the
     threshold of the engine's own at-cap clock) this long before the harm is over."""
-    stale_s: float = 60.0
+    stale_s: float = _HARM.stale
     """A power-cap episode whose loss has not reached its threshold for this long holds no evidence of its
     cause and ends ("bound"); the clock then is the engine's own at-cap level."""
     reference_samples: int = 300
@@ -501,6 +506,18 @@ class HarmSettings:
             raise ValueError("need 0 < thermal_loss <= power_loss < 1")
         if not (1 <= self.min_reference <= self.reference_samples <= 100_000):
             raise ValueError("need 1 <= min_reference <= reference_samples <= 100000")
+
+    @classmethod
+    def from_config(cls, h: HarmControlConfig) -> HarmSettings:
+        """[control.harm]'s clock-loss thresholds and times."""
+        return cls(
+            window_s=h.window,
+            power_loss=h.power_loss,
+            thermal_loss=h.thermal_loss,
+            enter_s=h.enter,
+            leave_s=h.leave,
+            stale_s=h.stale,
+        )
 
 
 ENDED_BY: Final = ("loss", "own_level", "bound")
@@ -708,7 +725,7 @@ class ThroughputSettings:
     level. Clock loss misses the case where the limit is shared (another process at the power cap takes
     SM time, not clock: on an H200, 6 % clock and 35 % of tokens)."""
 
-    loss: float = 0.2
+    loss: float = _HARM.throughput_loss
     """Share of the engine's own tokens/s lost while the device is at a limit."""
     recent: int = 3
     """The loss is judged on the median of this many recent control intervals."""
@@ -721,7 +738,7 @@ class ThroughputSettings:
     whole loss, each of them half of it): a limit shared with another process arrives as a step, while an
     engine alone at the cap drifts with its workload (on an H200 at 64 requests: 6-11k tok/s from second
     to second, 20 % down over a minute)."""
-    leave_s: float = 10.0
+    leave_s: float = _HARM.leave
     """The harm is over once most of its last `leave_s` had no limit, less than half the loss, or tokens/s
     recovered."""
 
@@ -734,6 +751,11 @@ class ThroughputSettings:
             raise ValueError("step must be 1-1000 intervals")
         if not (math.isfinite(self.leave_s) and 0 <= self.leave_s <= 3600):
             raise ValueError("leave_s must be finite, 0-3600 s")
+
+    @classmethod
+    def from_config(cls, h: HarmControlConfig) -> ThroughputSettings:
+        """[control.harm]'s throughput loss, and its `leave` (the clock harm's too)."""
+        return cls(loss=h.throughput_loss, leave_s=h.leave)
 
 
 class ThroughputJudge:

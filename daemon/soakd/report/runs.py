@@ -11,10 +11,10 @@ import structlog
 
 from soakd.config import CriteriaConfig
 from soakd.errors import EXIT_STOPPED, UsageError
-from soakd.files import read_input_text, read_json_no_follow, write_json_atomic
-from soakd.judge.criteria import Ending, evaluate, run_context
+from soakd.files import read_input_text, read_json_no_follow
+from soakd.judge.criteria import Ending
 from soakd.judge.metrics import METRIC_FIELDS, METRIC_MEASUREMENTS, RunMetrics
-from soakd.judge.verdict import Verdict, lost_in_flight, make_verdict
+from soakd.judge.verdict import Verdict, verdict_of, write_verdict
 from soakd.metric import Sample
 from soakd.report.series import FIELDS, SeriesBuilder, spool_samples
 from soakd.rundir import CHECKPOINT_FILE, SPOOL_DIR, VERDICT_FILE
@@ -99,49 +99,6 @@ def read_interruptions(run_dir: Path) -> list[dict[str, Any]]:
     return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else []
 
 
-def verdict_of(
-    run_id: str,
-    criteria: CriteriaConfig,
-    metrics: RunMetrics,
-    *,
-    ran_s: float,
-    planned_s: float,
-    interruptions: list[dict[str, Any]],
-    ending: Ending | None = None,
-    stopped_code: int = EXIT_STOPPED,
-) -> Verdict:
-    """The verdict over the run's folded points and its interruptions (nothing is written)."""
-    lost = lost_in_flight(interruptions)
-    # One accounting: the criteria, `metrics`, `checks` and everything that reads them count the lost.
-    metrics.lost_in_flight = lost
-    requests = metrics.summary()
-    results = evaluate(
-        criteria,
-        requests,
-        ran_s=ran_s,
-        planned_s=planned_s,
-        ending=ending,
-        interruptions=len(interruptions),
-        lost_in_flight=lost,
-        metrics=metrics,
-    )
-    values = {**metrics.scalars(), **run_context(ran_s, len(interruptions), lost)}
-    for r in results:
-        if r.expr:
-            values.setdefault(r.name, r.value)
-    return make_verdict(
-        run_id,
-        results,
-        requests,
-        ran_s=ran_s,
-        planned_s=planned_s,
-        ending=ending,
-        stopped_code=stopped_code,
-        interruptions=interruptions,
-        metrics=values,
-    )
-
-
 def judge(
     run_dir: Path,
     run_id: str,
@@ -173,7 +130,7 @@ def judge(
         interruptions=interruptions,
         stopped_code=stopped_code,
     )
-    write_json_atomic(run_dir / VERDICT_FILE, verdict.to_dict())
+    write_verdict(run_dir, verdict)
     return verdict
 
 

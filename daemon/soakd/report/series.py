@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from soakd.judge.criteria import offered_s
+from soakd.judge.requests import offered_s
 from soakd.metric import FieldValue, Sample
 from soakd.sinks.spool import DamagedFn, iter_samples
 

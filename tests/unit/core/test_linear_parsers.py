@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from soakd.config import _find_line
-from soakd.judge.dsl import MAX_TOKEN_CHARS, _tokens, parse_check
+from soakd.lang.criteria import MAX_TOKEN_CHARS, _tokens, parse_check
 from soakd.redact import redact_text
 from soakd.units import _DURATION_PART, parse_duration
 

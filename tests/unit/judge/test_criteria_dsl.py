@@ -15,10 +15,9 @@ import pytest
 
 from soakd.config import CriteriaConfig, load
 from soakd.errors import ConfigError
-from soakd.judge import dsl
 from soakd.judge.criteria import evaluate
-from soakd.judge.dsl import parse_check
 from soakd.judge.metrics import SERIES, RunMetrics
+from soakd.lang.criteria import SCALARS, SERIES_TOTAL, parse_check
 from soakd.metric import Sample, parse_line
 from soakd.report.runs import judge, load_metrics
 
@@ -112,9 +111,9 @@ def test_a_bad_check_in_config_names_file_line_and_key(tmp_path: Path) -> None:
 
 
 def test_the_language_and_the_fold_name_the_same_series() -> None:
-    assert set(dsl.SERIES_TOTAL) == set(SERIES)
-    assert all(dsl.SERIES_TOTAL[n] == s.total for n, s in SERIES.items())
-    assert set(RunMetrics().scalars()) >= set(dsl.SCALARS) - {"duration_s", "interruptions", "lost_in_flight"}
+    assert set(SERIES_TOTAL) == set(SERIES)
+    assert all(SERIES_TOTAL[n] == s.total for n, s in SERIES.items())
+    assert set(RunMetrics().scalars()) >= set(SCALARS) - {"duration_s", "interruptions", "lost_in_flight"}
 
 
 # -- metrics from real H200 spools --------------------------------------------------------------------

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from soakd.config import load
 from soakd.files import write_json_atomic
-from soakd.judge.criteria import Ending, evaluate, summarize
-from soakd.judge.verdict import make_verdict, stop_note, stopped_early
+from soakd.judge.criteria import Ending, evaluate
+from soakd.judge.requests import summarize
+from soakd.judge.verdict import Verdict, make_verdict, stop_note, stopped_early, write_verdict
 from soakd.metric import Sample
 
 
@@ -72,7 +76,7 @@ def test_verdict_document_and_atomic_write(tmp_path: Path) -> None:
     s = summarize([req("ok")])
     v = make_verdict("run-1", evaluate(cfg, s, ran_s=5, planned_s=5), s, ran_s=5, planned_s=5)
     path = tmp_path / "verdict.json"
-    write_json_atomic(path, v.to_dict())
+    write_verdict(tmp_path, v)
     doc = json.loads(path.read_text())
     assert doc["verdict"] == "PASS" and doc["exit_code"] == 0 and doc["requests"]["completed"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["verdict.json"]  # no temp file left behind
@@ -134,7 +138,7 @@ def test_older_verdicts_that_say_interrupted_are_read_as_stopped_early() -> None
 def test_quantiles_stay_exact_then_bounded_and_within_the_error() -> None:
     import numpy as np
 
-    from soakd.judge.criteria import Quantiles
+    from soakd.judge.requests import Quantiles
 
     rng = np.random.default_rng(5)
     values = rng.lognormal(-3.0, 1.0, size=200_000)  # latencies around 50 ms with a long tail
@@ -218,7 +222,7 @@ def test_the_ttft_criterion_judges_the_wait_from_the_due_time(offered: bool) -> 
 
 def test_requests_lost_in_flight_count_in_every_figure_of_the_verdict() -> None:
     from soakd.judge.metrics import RunMetrics
-    from soakd.report.runs import verdict_of
+    from soakd.judge.verdict import verdict_of
 
     metrics = RunMetrics().add_all(req("ok") for _ in range(19))
     cfg = load(
@@ -237,3 +241,105 @@ def test_requests_lost_in_flight_count_in_every_figure_of_the_verdict() -> None:
     assert checks["requests == 24"].passed
     named = {r.name: r for r in verdict.criteria if not r.expr}
     assert named["completed_ratio"].value == pytest.approx(m["completed_ratio"])
+
+
+def _verdict(run_id: str) -> Verdict:
+    s = summarize([req("ok")])
+    results = evaluate(load(None).criteria, s, ran_s=5, planned_s=5)
+    return make_verdict(run_id, results, s, ran_s=5, planned_s=5)
+
+
+def test_a_refused_verdict_leaves_the_earlier_one_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`soakd run` removes an earlier verdict.json (a stop's early verdict) when its own is refused; a
+    re-judging keeps the one it could not replace."""
+    from soakd.judge import verdict
+
+    write_verdict(tmp_path, _verdict("early"))
+
+    def refuse(path: Path, doc: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(verdict, "write_json_atomic", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        write_verdict(tmp_path, _verdict("late"))
+    assert json.loads((tmp_path / "verdict.json").read_text())["run_id"] == "early"
+    with pytest.raises(OSError, match="No space left"):
+        write_verdict(tmp_path, _verdict("late"), remove_if_refused=True)
+    assert not (tmp_path / "verdict.json").exists()
+
+
+PACKAGE = Path(__file__).resolve().parents[3] / "daemon" / "soakd"
+# Calls that create, replace or remove a file (by name or method); `replace` also catches str.replace,
+# which is harmless here: only a scope that also names verdict.json is looked at.
+_WRITES = {
+    "write_json_atomic", "write_private", "write_text", "write_bytes", "open", "open_no_follow",
+    "unlink", "replace", "rename", "remove",
+}  # fmt: skip
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _names_verdict(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return node.value == "verdict.json"
+    return (isinstance(node, ast.Name) and node.id == "VERDICT_FILE") or (
+        isinstance(node, ast.Attribute) and node.attr == "VERDICT_FILE"
+    )
+
+
+def _writes(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")) in _WRITES
+
+
+def _verdict_writers(source: str, module: str) -> set[str]:
+    """The functions (module.qualname; the module for its own statements) that name verdict.json and
+    write, replace or remove a file."""
+    tree = ast.parse(source)
+    scopes: dict[str, list[ast.stmt]] = {module: [n for n in tree.body if not isinstance(n, _DEFS)]}
+
+    def collect(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, _DEFS):
+                if not isinstance(node, ast.ClassDef):
+                    scopes[f"{prefix}.{node.name}"] = [node]
+                collect(node.body, f"{prefix}.{node.name}")
+
+    collect(tree.body, module)
+    found = set()
+    for name, body in scopes.items():
+        nodes = [n for stmt in body for n in ast.walk(stmt)]
+        if any(map(_names_verdict, nodes)) and any(map(_writes, nodes)):
+            found.add(name)
+    return found
+
+
+def test_one_function_writes_verdict_json() -> None:
+    """verdict.json has one writer, judge.verdict.write_verdict: `soakd run` and `soakd report
+    --rejudge` both go through it. (Functions that read it name it too; they do not write.)"""
+    writers: set[str] = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        writers |= _verdict_writers(path.read_text(encoding="utf-8"), module)
+    assert writers == {"soakd.judge.verdict.write_verdict"}
+
+
+def test_the_writer_check_sees_a_second_writer() -> None:
+    """The check can fail: a method that builds the path in one line and writes it in the next is found,
+    and a reader is not."""
+    source = (
+        "class Soak:\n"
+        "    def _judge(self, doc):\n"
+        "        path = self.run_dir / VERDICT_FILE\n"
+        "        write_json_atomic(path, doc)\n"
+        "    def _read(self):\n"
+        "        return read_json(self.run_dir / VERDICT_FILE)\n"
+        "def drop(run_dir):\n"
+        "    (run_dir / 'verdict.json').unlink()\n"
+    )
+    assert _verdict_writers(source, "m") == {"m.Soak._judge", "m.drop"}

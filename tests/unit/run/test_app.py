@@ -239,15 +239,12 @@ async def test_a_verdict_the_disk_refuses_is_claimed_nowhere(
 ) -> None:
     import errno
 
-    from soakd import app
+    from soakd.judge import verdict
 
     def refuse(path: Path, doc: object) -> None:
-        if path.name == "verdict.json":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        write(path, doc)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    write = app.write_json_atomic
-    monkeypatch.setattr(app, "write_json_atomic", refuse)
+    monkeypatch.setattr(verdict, "write_json_atomic", refuse)  # verdict.json's one writer writes with it
     soak = Soak(config(tmp_path), engine_factory=lambda c, m, col: StubEngine(col))
     result = await asyncio.wait_for(soak.run(), 30)
     assert result.verdict.word == "PASS"  # what it would have been

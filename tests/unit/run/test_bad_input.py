@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from soakd.cli import EXIT_INPUT, main
+from soakd.cli import main
+from soakd.errors import EXIT_INPUT
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "bad_input"
 PREFIX = "soakd: error: "

@@ -180,7 +180,7 @@ def test_probe_without_a_gpu_still_gives_the_models_bytes_per_token(
 
 
 def test_hardware_lines_of_a_summary() -> None:
-    from soakd.cli import _hardware_lines
+    from soakd.cli.common import hardware_lines
 
     summary = {
         "gpu_throttle": {
@@ -190,13 +190,13 @@ def test_hardware_lines_of_a_summary() -> None:
         "gpu_events": {"listening": True, "xid_errors": 1, "xid_benign": 2, "totals": {"xid": 3}},
         "decode_ceiling": {"available": False, "reason": "no GPU"},
     }
-    assert _hardware_lines(summary) == [
+    assert hardware_lines(summary) == [
         "  throttle, GPU 0: 40.6 s throttled in 2 episode(s), now ok; counters: power 40.6 s",
         "  throttle, host CPUs: 3.0 s throttled in 1 episode(s), now throttled",
         "  GPU error events: 1 XID error(s), 2 benign XID(s), totals {'xid': 3}",
         "  decode ceiling: not computed (no GPU)",
     ]
-    assert _hardware_lines({}) == []
+    assert hardware_lines({}) == []
 
 
 def test_report_reads_a_damaged_spool_up_to_what_is_whole_and_says_where(
@@ -271,7 +271,7 @@ def test_model_shape_writes_and_probe_says_config(tmp_path: Path, capsys: pytest
     ],
 )
 def test_log_level_is_taken_before_and_after_the_subcommand(argv: list[str], level: str) -> None:
-    from soakd.cli import build_parser
+    from soakd.cli.parser import build_parser
 
     assert build_parser().parse_args(argv).log_level == level
 
@@ -309,15 +309,16 @@ def test_a_bare_hub_id_is_a_model_unless_a_local_folder_has_its_name(
 
 
 def test_target_attaches_to_a_running_server() -> None:
-    from soakd.cli import _engine_overrides, build_parser
+    from soakd.cli.common import engine_overrides
+    from soakd.cli.parser import build_parser
 
     overrides: dict[str, object] = {}
-    _engine_overrides(build_parser().parse_args(["run", "--target", "http://gpu-1:8000/v1"]), overrides)
+    engine_overrides(build_parser().parse_args(["run", "--target", "http://gpu-1:8000/v1"]), overrides)
     assert overrides == {"engine.kind": "openai", "engine.url": "http://gpu-1:8000/v1"}
     # With --target, --model names the model the server serves (as vllm bench serve's --model does).
     overrides = {}
     argv = ["run", "--target", "http://gpu-1:8000", "--model", "Qwen/Qwen3-8B"]
-    _engine_overrides(build_parser().parse_args(argv), overrides)
+    engine_overrides(build_parser().parse_args(argv), overrides)
     assert overrides["engine.served_model"] == "Qwen/Qwen3-8B" and "engine.model" not in overrides
 
 
@@ -338,7 +339,7 @@ def test_check_reports_url_credentials_with_an_api_key_without_trying_the_server
 def test_every_subcommand_has_a_description() -> None:
     import argparse
 
-    from soakd.cli import build_parser
+    from soakd.cli.parser import build_parser
 
     def walk(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, str | None]]:
         out = [(path, parser.description)]

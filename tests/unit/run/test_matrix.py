@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from soakd.cli import _override, main
+from soakd.cli import main
+from soakd.cli.parser import _override
 from soakd.errors import ConfigError, UsageError
 from soakd.matrix import DEFAULT_MATRIX, MATRIX_JSON, MATRIX_MD, Matrix, load_matrix, markdown, plan, set_args
 from soakd.testing import recorded_run_dir

@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 from soakd import logs
-from soakd.cli import _print_summary
+from soakd.cli.run import print_summary
 from soakd.progress import Progress
 from soakd.replay.runner import ReplayStats
 
@@ -63,7 +63,7 @@ def test_the_last_figure_is_the_summarys_tokens_per_s(
     progress.finish(summary)
     last = _visible_lines(term.getvalue())[-2]  # tqdm ends the closed bar with a newline
     assert last.endswith("done 11 failed 1 run average 117.5 tok/s")
-    _print_summary(summary, Path("runs/r"), Path("runs/r/report.html"))
+    print_summary(summary, Path("runs/r"), Path("runs/r/report.html"))
     out = capsys.readouterr().out
     assert "1234 output tokens (117.5 tok/s)" in out
     assert "  report: runs/r/report.html" in out.splitlines()

@@ -339,7 +339,7 @@ def test_a_bad_credential_is_refused_before_anything_is_written(
 
 
 def test_the_printout_counts_the_whole_run(capsys: pytest.CaptureFixture[str]) -> None:
-    from soakd.cli import _print_summary
+    from soakd.cli.run import print_summary
 
     summary = {
         "run_id": "r",
@@ -355,11 +355,11 @@ def test_the_printout_counts_the_whole_run(capsys: pytest.CaptureFixture[str]) -
             "lost_in_flight": 8,
         },
     }
-    _print_summary(summary, Path("runs/r"))
+    print_summary(summary, Path("runs/r"))
     out = capsys.readouterr().out
     assert "80 scheduled, 72 completed, 8 failed (8 lost in flight at restarts)" in out
     assert "(16.0 tok/s)" in out
     assert "not the trace's" not in out  # nothing else was sent
     summary["outside_trace"] = {"warmup_requests": 0, "vocab_probe_requests": 12}
-    _print_summary(summary, Path("runs/r"))
+    print_summary(summary, Path("runs/r"))
     assert "also sent, not the trace's: 12 vocabulary probe requests" in capsys.readouterr().out

@@ -31,7 +31,7 @@ DAEMON = Path(__file__).resolve().parents[3] / "daemon"
 # stub engine of soakd.testing and the config of stub_config (no engine.kind runs without a model).
 _CLI = """
 import asyncio, json, pathlib, sys
-import soakd.app, soakd.cli
+import soakd.app, soakd.cli, soakd.cli.run
 from soakd.testing import StubEngine, stub_config
 
 class Slow(StubEngine):
@@ -41,7 +41,7 @@ class Slow(StubEngine):
             yield n
 
 soakd.app.make_engine = lambda c, m, col, log_dir=None: Slow(col)
-soakd.cli._load_config = lambda path, over: stub_config(pathlib.Path({tmp!r}), **json.loads({over!r}))
+soakd.cli.run.load_config = lambda path, over: stub_config(pathlib.Path({tmp!r}), **json.loads({over!r}))
 sys.exit(soakd.cli.main(sys.argv[1:]))
 """
 

@@ -1,4 +1,5 @@
-"""The criteria language of `[criteria] checks`: parse `p99(ttft_offered_ms) < 500`-style lines, measure them.
+"""The criteria language of `[criteria] checks`: parse `p99(ttft_offered_ms) < 500`-style lines (the config
+validates them with it; `judge.criteria.measure` measures them).
 
 One check is `METRIC OP NUMBER`, k6-threshold style:
 
@@ -26,12 +27,8 @@ import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from soakd.units import parse_duration
-
-if TYPE_CHECKING:
-    from soakd.judge.metrics import RunMetrics
 
 OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
@@ -282,44 +279,3 @@ def validate(text: str) -> str:
     """For the config: the check as written, once it parses."""
     parse_check(text)
     return text
-
-
-# -- measuring ----------------------------------------------------------------------------------------
-
-
-def measure(check: Check, metrics: RunMetrics, context: Mapping[str, float]) -> tuple[float | None, str]:
-    """The check's measured value (None: nothing to measure) and a short note on what it covered."""
-    if check.agg is None:
-        if check.metric in context:
-            return context[check.metric], ""
-        return metrics.scalar(check.metric), ""
-    if check.agg == "events":
-        return float(metrics.events.get(check.metric, 0)), ""
-    if check.metric in DISTRIBUTIONS:
-        q = metrics.requests.quantiles(check.metric)
-        raw = {"p": q.percentile(check.q or 0.0), "min": q.min, "max": q.max, "mean": q.mean}[check.agg]
-        return (raw * 1000.0 if raw is not None else None), f"{len(q)} requests"
-    if check.agg == "sustained_ratio":
-        first_s, last_s = check.kwargs["first"], check.kwargs["last"]
-        span = metrics.span_s
-        if span < max(first_s, last_s):
-            return None, f"the replay ran {span:.0f} s, shorter than first={first_s:g}s / last={last_s:g}s"
-        first = metrics.over(check.metric, first_s=first_s)
-        last = metrics.over(check.metric, last_s=last_s)
-        if first is None or last is None or first == 0:
-            return None, "no data in the first or last span"
-        note = "spans overlap" if first_s + last_s > span else ""
-        return last / first, f"last {last:.4g} / first {first:.4g}" + (f"; {note}" if note else "")
-    window = check.kwargs.get("window", DEFAULT_WINDOW_S)
-    points = metrics.windows(check.metric, window)
-    if not points:
-        return None, ""
-    values = [v for _, v in points]
-    value = (
-        min(values)
-        if check.agg == "min"
-        else max(values)
-        if check.agg == "max"
-        else sum(values) / len(values)
-    )
-    return value, f"{len(values)} windows of {window:g} s"

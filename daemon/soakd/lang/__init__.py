@@ -1,0 +1,1 @@
+"""The languages config.toml is written in beyond TOML itself: the criteria checks."""
