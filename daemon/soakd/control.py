@@ -38,6 +38,7 @@ from soakd.policies.downscale import (
     BatchPolicy,
     BatchSettings,
     Tick,
+    TrialSkipped,
 )
 from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
 from soakd.policies.throttle import ThroughputJudge, ThroughputSettings, worst_harm
@@ -67,6 +68,8 @@ class ControlInputs:
     """The harm the batch policy acts on: "thermal", "power" or "" (policies.throttle.HarmJudge)."""
     waiting: Callable[[], int] = lambda: 0
     """Requests waiting for admission now (the ceiling binds when > 0)."""
+    head_wait: Callable[[], float] = lambda: 0.0
+    """How long the request at the head of the admission queue has waited, from its due time (0: none)."""
     energy_j: Callable[[], float | None] = lambda: None
     """GPU energy so far (J, a running total), None when unknown."""
     limited: Callable[[], bool] = lambda: False
@@ -112,8 +115,12 @@ class Controller:
         self._wall = wall
         self.slo = slo or Slo()
         self.state_path = run_dir / CONTROL_STATE_FILE
-        self.batch = BatchPolicy(BatchSettings.from_config(cfg.batch, start_limit, dry_run=cfg.dry_run))
+        settings = BatchSettings.from_config(
+            cfg.batch, start_limit, dry_run=cfg.dry_run, ttft_limit_s=self.slo.ttft_s
+        )
+        self.batch = BatchPolicy(settings)
         self._good_tokens = 0.0
+        self._finished = 0
         self._last_energy: float | None = None
         self.throughput = ThroughputJudge(ThroughputSettings.from_config(cfg.harm))
         self.recapture_settings = RecaptureSettings.from_config(cfg.recapture)
@@ -186,6 +193,7 @@ class Controller:
         self._workload[0] += input_tokens
         self._workload[1] += output_tokens
         self._workload[2] += 1
+        self._finished += 1
         if ok and output_tokens > 0 and self.slo.met(ttft_offered_s, tpot_s):
             self._good_tokens += output_tokens
 
@@ -199,6 +207,7 @@ class Controller:
         self._last_tokens, self._last_t = tokens, now
         changed = False
         good, self._good_tokens = self._good_tokens, 0.0
+        finished, self._finished = self._finished, 0
         energy = self.inputs.energy_j()
         joules = None
         if energy is not None and self._last_energy is not None and energy >= self._last_energy:
@@ -220,10 +229,14 @@ class Controller:
                 tokens=float(delta),
                 good_tokens=good,
                 joules=joules,
+                wait_s=self.inputs.head_wait(),
+                finished=finished,
             )
             for out in self.batch.update(tick):
                 if isinstance(out, BatchAction):
                     await self.actuator.set_ceiling(out)
+                elif isinstance(out, TrialSkipped):
+                    self.actuator.say_skipped(out)
                 else:
                     self._result(out)
                 changed = True
@@ -433,6 +446,7 @@ class Controller:
             "throughput_loss": self.throughput.loss,
             "trial": int(self.batch.trial),
             "waiting": self.inputs.waiting(),
+            "head_wait_s": self.inputs.head_wait(),
             "actions": self.batch.actions + self.recaptures,
             "dry_run": self.actuator.dry_run,
         }
@@ -472,6 +486,7 @@ class Controller:
             "advice": self.batch.advice,
             "kept": self.batch.kept,
             "reverted": self.batch.reverted,
+            "trials_skipped": self.batch.skipped,
             "throughput_harm_episodes": self.throughput.episodes,
             "throughput": self.throughput.summary(),  # reference_tps, and reference_note when there is none
             "results": self.batch.results[-50:],

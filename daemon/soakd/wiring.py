@@ -242,6 +242,7 @@ def make_controller(
         drifting=lambda: drift.drifting,
         harm=harm,
         waiting=lambda: live.replayer.waiting_admission if live.replayer is not None else 0,
+        head_wait=lambda: live.replayer.head_wait_s() if live.replayer is not None else 0.0,
         draining=lambda: live.replayer.draining if live.replayer is not None else False,
         energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
         limited=gpu_watch.limited if gpu_watch is not None and ccfg.scope != "host" else lambda: False,

@@ -24,7 +24,7 @@ from soakd.errors import EngineError
 from soakd.files import write_private
 from soakd.metric import FieldValue
 from soakd.notify import notify
-from soakd.policies.downscale import BatchAction
+from soakd.policies.downscale import BatchAction, TrialSkipped
 from soakd.policies.recapture import RecaptureAction
 from soakd.replay.admission import AdmissionGate
 
@@ -76,6 +76,17 @@ class Actuator:
         fields = {**fields, "dry_run": self.dry_run}
         self._event(kind, message, **fields)
         notify(f"STATUS={'advice' if self.dry_run else 'action'}: {message}"[:400])
+
+    def say_skipped(self, skip: TrialSkipped) -> None:
+        """A downscale not tried (nothing to apply, in control and advice-only alike), and why."""
+        fields: dict[str, FieldValue] = {
+            "from_limit": skip.from_limit,
+            "to_limit": skip.to_limit,
+            "reason": skip.reason,
+            "lever": self.lever,
+            **_evidence(skip.evidence),
+        }
+        self._say("trial_skipped", f"trial_skipped: {skip.reason}", **fields)
 
     async def set_ceiling(self, action: BatchAction) -> None:
         reason = f"{action.kind}: {action.reason}"

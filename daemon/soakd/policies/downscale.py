@@ -36,6 +36,19 @@ leg's; the bracket's max and min make up for it. Null trials cut from the record
 (tests/data/h200) came out a gain 2 % of the time on goodput, 0 % on tokens (the old before/after: 42 %
 and 25 %).
 
+A trial needs headroom in the queue. Lowering the ceiling admits nothing until the requests running
+drain down to the new limit, and fewer are admitted per second after, so the head of the admission
+queue waits longer; under goodput with a TTFT limit (as offered, from the due time) a queue whose head
+crosses the limit loses every later request's goodput at any level. So with objective `goodput` and a
+TTFT limit, no trial starts when the head's wait, projected over the trial's span (its trend in the
+before-window over B and A') plus that stall (the excess over the new limit at the rate requests
+finished), reaches the limit: the trial would measure the cliff, not the level, and leave a backlog the
+level before cannot clear (`TrialSkipped`, once per harm episode). On an H200 (the shared-load arms of
+tests/data/h200/matrix) a trial of 64 -> 48 admitted nothing for its first second and 33 requests in
+its first 5 s against 53 in advice-only, which moved nothing; the head's wait went from 5.0 to 10.0 s
+(advice-only: 4.5 to 6.2 s), and after the load 719 of 720 requests missed the 10 s TTFT limit against
+283 of 813 in advice-only.
+
 Harm that ends during the B leg makes the trial inconclusive: the lower level is kept and the upscale
 below needs only `settle_s` of quiet; harm that ends during the A' leg leaves the level before in force,
 nothing blocked. A queue that stops binding during a leg leaves no evidence (the objective follows the
@@ -117,6 +130,9 @@ class BatchSettings:
     inconclusive trial blocks it for 2 x (dwell_s + settle_s + eval_s), doubling, at most this."""
     dry_run: bool = False
     """Advise, do not act: nothing is verified, figures stay with the level in force (start)."""
+    ttft_limit_s: float | None = None
+    """The TTFT limit (as offered) goodput counts against; with objective goodput, a trial needs the
+    queue's head to stay under it over the trial's span (None: no such limit, no such need)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.floor <= self.start:
@@ -130,10 +146,15 @@ class BatchSettings:
             raise ValueError("times must be finite and >= 0, eval_s > 0")
         if not (0 <= self.min_gain < 10 and 0 <= self.min_binding <= 1):
             raise ValueError("need 0 <= min_gain < 10 and 0 <= min_binding <= 1")
+        if self.ttft_limit_s is not None and not (math.isfinite(self.ttft_limit_s) and self.ttft_limit_s > 0):
+            raise ValueError("ttft_limit_s must be finite and > 0")
 
     @classmethod
-    def from_config(cls, b: BatchControlConfig, start: int, dry_run: bool = False) -> BatchSettings:
-        """[control.batch] with the replay's ceiling as `start` (the floor never above it)."""
+    def from_config(
+        cls, b: BatchControlConfig, start: int, dry_run: bool = False, ttft_limit_s: float | None = None
+    ) -> BatchSettings:
+        """[control.batch] with the replay's ceiling as `start` (the floor never above it) and the
+        criteria's TTFT limit."""
         return cls(
             start=start,
             floor=min(b.floor, start),
@@ -148,6 +169,7 @@ class BatchSettings:
             sustain_s=b.sustain,
             retry_s=b.retry,
             dry_run=dry_run,
+            ttft_limit_s=ttft_limit_s,
         )
 
 
@@ -171,6 +193,11 @@ class Tick:
     """Output tokens of the requests that finished in the interval within the SLO."""
     joules: float | None = None
     """GPU energy in the interval (None: unknown)."""
+    wait_s: float = 0.0
+    """How long the request at the head of the admission queue has waited, from its due time, at the
+    end of the interval (0: none waiting)."""
+    finished: int = 0
+    """Requests that finished (met the SLO or not) in the interval."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +237,17 @@ class ActionResult:
     """The noise margin B was judged against (2 x the standard error of the difference)."""
     blocked_s: float = 0.0
     """How long `to_limit` is blocked by this verdict (0: not blocked)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrialSkipped:
+    """A downscale the policy did not try: the queue had no headroom for its trial (module docstring)."""
+
+    t_s: float
+    from_limit: int
+    to_limit: int
+    reason: str
+    evidence: dict[str, float | int | str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -283,6 +321,23 @@ def objective_se(objective: str, ticks: Iterable[Tick]) -> float | None:
     return math.sqrt(spread / (n * (n - 1))) / (sx / n)
 
 
+def wait_reach(window: list[Tick], span_s: float, excess: int) -> float:
+    """Where the head of the admission queue's wait would be at the end of a trial starting now: its wait
+    at the window's end, plus its trend over the window (a least-squares slope, never below 0) over
+    `span_s`, plus the stall of the lower ceiling (nothing is admitted until `excess` more requests have
+    finished than were admitted, at the rate they finished in the window; inf when none did)."""
+    seconds = sum(tk.interval_s for tk in window)
+    rate = sum(tk.finished for tk in window) / seconds if seconds > 0 else 0.0
+    if rate <= 0:
+        return math.inf
+    n = len(window)
+    mt = sum(tk.t_s for tk in window) / n
+    mw = sum(tk.wait_s for tk in window) / n
+    var = sum((tk.t_s - mt) ** 2 for tk in window)
+    slope = sum((tk.t_s - mt) * (tk.wait_s - mw) for tk in window) / var if var > 0 else 0.0
+    return window[-1].wait_s + max(0.0, slope) * span_s + excess / rate
+
+
 @dataclass(frozen=True, slots=True)
 class Aba:
     """An A-B-A trial's verdict on the bracket (judge_aba)."""
@@ -334,6 +389,7 @@ class BatchPolicy:
         self._path: list[int] = []  # levels the downscales came from, to go back up the same way
         self._trial: _Trial | None = None
         self._advised = False  # dry run: one advice per harm episode
+        self._skip_said = False  # one TrialSkipped per harm episode
         self._quick_return = False  # the last trial ended with the harm: upscale after settle_s
         self._level_since: float | None = None
         self._levels: dict[int, _Level] = {}
@@ -346,6 +402,8 @@ class BatchPolicy:
         """Trials that showed no gain (the lower level blocked for `retry_s`)."""
         self.inconclusive = 0
         """Trials the bracket could not decide (the lower level blocked briefly)."""
+        self.skipped = 0
+        """Harm episodes in which a trial was due but the queue had no headroom for it."""
         self._inconclusive_runs: dict[int, int] = {}  # level -> inconclusive verdicts in a row on it
         self.results: list[dict[str, Any]] = []
         """Every verdict, for the summary (bounded: the last 200)."""
@@ -362,7 +420,7 @@ class BatchPolicy:
     def trial(self) -> bool:
         return self._trial is not None
 
-    def update(self, tick: Tick) -> list[BatchAction | ActionResult]:
+    def update(self, tick: Tick) -> list[BatchAction | ActionResult | TrialSkipped]:
         s = self.settings
         t = tick.t_s
         self._remember(tick)
@@ -376,10 +434,11 @@ class BatchPolicy:
         else:
             self._harm_since = None
             self._advised = False
+            self._skip_said = False
             if self._quiet_since is None:
                 self._quiet_since = t
         self._note_sustained(t)
-        out: list[BatchAction | ActionResult] = []
+        out: list[BatchAction | ActionResult | TrialSkipped] = []
         if self._trial is not None:
             out += self._judge_trial(tick)
             return out
@@ -422,7 +481,7 @@ class BatchPolicy:
         return objective_value(self.settings.objective, ticks)
 
     # --- actions ----------------------------------------------------------------------------------
-    def _try_downscale(self, t: float, held: float, kind: str) -> BatchAction | None:
+    def _try_downscale(self, t: float, held: float, kind: str) -> BatchAction | TrialSkipped | None:
         s = self.settings
         since = max(t - s.eval_s, self._last_action_t or -math.inf)
         window = self._window(t, since)
@@ -447,6 +506,10 @@ class BatchPolicy:
             "objective": s.objective,
             "objective_before": round(before, 6),
         }
+        if s.objective == "goodput" and s.ttft_limit_s is not None:
+            reach = wait_reach(window, 2 * (s.settle_s + s.eval_s), self.limit - target)
+            if reach >= s.ttft_limit_s:
+                return self._skip(t, target, reach, window[-1].wait_s, evidence)
         if s.dry_run:
             if self._advised:
                 return None
@@ -470,6 +533,24 @@ class BatchPolicy:
         self._path.append(action.from_limit)
         self._trial = _Trial(action, before, verify=True, a_ticks=window)
         return action
+
+    def _skip(
+        self, t: float, target: int, reach: float, wait: float, evidence: dict[str, Any]
+    ) -> TrialSkipped | None:
+        """No trial of `target`: the queue's head would cross the TTFT limit within it (once per episode)."""
+        if self._skip_said:
+            return None
+        self._skip_said = True
+        self.skipped += 1
+        limit = self.settings.ttft_limit_s
+        reason = (
+            f"no trial of {self.limit} -> {target}: the head of the admission queue has waited {wait:.1f} s "
+            f"and would reach {reach:.1f} s within the trial (its trend, and the stall while the running "
+            f"requests drain to {target}), past the {limit:g} s TTFT limit: goodput would measure the "
+            "queue, not the level"
+        )
+        evidence = {**evidence, "wait_s": round(wait, 3), "wait_reach_s": round(reach, 3)}
+        return TrialSkipped(t, self.limit, target, reason, evidence)
 
     def _try_upscale(self, t: float, quiet: float) -> BatchAction | None:
         s = self.settings

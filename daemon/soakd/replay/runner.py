@@ -244,6 +244,7 @@ class Replayer:
         self._wall0 = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._waiting_admission = 0
+        self._queued: dict[int, float] = {}  # id(record) -> since when it waits for admission (its due time)
         self._waiting_turn = 0
         self._late_sum = 0.0
         self._late_n = 0
@@ -284,6 +285,13 @@ class Replayer:
         """Requests due and waiting for the concurrency ceiling (not for an earlier turn)."""
         return self._waiting_admission
 
+    def head_wait_s(self) -> float:
+        """How long the request that has waited longest for the concurrency ceiling has waited so far,
+        from its due time (0: none waits): the part of TTFT as offered the queue adds now."""
+        if not self._queued:
+            return 0.0
+        return max(0.0, self._clock.monotonic() - min(self._queued.values()))
+
     def snapshot(self) -> dict[str, float | int]:
         """Replay state now, and lateness since the last snapshot: the `replay` series.
 
@@ -300,6 +308,7 @@ class Replayer:
             "output_tokens": st.output_tokens,
             "pending": len(self._tasks),
             "waiting_admission": self._waiting_admission,
+            "head_wait_s": self.head_wait_s(),
             "waiting_turn": self._waiting_turn,
             "in_engine": self._gate.in_flight,
             "ceiling": self._gate.limit,
@@ -549,6 +558,7 @@ class Replayer:
         clock = self._clock
         t_wait = clock.monotonic()
         self._waiting_admission += 1
+        self._queued[id(record)] = max(t_wait, deadline)
         try:
             await self._gate.acquire()
         except asyncio.CancelledError:
@@ -556,6 +566,7 @@ class Replayer:
             raise
         finally:
             self._waiting_admission -= 1
+            del self._queued[id(record)]
         try:
             # From its due time: a request handed to a sender ahead of time has not queued before it.
             record.queue_s = max(0.0, clock.monotonic() - max(t_wait, deadline))

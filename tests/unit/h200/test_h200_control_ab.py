@@ -117,12 +117,15 @@ class RecordedTick(Tick):
 
 def replay_ticks(arm: str, slo: Slo, data: Path = DATA) -> list[RecordedTick]:
     """Per control point of the recorded run: its harm, whether requests waited, the output tokens
-    generated since the last point, and the tokens of the requests that finished (within the SLO, and
-    in all)."""
+    generated since the last point, the tokens of the requests that finished (within the SLO, and in
+    all), how many finished, and how long the head of the admission queue had waited at its end (from
+    the requests' due times and admission waits: the recorded control points predate that field)."""
     control: dict[int, dict[str, Any]] = {}
     replay: dict[int, int] = {}
     good: dict[int, float] = defaultdict(float)
     finished: dict[int, float] = defaultdict(float)
+    done: dict[int, int] = defaultdict(int)
+    queued: list[tuple[float, float]] = []  # (due, admitted) in wall seconds
     end = dispatch_end(data / arm)
     with gzip.open(data / arm / "spool.lp.gz", "rt") as f:
         for line in f:
@@ -138,6 +141,11 @@ def replay_ticks(arm: str, slo: Slo, data: Path = DATA) -> list[RecordedTick]:
                 replay[sec] = int(fields["output_tokens"].rstrip("i"))
             elif head.startswith("requests,"):
                 finished[sec] += int(fields["output_tokens"].rstrip("i"))
+                if "due_ns" in fields:
+                    due = int(fields["due_ns"].rstrip("i")) / 1e9
+                    queued.append((due, due + float(fields.get("queue_s", "0"))))
+                    if "e2e_offered_s" in fields:
+                        done[int(due + float(fields["e2e_offered_s"]))] += 1
                 if "status=ok" not in head:
                     continue
                 # TTFT as offered; these recordings predate its field: the sum of its parts.
@@ -166,6 +174,8 @@ def replay_ticks(arm: str, slo: Slo, data: Path = DATA) -> list[RecordedTick]:
                 tokens=float(delta),
                 good_tokens=good.get(sec, 0.0),
                 finished_tokens=finished.get(sec, 0.0),
+                wait_s=max((sec - d for d, a in queued if d <= sec < a), default=0.0),
+                finished=done.get(sec, 0),
             )
         )
     return ticks

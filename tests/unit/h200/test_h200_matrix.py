@@ -21,7 +21,7 @@ from test_h200_control_ab import replay_ticks, throughput_inputs
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.config import BatchControlConfig
 from soakd.control import Slo
-from soakd.policies.downscale import ActionResult, BatchAction, BatchPolicy, BatchSettings
+from soakd.policies.downscale import ActionResult, BatchAction, BatchPolicy, BatchSettings, TrialSkipped
 from soakd.policies.throttle import SW_POWER_CAP, HarmJudge, ThroughputJudge
 from soakd.testing import load_script
 
@@ -246,3 +246,73 @@ def test_a_trial_cut_from_an_arm_where_nothing_moved_is_no_verdict(arm: str, slo
     assert (gain >= settings.min_gain) == (old_rule == "kept")
     assert result.decided_by == "aba_bracket" and result.verdict == "inconclusive"
     assert result.blocked_s == 2 * (settings.dwell_s + settings.settle_s + settings.eval_s) < settings.retry_s
+
+
+def _queue(arm: Any) -> list[tuple[float, float]]:
+    """(due, admitted) of every request of an arm, in seconds of its replay."""
+    return [
+        (f["due_ns"] / 1e9 - arm.t0, f["due_ns"] / 1e9 - arm.t0 + f.get("queue_s", 0.0))
+        for _, f, _ in arm.requests
+        if "due_ns" in f
+    ]
+
+
+def _head_wait(queue: list[tuple[float, float]], t: float) -> float:
+    return max((t - d for d, a in queue if d <= t < a), default=0.0)
+
+
+def test_the_trials_cost_is_its_stall_and_the_queue_it_pushed_past_the_ttft_limit(
+    matrix: dict[str, Any],
+) -> None:
+    """Why goodput after the shared load was 19 against 7,562 good tok/s: the trial of 64 -> 48 admitted
+    nothing for its first second and 33 requests in its first 5 s where advice-only, which moved nothing,
+    admitted 53 over the same seconds; the head of the admission queue went from 5.0 to 10.0 s (advice-only
+    4.5 to 6.2 s) and stayed ahead after the revert, so after the load nearly every request of the control
+    arm missed the 10 s TTFT limit (from its due time) and about a third of advice-only's did."""
+    control, advice = matrix["shared-control"]["arm"], matrix["shared-advice"]["arm"]
+    (down,) = [t for t, k, _ in control.events if k == "downscale"]
+    admitted, head = {}, {}
+    for name, arm in (("control", control), ("advice", advice)):
+        queue = _queue(arm)
+        admitted[name] = [sum(1 for _, a in queue if down + i <= a < down + i + 1) for i in range(5)]
+        head[name] = (_head_wait(queue, down), _head_wait(queue, down + 5))
+    assert admitted["control"][0] == 0 and admitted["advice"][0] > 5
+    assert sum(admitted["control"]) < 0.75 * sum(admitted["advice"])
+    grew = {name: after - before for name, (before, after) in head.items()}
+    assert grew["control"] > 2 * grew["advice"] and grew["control"] > 3.0
+    missed = {}
+    for name, arm in (("control", control), ("advice", advice)):
+        after = [f for t, f, st in arm.requests if t >= 65 and st == "ok"]
+        missed[name] = sum(1 for f in after if f.get("queue_s", 0.0) + f.get("ttft_s", 0.0) > 10.0) / len(
+            after
+        )
+    assert missed["control"] > 0.95 and missed["advice"] < 0.5
+
+
+@pytest.mark.parametrize("arm", ["shared-advice", "shared-control"])
+def test_no_trial_where_the_queue_is_about_to_cross_the_ttft_limit(arm: str) -> None:
+    """The shared arms' recorded seconds (up to the recorded trial: nothing had moved yet in either)
+    through today's policy with the run's TTFT limit: where the recorded policy tried 64 -> 48, the head of
+    the queue had waited ~5 s, gaining ~0.4 s a second, with ~10 requests finishing a second: projected
+    past the 10 s limit within the trial, so no trial, said once. Without the limit the trial starts."""
+    slo = Slo(ttft_s=10.0, tpot_s=0.025)
+    ticks = replay_ticks(arm, slo, data=DATA)
+    base = BatchSettings(start=64, floor=16, objective="goodput", dwell_s=5, settle_s=5, eval_s=10)
+    outs = {}
+    for limit in (10.0, None):
+        policy = BatchPolicy(BatchSettings(**{**_fields(base), "ttft_limit_s": limit}))
+        out: list[BatchAction | ActionResult | TrialSkipped] = []
+        for tick in ticks:
+            out += policy.update(tick)
+            if any(isinstance(o, BatchAction | TrialSkipped) for o in out):
+                break  # the first decision: after it the recorded control arm moved
+        outs[limit] = out
+    (skip,) = outs[10.0]
+    assert isinstance(skip, TrialSkipped) and (skip.from_limit, skip.to_limit) == (64, 48)
+    assert 3.0 < float(skip.evidence["wait_s"]) < 7.0 and float(skip.evidence["wait_reach_s"]) >= 10.0
+    (trial,) = outs[None]
+    assert isinstance(trial, BatchAction) and trial.kind == "downscale" and trial.t_s == skip.t_s
+
+
+def _fields(s: BatchSettings) -> dict[str, Any]:
+    return {name: getattr(s, name) for name in s.__dataclass_fields__}

@@ -22,13 +22,15 @@ from soakd.policies.downscale import (
     BatchPolicy,
     BatchSettings,
     Tick,
+    TrialSkipped,
     objective_se,
     objective_value,
+    wait_reach,
 )
 
 PHASES = Path(__file__).parents[2] / "data" / "h200" / "phases" / "nvml_phases.jsonl.gz"
 
-Out = list[BatchAction | ActionResult]
+Out = list[BatchAction | ActionResult | TrialSkipped]
 
 
 @dataclass
@@ -508,3 +510,96 @@ def test_recorded_h200_matmul_load_is_harm_and_the_trial_is_reverted() -> None:
     downs, reverts = actions(out, "downscale"), actions(out, "revert")
     assert downs and len(reverts) == len([r for r in results(out) if not r.kept and r.kind == "downscale"])
     assert policy.in_force == 16
+
+
+def drive_queue(
+    policy: BatchPolicy, wait: Callable[[float, int], float], seconds: int, harm_from: float = 10.0
+) -> Out:
+    """Every request waits for admission under harm from `harm_from`, 2 requests finish a second;
+    `wait(t, level)` is how long the head of the admission queue has waited at t with that ceiling."""
+    out: Out = []
+    for i in range(1, seconds + 1):
+        t = float(i)
+        h = t >= harm_from
+        w = wait(t, policy.in_force)
+        out += policy.update(_queued(t, h, w))
+    return out
+
+
+def _queued(t: float, harm: bool, wait: float) -> Tick:
+    return Tick(
+        t,
+        1.0,
+        harm,
+        "power" if harm else "",
+        binding=True,
+        tokens=2000.0,
+        good_tokens=1500.0,
+        wait_s=wait,
+        finished=2,
+    )
+
+
+LIMITED = BatchSettings(**{**_kw(GOODPUT), "ttft_limit_s": 10.0})
+
+
+def test_wait_reach_is_the_wait_plus_its_trend_over_the_span_plus_the_stall() -> None:
+    # 0.5 s of wait per second; 2 requests finish a second, so 4 over the new limit take 2 s to drain.
+    rising = [Tick(float(t), 1.0, True, wait_s=0.5 * t, finished=2) for t in range(10)]
+    assert wait_reach(rising, span_s=60.0, excess=4) == pytest.approx(4.5 + 30.0 + 2.0)
+    falling = [Tick(float(t), 1.0, True, wait_s=9.0 - 0.5 * t, finished=2) for t in range(10)]
+    assert wait_reach(falling, span_s=60.0, excess=4) == pytest.approx(4.5 + 2.0)  # a trend never below 0
+    stuck = [Tick(float(t), 1.0, True, wait_s=1.0) for t in range(10)]  # nothing finished: no end to it
+    assert wait_reach(stuck, span_s=60.0, excess=4) == float("inf")
+    assert wait_reach([], span_s=60.0, excess=4) == float("inf")
+
+
+def test_no_trial_where_the_queue_would_cross_the_ttft_limit_within_it() -> None:
+    # The head of the queue gains 0.15 s a second: 2.85 s at the first chance of a trial (t = 29, 19 s
+    # into the harm), projected over B and A' (60 s) by 9 s, plus the stall of 16 -> 12 (4 requests at 2
+    # a second): 13.85 s, past the 10 s TTFT limit.
+    policy = BatchPolicy(LIMITED)
+    out = drive_queue(policy, lambda t, _level: 0.15 * max(0.0, t - 10), 100)
+    assert actions(out) == [] and policy.in_force == 16
+    (skip,) = [o for o in out if isinstance(o, TrialSkipped)]  # once per harm episode, not every tick
+    assert skip.t_s == 29.0 and (skip.from_limit, skip.to_limit) == (16, 12)
+    assert skip.evidence["wait_s"] == pytest.approx(2.85)
+    assert skip.evidence["wait_reach_s"] == pytest.approx(13.85)
+    assert "past the 10 s TTFT limit" in skip.reason and policy.skipped == 1
+    # The harm ends and comes back: a new episode says it again.
+    for i in range(101, 106):
+        out += policy.update(_queued(float(i), False, 9.0))
+    for i in range(106, 160):
+        out += policy.update(_queued(float(i), True, 9.0))
+    assert len([o for o in out if isinstance(o, TrialSkipped)]) == 2 and policy.skipped == 2
+    assert actions(out) == []
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [LIMITED, GOODPUT, BatchSettings(**{**_kw(SETTINGS), "ttft_limit_s": 10.0})],
+    ids=["headroom", "no-ttft-limit", "objective-tokens"],
+)
+def test_a_trial_starts_where_the_queue_has_headroom_or_goodput_has_no_ttft_limit(
+    settings: BatchSettings,
+) -> None:
+    # A flat 7 s head wait: 7 s + no trend + a 2 s stall = 9 s, under the 10 s limit; where no TTFT limit
+    # counts (none set, or an objective without one) even a 9.5 s wait is no reason to skip.
+    wait = 7.0 if settings is LIMITED else 9.5
+    policy = BatchPolicy(settings)
+    out = drive_queue(policy, lambda _t, _level: wait, 60)
+    assert [o for o in out if isinstance(o, TrialSkipped)] == []
+    assert [(a.from_limit, a.to_limit) for a in trials(out)] == [(16, 12)]
+
+
+def test_advice_only_says_the_skip_too() -> None:
+    policy = BatchPolicy(BatchSettings(**{**_kw(LIMITED), "dry_run": True}))
+    out = drive_queue(policy, lambda _t, _level: 9.0, 100)
+    assert actions(out) == [] and policy.advice == 0
+    assert len([o for o in out if isinstance(o, TrialSkipped)]) == 1
+
+
+def test_a_ttft_limit_that_is_not_a_positive_number_is_refused() -> None:
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="ttft_limit_s"):
+            BatchSettings(**{**_kw(GOODPUT), "ttft_limit_s": bad})

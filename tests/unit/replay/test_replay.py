@@ -207,6 +207,28 @@ async def test_a_stop_during_the_exact_wait_sends_nothing_more(how: str) -> None
     assert engine.requests == [] and records == [] and stats.scheduled == 0
 
 
+async def test_head_wait_is_how_long_the_oldest_waiting_request_has_waited_from_its_due_time() -> None:
+    clock = FakeClock(-START)
+    engine = FakeEngine(clock, step_s=1.0, chunk=1)
+    # One request at a time: 0 runs 0-6 s; 1 (due at 1 s) and 2 (due at 2 s) wait behind it.
+    rep, _ = make(engine, [spec(0, 0.0), spec(1, 1.0), spec(2, 2.0)], clock, limit=1, duration=30.0)
+    seen: dict[float, tuple[float, int]] = {}
+
+    async def look() -> None:
+        for t in (0.5, 3.0, 6.5, 25.0):
+            await clock.sleep_until(t)
+            seen[t] = (rep.head_wait_s(), rep.waiting_admission)
+
+    watcher = asyncio.create_task(look())
+    await rep.run()
+    await watcher
+    assert seen[0.5] == (0.0, 0)  # none waits
+    assert seen[3.0] == (pytest.approx(2.0), 2)  # request 1, due at 1 s, the older of the two
+    assert seen[6.5][1] == 1 and seen[6.5][0] == pytest.approx(4.5)  # 1 admitted at 6 s: 2's wait
+    assert seen[25.0] == (0.0, 0)
+    assert rep.snapshot()["head_wait_s"] == 0.0
+
+
 async def test_gate_limit_can_be_lowered_and_raised() -> None:
     gate = AdmissionGate(2)
     await gate.acquire()
@@ -432,7 +454,9 @@ async def test_system_clock_never_wakes_early_and_survives_cancelled_sleepers() 
 
     await asyncio.gather(*(sleeper(d) for d in reversed(deadlines)))
     assert len(woke) == 20 and min(woke) >= 0.0
-    assert all(t.cancelled() for t in doomed)
+    # Each doomed sleeper was cancelled, or (on a busy machine, where the loop came back after its
+    # deadline) had already woken: never an error.
+    assert all(t.cancelled() or t.exception() is None for t in doomed)
     await clock.sleep_until(clock.monotonic() - 1.0)  # a past deadline returns at once
 
 
