@@ -17,6 +17,7 @@ from soakd.config import CollectorName, Config
 from soakd.engine.base import EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.live import LiveRun
+from soakd.policies.lever import Lever, choose_lever
 from soakd.sinks.spool import Spool
 from soakd.sinks.writer import SampleWriter
 
@@ -94,7 +95,10 @@ def test_the_controller_sees_no_engine_between_engines_instead_of_an_error(tmp_p
     b = _build(tmp_path, ["engine"])
     cfg = Config.model_validate({"control": {"enabled": True}, "telemetry": {"collectors": ["engine"]}})
     drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
-    controller = make_controller(cfg, tmp_path, b.engine, [], b.engine_collector, drift, b.live, b.writer)
+    lever = choose_lever(cfg, tmp_path)
+    controller = make_controller(
+        cfg, tmp_path, lever, b.engine, [], b.engine_collector, drift, b.live, b.writer
+    )
     assert controller is not None
     assert b.engine.alive() and controller.inputs.engine() is None  # supervised, no engine yet
 
@@ -110,23 +114,45 @@ def test_no_gpu_is_written_down_for_meta_json(tmp_path: Path, monkeypatch: typin
     assert b.gpu_meta == {"source": "none", "reason": "NVML Shared Library Not Found", "devices": []}
 
 
-def test_advice_only_runs_the_scheduler_class_control_would_run(
-    tmp_path: Path, monkeypatch: typing.Any
-) -> None:
-    from soakd.engine.base import ACTIVE_SEQS_ENV
+def test_advice_only_runs_the_scheduler_class_control_would_run(tmp_path: Path) -> None:
     from soakd.engine.vllm_local import SCHEDULER_CLS
     from soakd.wiring import engine_config
 
-    # engine_config names the limit file in the environment: undone at teardown.
-    monkeypatch.setenv(ACTIVE_SEQS_ENV, "")
-
-    def cls_of(control: dict[str, typing.Any]) -> str:
-        cfg = Config.model_validate({"engine": {"kind": "vllm-local"}, "control": control})
-        return engine_config(cfg, tmp_path, 0.0).scheduler_cls
+    def chosen(control: dict[str, typing.Any], **engine: typing.Any) -> tuple[Lever, str]:
+        cfg = Config.model_validate({"engine": {"kind": "vllm-local", **engine}, "control": control})
+        lever = choose_lever(cfg, tmp_path)
+        return lever, engine_config(cfg, lever, 0.0).scheduler_cls
 
     # The A/B of control against advice-only compares policies on one engine: both arms run the class.
-    assert cls_of({"enabled": True, "dry_run": True}) == SCHEDULER_CLS
-    assert cls_of({"enabled": True}) == SCHEDULER_CLS
+    for control in ({"enabled": True, "dry_run": True}, {"enabled": True}):
+        lever, cls = chosen(control)
+        assert cls == SCHEDULER_CLS and lever.kind == "scheduler"
+        assert lever.limit_file == tmp_path / "active-seqs"
     # Without control, or with a lever that never moves vLLM's limit, vLLM's own scheduler.
-    assert cls_of({"enabled": False}) == ""
-    assert cls_of({"enabled": True, "batch": {"lever": "admission"}}) == ""
+    assert chosen({"enabled": False}) == (Lever("scheduler"), "")
+    assert chosen({"enabled": True, "batch": {"lever": "admission"}}) == (Lever("admission"), "")
+    assert chosen({"enabled": True, "batch": {"lever": "rebuild"}}) == (Lever("rebuild"), "")
+
+
+def test_the_scheduler_lever_degrades_to_the_gate_where_the_engine_cannot_run_the_class(
+    tmp_path: Path,
+) -> None:
+    from soakd.engine.vllm_local import SCHEDULER_CLS
+    from soakd.wiring import engine_config
+
+    def chosen(**engine: typing.Any) -> tuple[Lever, str]:
+        cfg = Config.model_validate({"engine": engine, "control": {"enabled": True}})
+        lever = choose_lever(cfg, tmp_path)
+        return lever, engine_config(cfg, lever, 0.0).scheduler_cls
+
+    # A server soakd attaches to, or a scheduler class of the config's own: the admission gate alone,
+    # the reason kept (the controller's summary gives it), the engine's class left as configured.
+    lever, cls = chosen(kind="openai", url="http://127.0.0.1:1")
+    assert (lever.kind, lever.limit_file, cls) == ("admission", None, "")
+    assert "OpenAI-compatible server" in lever.note
+    lever, cls = chosen(scheduler_cls="my.Scheduler")
+    assert (lever.kind, lever.limit_file, cls) == ("admission", None, "my.Scheduler")
+    assert "my.Scheduler" in lever.note
+    # Naming soakd's own class is no reason to lose its live limit.
+    lever, cls = chosen(scheduler_cls=SCHEDULER_CLS)
+    assert (lever.kind, lever.limit_file, cls) == ("scheduler", tmp_path / "active-seqs", SCHEDULER_CLS)
