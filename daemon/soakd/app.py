@@ -33,6 +33,7 @@ from soakd.files import write_json_atomic
 from soakd.jobs import Jobs, ProgressFn
 from soakd.judge.criteria import Ending
 from soakd.judge.verdict import Verdict
+from soakd.lifecycle import guard_step
 from soakd.live import LiveRun
 from soakd.logs import bind
 from soakd.metric import Sample
@@ -52,6 +53,7 @@ from soakd.rundir import JOURNAL_FILE, META_FILE, SUMMARY_FILE, VERDICT_FILE
 from soakd.rundocs import end_event, meta_doc, run_point, start_event, summary_doc
 from soakd.sinks.registry import open_sinks
 from soakd.sinks.writer import SampleWriter
+from soakd.stopping import RunStop
 from soakd.stopsignals import STOP_SIGNALS, StopSignals
 from soakd.traces.loader import Trace, open_trace
 from soakd.wiring import (
@@ -135,9 +137,15 @@ class Soak:
         self.resumed: ResumeState | None = None
         self.started_utc = datetime.now(UTC).isoformat()
         self._journal: DueJournal | None = None
-        self._stop_task: asyncio.Task[None] | None = None
         self._verdict_error = ""
         self._parts: RunParts | None = None
+        self._stop = RunStop(
+            cfg,
+            self.live,
+            self.run_dir,
+            engine_part=lambda: self._parts.engine_part if self._parts is not None else None,
+            early_verdict=lambda: self._judge(self.live.offset_s),
+        )
         self._t_start = time.monotonic()
 
     # The run's outcome as the CLI and the tests read it.
@@ -178,41 +186,8 @@ class Soak:
         write_json_atomic(self.run_dir / META_FILE, doc)
 
     def _on_signal(self, signame: str) -> None:
-        """A stop signal (SIGINT, SIGTERM, SIGHUP alike), in whatever phase the run is. The first stops the
-        run: no more sends, the requests in flight drain (up to replay.drain_timeout), the verdict of the
-        work done is written, with the phase (`stopped_in`). A stop during the warm-up aborts its requests
-        (they are not the soak's); a further signal during the drain aborts the requests still in
-        flight (each recorded once, failed as aborted) and the run goes on to its verdict."""
-        live = self.live
-        log.warning("signal_received", signal=signame, phase=live.phase)
-        live.interrupted = True
-        first = not live.stopped_by
-        if first:
-            live.stopped_by = signame
-            live.stopped_in = live.phase
-            if live.checkpoint is not None:
-                live.checkpoint.stopped_by = signame
-                _guard_sync("checkpoint", lambda: live.write_checkpoint(self.run_dir))
-            pending = live.replayer.pending if live.replayer is not None else 0
-            notify(f"STOPPING=1\nSTATUS=stopping ({signame}): draining {pending} requests in flight")
-            if self._stop_task is None:
-                with contextlib.suppress(RuntimeError):
-                    self._stop_task = asyncio.get_running_loop().create_task(_extend_stop(self.cfg))
-        if live.replayer is not None:
-            if live.replay_start is None or not first:
-                # The warm-up's requests, or a drain the operator will not wait for: aborted now.
-                live.replayer.abort()
-            else:
-                live.replayer.stop()
-        elif first and not live.engine_started and live.checkpoint is not None:
-            # The engine's start (minutes for a GPU engine) is cut short: its processes are killed and
-            # the run ends with its verdict. One is left now too, in case the kill outlasts the service
-            # manager's stop timeout; the normal end rewrites it. Only the first signal: a second Ctrl-C
-            # must not cancel the cut-short start's own clean-up.
-            log.warning("stop_during_engine_start")
-            if self._parts is not None:
-                self._parts.engine_part.cut_short()
-            _guard_sync("early_verdict", lambda: self._judge(live.offset_s))
+        """A stop signal, in whatever phase the run is (stopping.RunStop says what it does)."""
+        self._stop.on_signal(signame)
 
     # -- the run ---------------------------------------------------------------------------------------
 
@@ -234,12 +209,12 @@ class Soak:
                 with contextlib.suppress(NotImplementedError, RuntimeError):
                     loop.add_signal_handler(sig, self._on_signal, sig.name)
         try:
-            return await self._run(loop)
+            return await self._run()
         finally:
             if signals is not None:
                 signals.detach()
 
-    async def _run(self, loop: asyncio.AbstractEventLoop) -> RunResult:
+    async def _run(self) -> RunResult:
         cfg, live = self.cfg, self.live
         self._open_run_dir()
         tags = {"run_id": self.run_id, "host": self.host}
@@ -256,21 +231,16 @@ class Soak:
                 async with parts.stack:
                     ran_s = await parts.replay.run()
                     live.enter("verdict")
-                    if not live.stopped_by:
-                        notify("STOPPING=1\nSTATUS=stopping")
-                        # The natural end stops the engine and ships the spool too: ask for time as a
-                        # stop does.
-                        self._stop_task = loop.create_task(_extend_stop(self.cfg))
+                    self._stop.natural_end()
             finally:
                 live.enter("verdict")
                 verdict = self._finish(writer, parts.replay.stats, ran_s)
-                _guard_sync("spool_flush", lambda: spool.flush(fsync=True))
+                guard_step("spool_flush", lambda: spool.flush(fsync=True))
         summary = summary_doc(
             self.run_id, verdict, self._verdict_error, ran_s, parts.replay, writer, parts.stack, sinks.stack
         )
-        _guard_sync("summary", lambda: write_json_atomic(self.run_dir / SUMMARY_FILE, summary))
-        if self._stop_task is not None:
-            self._stop_task.cancel()
+        guard_step("summary", lambda: write_json_atomic(self.run_dir / SUMMARY_FILE, summary))
+        self._stop.done()
         word = verdict.word if not self._verdict_error else "verdict not written"
         notify(f"STATUS=done: {word}" + (f" (error: {live.error})" if live.error else ""))
         return RunResult(
@@ -314,13 +284,13 @@ class Soak:
     def _finish(self, writer: SampleWriter, stats: ReplayStats, ran_s: float) -> Verdict:
         """After the run stack stopped: the checkpoint, the run_end event, the verdict and its point."""
         live = self.live
-        _guard_sync("checkpoint", lambda: live.write_checkpoint(self.run_dir, ran_s))
+        guard_step("checkpoint", lambda: live.write_checkpoint(self.run_dir, ran_s))
         if self._journal is not None:
-            _guard_sync("journal_close", self._journal.close)
+            guard_step("journal_close", self._journal.close)
         end_event(writer, live, ran_s, stats)
         verdict = self._judge(ran_s)
         point = run_point(verdict, not self._verdict_error, ran_s, live, self.started_utc)
-        _guard_sync("run_point", lambda: writer([Sample("run", point, live.clock.wall_ns())]))
+        guard_step("run_point", lambda: writer([Sample("run", point, live.clock.wall_ns())]))
         return verdict
 
     def _replay_began(self) -> bool:
@@ -360,23 +330,3 @@ class Soak:
         self.live.metrics = state.metrics
         self.live.checkpoint = checkpoint
         self.started_utc = checkpoint.started_utc
-
-
-async def _extend_stop(cfg: Config) -> None:
-    """While a stop drains, ask the service manager for more time, in slices, up to a bound: the drain,
-    the final shipping and the engine's shutdown, which the config bounds one by one."""
-    step_s = 10.0
-    sinks = cfg.sinks
-    budget = cfg.replay.drain_timeout + sinks.influx.final_drain_timeout + 120.0
-    budget += sinks.webhook.final_drain_timeout if sinks.webhook.enabled else 0.0
-    deadline = time.monotonic() + budget
-    while time.monotonic() < deadline:
-        notify(f"EXTEND_TIMEOUT_USEC={int(3 * step_s * 1e6)}")
-        await asyncio.sleep(step_s)
-
-
-def _guard_sync(step: str, fn: Callable[[], object]) -> None:
-    try:
-        fn()
-    except Exception as err:  # noqa: BLE001  (the verdict and summary must still be written)
-        log.error("shutdown_step_failed", step=step, error=f"{type(err).__name__}: {err}")

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("soakd.resume",),
     ("soakd.jobs", "soakd.parts", "soakd.replay_part"),
     ("soakd.wiring",),  # builds the run's parts from the config
-    ("soakd.app", "soakd.rundocs", "soakd.progress", "soakd.matrix", "soakd.checks"),
+    ("soakd.app", "soakd.rundocs", "soakd.stopping", "soakd.progress", "soakd.matrix", "soakd.checks"),
     ("soakd.cli", "soakd.__main__"),
     ("soakd.testing",),  # fakes for tests (a stub engine, a fake pynvml): may import any module
 ]  # fmt: skip

@@ -3,8 +3,11 @@ and a (re)started engine retags and re-judges the collectors that depend on its 
 
 from __future__ import annotations
 
+import asyncio
 import typing
 from pathlib import Path
+
+import pytest
 
 from soakd.clock import SystemClock
 from soakd.collectors.base import EngineListener
@@ -156,3 +159,69 @@ def test_the_scheduler_lever_degrades_to_the_gate_where_the_engine_cannot_run_th
     # Naming soakd's own class is no reason to lose its live limit.
     lever, cls = chosen(scheduler_cls=SCHEDULER_CLS)
     assert (lever.kind, lever.limit_file, cls) == ("scheduler", tmp_path / "active-seqs", SCHEDULER_CLS)
+
+
+async def test_the_engine_starts_beside_the_later_parts_and_a_start_nobody_awaited_is_cut_short(
+    tmp_path: Path,
+) -> None:
+    """The engine's start (minutes on a GPU) runs while the parts after it start (the scheduler, whose
+    watchdog must keep pinging meanwhile); when the stack stops before the start was awaited (a later
+    part failed), the start is cancelled, and no engine is left to stop."""
+    from soakd.collectors.runner import CollectorRunner
+    from soakd.lifecycle import Part, Stack
+    from soakd.parts import EnginePart
+    from soakd.testing import StubEngine
+
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    class SlowStart(StubEngine):
+        async def start(self) -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()  # an engine that would take for ever to load
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    b = _build(tmp_path, [])
+    drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
+    b.engine = EngineSupervisor(
+        lambda _: SlowStart(b.engine_collector), b.cfg.engine, on_event=lambda *a, **k: None
+    )
+    part = EnginePart(b.engine, b, drift, CollectorRunner([], b.writer))
+
+    async def later_start() -> None:
+        await asyncio.wait_for(started.wait(), 10)  # the engine's start is under way meanwhile
+        raise RuntimeError("a later part failed to start")
+
+    stack = Stack("run", [part, Part("later", start=later_start)])
+    with pytest.raises(RuntimeError, match="a later part"):
+        await stack.start()
+    assert b.live.phase == "engine_start" and cancelled.is_set()
+    assert not part.started and not b.live.engine_started and stack.stop_failures == {}
+
+
+async def test_a_failed_engine_start_is_recorded_in_the_live_run_not_raised(tmp_path: Path) -> None:
+    from soakd.collectors.runner import CollectorRunner
+    from soakd.errors import EngineError
+    from soakd.parts import EnginePart
+    from soakd.testing import StubEngine
+
+    class NoMemory(StubEngine):
+        async def start(self) -> None:
+            raise EngineError("no GPU memory left")
+
+    b = _build(tmp_path, [])
+    drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
+    events: list[str] = []
+    b.engine = EngineSupervisor(
+        lambda _: NoMemory(b.engine_collector),
+        b.cfg.engine,
+        on_event=lambda kind, *a, **k: events.append(kind),
+    )
+    part = EnginePart(b.engine, b, drift, CollectorRunner([], b.writer))
+    await part.start()
+    assert await part.ready() is None
+    assert b.live.error.startswith("engine did not start: ") and "no GPU memory left" in b.live.error
+    assert not part.started
+    await part.stop()  # nothing started: nothing to stop
