@@ -39,7 +39,7 @@ def status_path(limit_file: str | Path) -> Path:
 
 def name_limit_file(path: Path | None, environ: MutableMapping[str, str] = os.environ) -> None:
     """Name the run's limit file in the environment the engine's processes inherit; None: the engine runs
-    no scheduler class of soakd's, and an earlier run's name (a matrix's runs share a process) is removed."""
+    vLLM's own scheduler, and a name an earlier run in this process left there is removed."""
     if path is None:
         environ.pop(ACTIVE_SEQS_ENV, None)
     else:
