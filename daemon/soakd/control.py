@@ -27,10 +27,9 @@ import structlog
 
 from soakd.config import ControlConfig
 from soakd.engine.base import EngineInfo
-from soakd.engine.live_limit import read_status, status_path
 from soakd.files import read_json_no_follow, write_private
 from soakd.metric import FieldValue, Sample
-from soakd.policies.actuator import Actuator, write_limit
+from soakd.policies.actuator import Actuator
 from soakd.policies.downscale import (
     OBJECTIVE_UNIT,
     ActionResult,
@@ -42,6 +41,7 @@ from soakd.policies.downscale import (
 )
 from soakd.policies.recapture import RecapturePolicy, RecaptureSettings, padding_stats
 from soakd.policies.throttle import ThroughputJudge, ThroughputSettings, worst_harm
+from soakd.replay.admission import AdmissionGate
 from soakd.rundir import CONTROL_STATE_FILE
 
 log = structlog.get_logger(__name__)
@@ -171,13 +171,10 @@ class Controller:
         write_private(self.state_path, json.dumps(state, sort_keys=True).encode())
 
     # -- the loop --------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """The replay begins: the ceiling the controller holds (restored, or the start) takes effect."""
-        gate = self.actuator.gate
-        if gate is not None and gate.limit != self.batch.limit and not self.actuator.dry_run:
-            await gate.set_limit(self.batch.limit)
-        if self.actuator.limit_file is not None and self.batch.limit < self.batch.settings.start:
-            write_limit(self.actuator.limit_file, self.batch.limit)
+    async def start(self, gate: AdmissionGate) -> None:
+        """The replay begins with `gate`: the ceiling the controller holds (restored, or the start) takes
+        effect, through the actuator as every move."""
+        await self.actuator.hold(gate, self.batch.limit, self.batch.settings.start)
 
     def observe_request(
         self,
@@ -456,11 +453,9 @@ class Controller:
             fields["ceiling"] = gate.limit
         if self.actuator.engine_limit is not None:
             fields["engine_limit"] = self.actuator.engine_limit
-        if self.actuator.limit_file is not None:
-            # What the engine's scheduler says it enforces (not what was asked).
-            status = read_status(status_path(self.actuator.limit_file))
-            if status is not None and status.live and status.applied is not None:
-                fields["engine_applied"] = status.applied
+        applied = self.actuator.engine_applied()
+        if applied is not None:
+            fields["engine_applied"] = applied
         if self.batch.sustained is not None:
             fields["sustained_limit"] = int(self.batch.sustained["limit"])
             tps = self.batch.sustained.get("tokens_per_s")
@@ -477,7 +472,7 @@ class Controller:
     def summary(self) -> dict[str, object]:
         out: dict[str, object] = {
             "dry_run": self.actuator.dry_run,
-            "lever": self.actuator.lever,
+            "lever": self.actuator.lever.kind,
             "ceiling": self.batch.in_force,
             "start": self.batch.settings.start,
             "objective": self.batch.settings.objective,
@@ -497,6 +492,8 @@ class Controller:
             "applied": self.actuator.applied,
             "failed": self.actuator.failed,
         }
+        if self.actuator.lever.note:
+            out["lever_note"] = self.actuator.lever.note  # why the configured lever is not the one used
         if self.recapture is not None:
             sizes = self.recapture.current_sizes
             out["capture_sizes"] = list(sizes)

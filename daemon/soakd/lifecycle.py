@@ -21,6 +21,15 @@ log = structlog.get_logger(__name__)
 DEFAULT_STOP_TIMEOUT_S = 60.0
 
 
+def guard_step(step: str, fn: Callable[[], object]) -> None:
+    """Run one step of a run's end whose failure must not stop the rest (the verdict and the summary must
+    still be written): a failure is logged by the step's name, and the run goes on."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001
+        log.error("shutdown_step_failed", step=step, error=f"{type(err).__name__}: {err}")
+
+
 class Component(Protocol):
     """One part of a run with a start and a stop (a sink, the collectors, the engine, the scheduler)."""
 

@@ -11,10 +11,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from soakd.checkpoint import Checkpoint
 from soakd.clock import Clock
 from soakd.judge.metrics import RunMetrics
 from soakd.replay.runner import Replayer
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -40,6 +44,26 @@ class LiveRun:
     """The phase the stop signal came in, or empty."""
     error: str = ""
     """Why the run ended early on its own (engine failure, a criterion, the trace changed)."""
+
+    @property
+    def replay_ended(self) -> bool:
+        """The replay had reached its planned end before this process began (a run resumed after a crash
+        while it stopped the engine or shipped): only its verdict is left to make, no engine to start."""
+        return self.offset_s >= self.planned_s
+
+    def enter(self, phase: str) -> None:
+        """The run reached `phase` (judge.criteria.STOP_PHASES): what a stop signal's verdict names."""
+        if self.phase != phase:
+            self.phase = phase
+            log.info("run_phase", phase=phase)
+
+    def adopt(self, replayer: Replayer) -> None:
+        """`replayer` is the one a stop signal ends from now on. A signal that came while it was being
+        made (the warm-up's phase logged, the schedule read) found none to end: it ends this one now,
+        before its first send (the warm-up aborted, the replay stopped), or it would be lost."""
+        self.replayer = replayer
+        if self.stopped_by:
+            replayer.stop()
 
     def elapsed(self) -> float:
         """Replay time reached, across resumes."""

@@ -1,13 +1,15 @@
 """The run's own parts as lifecycle components: the collectors, the engine and the controller, with
-what each adds to summary.json. (The sinks' parts are in sinks.parts, the scheduler is jobs.Jobs.)"""
+what each adds to summary.json. (The sinks' parts are in sinks.parts, the scheduler is jobs.Jobs, the
+replay is replay_part.ReplayPart.)"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
+
+import structlog
 
 from soakd.collectors.base import EngineListener
 from soakd.collectors.ceiling import CeilingTracker
@@ -16,18 +18,19 @@ from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.host_throttle import HostThrottleWatch
 from soakd.collectors.nvml_events import GpuEventListener
 from soakd.collectors.prom import MetricsScraper
-from soakd.collectors.registry import Build, each, find
+from soakd.collectors.registry import Build, build_collectors, each, find
 from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, SpecProfile
-from soakd.config import EngineChange
 from soakd.control import Controller
 from soakd.engine.base import SIGNALS, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
+from soakd.errors import EngineError
 from soakd.lifecycle import Part
 from soakd.live import LiveRun
 from soakd.loopwatch import LoopWatch
-from soakd.notify import notify
 from soakd.sinks.writer import SampleWriter
+
+log = structlog.get_logger(__name__)
 
 # vLLM's shutdown joins its engine-core process and workers; bounded so a stop never hangs on it.
 ENGINE_STOP_TIMEOUT_S = 300.0
@@ -75,8 +78,11 @@ def controller_part(controller: Controller | None, live: LiveRun) -> Part:
 
 
 class EnginePart:
-    """The engine as a stack part: its start is the run's first step (it may fail, which is a verdict,
-    not a crash); its stop is bounded; its summary is what the engine's telemetry covered."""
+    """The engine as a stack part. Its start is the run's first step (minutes for a GPU engine) and may
+    fail: a failure is recorded in the live run (`live.error`, an `engine_error` event), a FAIL verdict,
+    never an exception. The start runs as a task of its own, begun by `start` so that the parts after it
+    (the scheduler: the watchdog, the host series) run meanwhile, awaited by `ready`, and cut short by a
+    stop signal (`cut_short`). Its stop is bounded; its summary is what the engine's telemetry covered."""
 
     name = "engine"
     stop_timeout_s = ENGINE_STOP_TIMEOUT_S
@@ -94,8 +100,10 @@ class EnginePart:
         self.started = False
         self.infos: list[EngineInfo] = []
         self._build = build
+        self._live = build.live
         self._drift = drift
         self._runner = runner
+        self._starting: asyncio.Task[None] | None = None
 
     def engine_started(self, info: EngineInfo) -> None:
         """Every (re)start (the supervisor's hook): the collectors that tag or judge by the
@@ -108,9 +116,84 @@ class EnginePart:
             self._on_engines(list(self.infos))
 
     async def start(self) -> None:
-        return None
+        """Begin the engine's start; none when the run was stopped before it or its replay had ended (a
+        resumed run that only needs its verdict): no engine is started for nothing. In attach mode, the
+        wait for the server to be ready: the same task, cut short the same way."""
+        live = self._live
+        if live.interrupted or live.replay_ended:
+            return
+        live.enter("engine_start")
+        self._starting = asyncio.ensure_future(self.engine.start())
+
+    def cut_short(self) -> None:
+        """A stop signal during the engine's start: the start is cancelled (its processes are killed)."""
+        if self._starting is not None:
+            self._starting.cancel()
+
+    async def ready(self) -> EngineInfo | None:
+        """The started engine, its collectors added (built now, for this engine); None when it did not
+        start (the reason in `live.error`) or the run was stopped meanwhile."""
+        live, writer = self._live, self._build.writer
+        if self._starting is None:
+            return None
+        try:
+            await self._starting
+        except EngineError as err:
+            live.error = f"engine did not start: {err}"
+            writer.event("engine_error", live.error)
+            return None
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not live.interrupted or (current is not None and current.cancelling()):
+                raise  # this run itself is being cancelled, not stopped by a signal
+            # Not an engine_error (an alert): a stop is not a failure; run_end says it was stopped.
+            log.warning("engine_start_stopped", signal=live.stopped_by)
+            return None
+        finally:
+            self._starting = None
+        live.engine_started = self.started = True
+        if live.interrupted:
+            return None
+        info = self.engine.info
+        writer.event(
+            "engine_start",
+            f"{info.kind} {info.version} started in {info.start_s:.1f} s",
+            start_s=info.start_s,
+            config=info.config_id,
+        )
+        self._build.info = info
+        for collector in build_collectors(self._build, "engine"):
+            # Told which engine at once (a rebuild tells it again).
+            if isinstance(collector, EngineListener):
+                collector.engine_started(info)
+            self._runner.add(collector)
+        return info
+
+    async def soak_begins(self, info: EngineInfo) -> None:
+        """After the warm-up: the engine's own series count from now. Per-step stats are turned on (without
+        a per-step source, attach mode, `engine` points come from /metrics), and a fresh scrape of the
+        server's /metrics is the baseline: start-up and warm-up counts are not the soak's."""
+        b = self._build
+        if "engine" in b.cfg.telemetry.collectors and "per_step" in info.signals:
+            b.engine_collector.activate()
+        scraper = find(self._runner.collectors, MetricsScraper)
+        if scraper is not None:
+            try:
+                await scraper.refresh()
+            except Exception as err:  # noqa: BLE001  (a failed baseline must not end the run)
+                log.error(
+                    "shutdown_step_failed", step="metrics_baseline", error=f"{type(err).__name__}: {err}"
+                )
+            scraper.rebase()
 
     async def stop(self) -> None:
+        if self._starting is not None:
+            # A start nobody awaited (a later part's start failed, or the run was cancelled): cut short.
+            starting, self._starting = self._starting, None
+            starting.cancel()
+            await asyncio.wait({starting})
+            if not starting.cancelled():
+                starting.exception()  # retrieved: its failure is this stop's, not an unheard task's
         if self.started:
             await self.engine.stop()
 
@@ -183,44 +266,3 @@ def engine_telemetry(
         }
     doc.update(engine.telemetry_summary())
     return doc
-
-
-class EngineChanges:
-    """The configured engine changes, each applied at its time into the replay (a resumed run started
-    with those already due applied, see wiring.engine_config, and its clock starts at the crash point)."""
-
-    def __init__(self, changes: Sequence[EngineChange], engine: EngineSupervisor, live: LiveRun) -> None:
-        self._changes = sorted(changes, key=lambda c: c.at)
-        self._engine = engine
-        self._live = live
-        self._task: asyncio.Task[None] | None = None
-        self._rebuild: asyncio.Future[bool] | None = None
-
-    def start(self, t0: float) -> None:
-        self._task = asyncio.create_task(self._apply(t0))
-
-    async def _apply(self, t0: float) -> None:
-        live = self._live
-        for change in self._changes:
-            if change.at <= live.offset_s:
-                continue
-            await live.clock.sleep_until(t0 + change.at - live.offset_s, precise=False)
-            if live.replayer is None or live.interrupted or live.error:
-                return
-            notify(f"STATUS=rebuilding the engine: {change.reason}")
-            # Shielded: the end of the replay waits for a rebuild under way instead of cutting it.
-            self._rebuild = asyncio.ensure_future(self._engine.rebuild(change))
-            await asyncio.shield(self._rebuild)
-
-    async def end(self) -> None:
-        """Stop waiting for later changes. At the planned end a rebuild under way is finished; when the
-        service is being stopped it is cancelled (the engine being started is stopped with it), so a
-        stop is not held up by an engine start."""
-        if self._rebuild is not None and not self._rebuild.done():
-            if self._live.interrupted:
-                self._rebuild.cancel()
-            await asyncio.wait({self._rebuild})
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

@@ -25,9 +25,9 @@ from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import Config, EngineConfig
 from soakd.control import ControlInputs, Controller, Slo, input_harm, input_throttled
-from soakd.engine.base import ACTIVE_SEQS_ENV, Engine, EngineInfo
+from soakd.engine.base import Engine, EngineInfo
+from soakd.engine.live_limit import name_limit_file
 from soakd.engine.supervisor import EngineSupervisor, apply_change
-from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.errors import ConfigError, EngineError
 from soakd.jobs import JobHealth, Jobs, ProgressFn
 from soakd.lifecycle import Component, Stack
@@ -36,11 +36,13 @@ from soakd.loopwatch import LoopWatch
 from soakd.metric import FieldValue
 from soakd.parts import EnginePart, collectors_part, controller_part
 from soakd.policies.actuator import Actuator
+from soakd.policies.lever import Lever
 from soakd.policies.throttle import ThrottleState
 from soakd.probe import hardware_profiles, model_bytes
 from soakd.redact import redact_url
+from soakd.replay_part import ReplayPart
 from soakd.resume import DueJournal, ResumeState
-from soakd.rundir import LIMIT_FILE, SPOOL_DIR
+from soakd.rundir import SPOOL_DIR
 from soakd.shapes import effective_load_format
 from soakd.sinks.health import SpoolHealth
 from soakd.sinks.parts import SpoolPart
@@ -48,6 +50,7 @@ from soakd.sinks.registry import BuiltSink, Opened
 from soakd.sinks.spool import Spool
 from soakd.sinks.writer import SampleWriter
 from soakd.tinymodel import is_model_dir
+from soakd.traces.loader import Trace
 
 log = structlog.get_logger(__name__)
 
@@ -140,21 +143,16 @@ def check_writable(out_dir: Path, source: str) -> None:
         raise ConfigError(f"{out_dir} is not writable", file=source, key="run.output_dir")
 
 
-def engine_config(cfg: Config, run_dir: Path, offset_s: float) -> EngineConfig:
+def engine_config(cfg: Config, lever: Lever, offset_s: float) -> EngineConfig:
     """The engine configuration to start: the config's as it was `offset_s` into the replay (a resumed
-    run starts the engine as it was at the crash point), with soakd's scheduler class when the batch
-    policy moves vLLM's admission limit live (and the file it reads named in the environment, which the
-    engine's processes inherit). Advice-only (`dry_run`) runs the same class, which it never moves: an
-    A/B of control against advice-only then compares policies on one engine, not two schedulers."""
+    run starts the engine as it was at the crash point), with the scheduler class the run's lever needs
+    (policies/lever.py decides it: soakd's for the scheduler lever, advice-only runs included)."""
     ecfg = cfg.engine
     for change in sorted(ecfg.changes, key=lambda c: c.at):
         if change.at <= offset_s:
             ecfg = apply_change(ecfg, change)
-    batch = cfg.control.batch
-    wants = cfg.control.enabled and batch.enabled and batch.lever == "scheduler"
-    if wants and ecfg.kind != "openai" and not ecfg.scheduler_cls:
-        os.environ[ACTIVE_SEQS_ENV] = str(run_dir / LIMIT_FILE)
-        ecfg = ecfg.model_copy(update={"scheduler_cls": SCHEDULER_CLS})
+    if lever.scheduler_cls:
+        ecfg = ecfg.model_copy(update={"scheduler_cls": lever.scheduler_cls})
     return ecfg
 
 
@@ -200,6 +198,7 @@ def make_ceiling(cfg: Config, model: str) -> tuple[CeilingTracker | None, str]:
 def make_controller(
     cfg: Config,
     run_dir: Path,
+    lever: Lever,
     engine: EngineSupervisor,
     collectors: Sequence[Collector],
     engine_collector: EngineCollector,
@@ -247,10 +246,9 @@ def make_controller(
         energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
         limited=gpu_watch.limited if gpu_watch is not None and ccfg.scope != "host" else lambda: False,
     )
-    limit_file = run_dir / LIMIT_FILE if ccfg.batch.lever == "scheduler" else None
-    actuator = Actuator(
-        engine, writer.event, lever=ccfg.batch.lever, limit_file=limit_file, dry_run=ccfg.dry_run
-    )
+    if lever.note:
+        log.warning("scheduler_lever_unavailable", reason=lever.note)
+    actuator = Actuator(engine, writer.event, lever=lever, dry_run=ccfg.dry_run)
     crit = cfg.criteria
     slo = Slo(
         ttft_s=None if crit.ttft_p99_ms is False else crit.ttft_p99_ms / 1000.0,
@@ -320,28 +318,39 @@ class RunParts:
     controller: Controller | None
     jobs: Jobs
     engine_part: EnginePart
+    replay: ReplayPart
     stack: Stack
-    """The run stack: collectors, engine, scheduler, controller; stopped in reverse when the replay ends."""
+    """The run stack: collectors, engine, scheduler, controller, replay; started in order (the engine's
+    start and the warm-up among them), stopped in reverse when the replay ends."""
 
 
 EngineFactory = Callable[[Config, str, EngineCollector], Engine]
 
 
-def build_run(
-    cfg: Config,
-    run_dir: Path,
-    model: str,
-    live: LiveRun,
-    sinks: Sinks,
-    ecfg: EngineConfig,
-    engine_factory: EngineFactory,
-    *,
-    on_engines: Callable[[list[EngineInfo]], None],
-    journal: DueJournal | None,
-    progress: ProgressFn | None,
-) -> RunParts:
-    """The run stack's parts: collectors (from the registry), engine, scheduler, controller."""
-    writer = sinks.writer
+@dataclass(frozen=True, slots=True)
+class RunInputs:
+    """What the run stack is built from besides the config and the sinks."""
+
+    run_dir: Path
+    run_tag: str
+    """Salts the replay's prompts (the warm-up's salt adds a "w")."""
+    model: str
+    trace: Trace
+    lever: Lever
+    ecfg: EngineConfig
+    """The engine configuration to start (engine_config)."""
+    engine_factory: EngineFactory
+    on_engines: Callable[[list[EngineInfo]], None]
+    journal: DueJournal | None
+    resumed: ResumeState | None
+    began: float
+    """When the run began (time.monotonic), for the resume's log line."""
+    progress: ProgressFn | None = None
+
+
+def build_run(cfg: Config, live: LiveRun, sinks: Sinks, run: RunInputs) -> RunParts:
+    """The run stack's parts: collectors (from the registry), engine, scheduler, controller, replay."""
+    writer, run_dir, model = sinks.writer, run.run_dir, run.model
     drift = make_drift(cfg, writer)
     engine_collector = EngineCollector(active=False, drift=drift)
     ceiling, ceiling_reason = make_ceiling(cfg, model)
@@ -349,19 +358,23 @@ def build_run(
     profile = SpecProfile()
 
     def build_engine(engine_cfg: EngineConfig) -> Engine:
-        return engine_factory(cfg.model_copy(update={"engine": engine_cfg}), model, engine_collector)
+        return run.engine_factory(cfg.model_copy(update={"engine": engine_cfg}), model, engine_collector)
 
     def on_started(info: EngineInfo) -> None:
         engine_part.engine_started(info)
 
-    engine = EngineSupervisor(build_engine, ecfg, on_event=writer.event, on_started=on_started)
+    # The engine's processes inherit the environment: soakd's scheduler class finds its file there.
+    name_limit_file(run.lever.limit_file)
+    engine = EngineSupervisor(build_engine, run.ecfg, on_event=writer.event, on_started=on_started)
     b = Build(cfg, run_dir, writer, engine, live, engine_collector, profile, ceiling)
     # The replay's own series is always on: it is how a run shows it kept up with the trace.
     collectors: list[Collector] = [ReplayCollector(live.soak_replayer), *build_collectors(b, "start")]
     loopwatch = LoopWatch(writer.event, active=lambda: live.replaying and engine.ready)
     runner = CollectorRunner([*collectors, loopwatch, *sinks.health], writer)
-    engine_part = EnginePart(engine, b, drift, runner, on_engines)
-    controller = make_controller(cfg, run_dir, engine, collectors, engine_collector, drift, live, writer)
+    engine_part = EnginePart(engine, b, drift, runner, run.on_engines)
+    controller = make_controller(
+        cfg, run_dir, run.lever, engine, collectors, engine_collector, drift, live, writer
+    )
     jobs = Jobs(
         cfg,
         run_dir,
@@ -370,19 +383,32 @@ def build_run(
         writer,
         sinks.spool,
         engine,
-        journal=journal,
+        journal=run.journal,
         shipping=sinks.shipping,
         controller=controller,
         tickers=[*b.tickers, loopwatch.ticker],
         gpu_watch=find(collectors, GpuThrottleWatch),
         ceiling=ceiling,
-        progress=progress,
+        progress=run.progress,
     )
     runner.add(JobHealth(jobs))
+    replay = ReplayPart(
+        cfg,
+        run.trace,
+        b,
+        engine_part,
+        runner,
+        controller,
+        run_tag=run.run_tag,
+        journal=run.journal,
+        resumed=run.resumed,
+        began=run.began,
+    )
     parts: list[Component] = [
         collectors_part(runner, ceiling, ceiling_reason),
         engine_part,
         jobs,
         controller_part(controller, live),
+        replay,
     ]
-    return RunParts(b, runner, controller, jobs, engine_part, Stack("run", parts))
+    return RunParts(b, runner, controller, jobs, engine_part, replay, Stack("run", parts))

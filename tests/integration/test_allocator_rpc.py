@@ -22,13 +22,11 @@ import pytest
 from servers import VllmServer, start_vllm
 
 from soakd.collectors.allocator import AllocatorCollector, local_rpc, server_rpc
-from soakd.engine.base import ACTIVE_SEQS_ENV
-from soakd.engine.live_limit import read_status, status_path
+from soakd.engine.live_limit import ACTIVE_SEQS_ENV, read_status, status_path, write_limit
 from soakd.engine.stats import RecordCost, StepStats
 from soakd.engine.vllm_local import SCHEDULER_CLS, make_logger_factory
 from soakd.errors import CollectorError
 from soakd.metric import Sample
-from soakd.policies.actuator import write_limit
 
 pytestmark = pytest.mark.integration
 

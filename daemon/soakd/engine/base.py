@@ -7,9 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 # Telemetry an engine can deliver (EngineInfo.signals); the report lists the ones a run lacked.
-ACTIVE_SEQS_ENV = "SOAKD_ACTIVE_SEQS_FILE"
-"""Names the file holding the live admission limit soakd's scheduler class reads (engine/sched.py)."""
-
 SIGNALS: dict[str, str] = {
     "per_step": "per-step engine stats (batch, KV cache, prefix cache, preemptions, tokens per step)",
     "spec_per_pos": "speculative acceptance per draft position with exact per-position draft counts",

@@ -1,7 +1,9 @@
-"""The two files between soakd and its scheduler class inside vLLM's engine core: the limit soakd asks
-for, and the status the scheduler reports back (what the engine actually applies).
+"""The live-limit file, its one module: the two files between soakd and its scheduler class inside vLLM's
+engine core (the limit soakd asks for, and the status the scheduler reports back: what the engine actually
+applies), and the environment variable that names the first to the engine's processes.
 
-soakd writes the limit file (a decimal integer, or nothing for "as started"). The scheduler writes the
+soakd writes the limit file (`write_limit`: a decimal integer, or nothing for "as started"; only the
+actuator calls it, policies/actuator.py). The scheduler reads it (`read_limit`) and writes the
 status file, `<limit file>.engine`, as JSON when it starts and whenever the limit it enforces changes:
 which vLLM attribute it moves (`max_num_running_reqs` on 0.26, `max_num_active_reqs` on 0.32; None when
 this vLLM has neither, so the live limit is off), the start value, the limit in force and the running
@@ -13,12 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from soakd.engine.base import ACTIVE_SEQS_ENV
 from soakd.files import write_private
+
+ACTIVE_SEQS_ENV = "SOAKD_ACTIVE_SEQS_FILE"
+"""Names the limit file to soakd's scheduler class (engine/sched.py) and to `reported_live`: set in the
+environment the engine's processes inherit (`name_limit_file`)."""
 
 STATUS_SUFFIX = ".engine"
 
@@ -29,6 +35,20 @@ LIMIT_ATTRS: tuple[str, ...] = ("max_num_active_reqs", "max_num_running_reqs")
 
 def status_path(limit_file: str | Path) -> Path:
     return Path(f"{limit_file}{STATUS_SUFFIX}")
+
+
+def name_limit_file(path: Path | None, environ: MutableMapping[str, str] = os.environ) -> None:
+    """Name the run's limit file in the environment the engine's processes inherit; None: the engine runs
+    vLLM's own scheduler, and a name an earlier run in this process left there is removed."""
+    if path is None:
+        environ.pop(ACTIVE_SEQS_ENV, None)
+    else:
+        environ[ACTIVE_SEQS_ENV] = str(path)
+
+
+def write_limit(path: Path, limit: int | None) -> None:
+    """Replace the limit file atomically: the scheduler never reads half a number."""
+    write_private(path, b"" if limit is None else str(int(limit)).encode())
 
 
 def read_limit(path: str) -> int | None:

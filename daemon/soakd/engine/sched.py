@@ -25,8 +25,14 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from soakd.engine.base import ACTIVE_SEQS_ENV
-from soakd.engine.live_limit import LIMIT_ATTRS, EngineLimitStatus, read_limit, status_path, write_status
+from soakd.engine.live_limit import (
+    ACTIVE_SEQS_ENV,
+    LIMIT_ATTRS,
+    EngineLimitStatus,
+    read_limit,
+    status_path,
+    write_status,
+)
 
 _CHECK_EVERY_S = 0.2
 

@@ -1,42 +1,39 @@
 """The one place that changes the engine or the admission ceiling: applies the policies' actions.
 
 Every action is an event sample (a Grafana annotation) with its reason and evidence, a structlog line
-and the systemd STATUS line, whether it is applied or (`dry_run`) only advised. Levers for the
-batch size, as `control.batch.lever` says:
+and the systemd STATUS line, whether it is applied or (`dry_run`) only advised. Every move of the
+ceiling comes through here, the controller's first one (`hold`, the replay's start) included. What a
+move moves besides soakd's own gate (`AdmissionGate.set_limit`, immediate) is the run's `Lever`
+(policies/lever.py, chosen once):
 
-- admission: soakd's own concurrency ceiling (`AdmissionGate.set_limit`, immediate);
+- admission: nothing more;
 - scheduler: also vLLM's admission limit, live, through soakd's scheduler class (engine/sched.py),
-  by rewriting the limit file it polls; where the engine does not run that class, admission only;
+  by rewriting the limit file it polls (engine/live_limit.py); where a started engine does not run
+  that class, admission only;
 - rebuild: also a rebuild with `max_num_seqs` = the ceiling (drains; minutes on a GPU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import structlog
 
 from soakd.config import EngineChange
+from soakd.engine.live_limit import read_status, status_path, write_limit
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import EngineError
-from soakd.files import write_private
 from soakd.metric import FieldValue
 from soakd.notify import notify
 from soakd.policies.downscale import BatchAction, TrialSkipped
+from soakd.policies.lever import Lever
 from soakd.policies.recapture import RecaptureAction
 from soakd.replay.admission import AdmissionGate
 
 log = structlog.get_logger(__name__)
 
 EventFn = Callable[..., None]
-Lever = Literal["admission", "scheduler", "rebuild"]
-
-
-def write_limit(path: Path, limit: int | None) -> None:
-    """Replace the limit file atomically: the scheduler never reads half a number."""
-    write_private(path, b"" if limit is None else str(int(limit)).encode())
 
 
 def _evidence(evidence: dict[str, Any]) -> dict[str, FieldValue]:
@@ -55,17 +52,15 @@ class Actuator:
         engine: EngineSupervisor,
         on_event: EventFn,
         *,
-        lever: Lever = "admission",
-        limit_file: Path | None = None,
+        lever: Lever | None = None,
         dry_run: bool = False,
     ) -> None:
         self._engine = engine
         self._event = on_event
-        self.lever = lever
-        self.limit_file = limit_file
+        self.lever = lever or Lever()
         self.dry_run = dry_run
         self.gate: AdmissionGate | None = None
-        """Set when the replay's gate exists (after warm-up)."""
+        """The replay's gate, from the replay's start on (`hold`)."""
         self.applied = 0
         self.failed = 0
         self.engine_limit: int | None = None
@@ -83,10 +78,31 @@ class Actuator:
             "from_limit": skip.from_limit,
             "to_limit": skip.to_limit,
             "reason": skip.reason,
-            "lever": self.lever,
+            "lever": self.lever.kind,
             **_evidence(skip.evidence),
         }
         self._say("trial_skipped", f"trial_skipped: {skip.reason}", **fields)
+
+    async def hold(self, gate: AdmissionGate, limit: int, start: int) -> None:
+        """The replay begins: `gate` is the one a move moves from now on, and the ceiling the controller
+        holds (restored from the run's saved state, or the start) takes effect in it and, when below the
+        start, in the engine's limit file. No event: the move that set it was said when it was made."""
+        self.gate = gate
+        if self.dry_run:
+            return
+        if gate.limit != limit:
+            await gate.set_limit(limit)
+        if self.lever.limit_file is not None and limit < start:
+            write_limit(self.lever.limit_file, limit)
+            self.engine_limit = limit
+
+    def engine_applied(self) -> int | None:
+        """The limit the engine's scheduler says it enforces (not what was asked); None when it runs no
+        scheduler of soakd's or has said nothing yet."""
+        if self.lever.limit_file is None:
+            return None
+        status = read_status(status_path(self.lever.limit_file))
+        return status.applied if status is not None and status.live else None
 
     async def set_ceiling(self, action: BatchAction) -> None:
         reason = f"{action.kind}: {action.reason}"
@@ -94,7 +110,7 @@ class Actuator:
             "from_limit": action.from_limit,
             "to_limit": action.to_limit,
             "reason": action.reason,
-            "lever": self.lever,
+            "lever": self.lever.kind,
             **_evidence(action.evidence),
         }
         if self.dry_run:
@@ -102,25 +118,9 @@ class Actuator:
             return
         if self.gate is not None:
             await self.gate.set_limit(action.to_limit)
-        live = False
-        if self.lever == "scheduler" and self.limit_file is not None:
-            try:
-                capable: bool | None = self._engine.info.live_active_seqs
-            except EngineError:
-                # Between two engines (a rebuild or a restart): the next one reads the file as it starts.
-                capable = None
-            if capable is not False:
-                write_limit(self.limit_file, action.to_limit)
-                self.engine_limit = action.to_limit
-                live = capable is True
-            elif not self._said_no_live:
-                self._said_no_live = True
-                log.warning(
-                    "scheduler_lever_unavailable", reason="the engine does not run soakd's scheduler class"
-                )
-        fields["engine_live"] = live
+        fields["engine_live"] = self._move_engine_limit(action.to_limit)
         ok = True
-        if self.lever == "rebuild":
+        if self.lever.kind == "rebuild":
             change = EngineChange(
                 at=1.0, mode="drain", reason=f"batch {reason}", max_num_seqs=action.to_limit
             )
@@ -129,6 +129,27 @@ class Actuator:
         self.applied += ok
         self.failed += not ok
         self._say(action.kind, reason, **fields)
+
+    def _move_engine_limit(self, limit: int) -> bool:
+        """The scheduler lever: the limit file rewritten for the engine's scheduler class. True when the
+        engine running now moves its limit live."""
+        if self.lever.kind != "scheduler" or self.lever.limit_file is None:
+            return False
+        try:
+            capable: bool | None = self._engine.info.live_active_seqs
+        except EngineError:
+            # Between two engines (a rebuild or a restart): the next one reads the file as it starts.
+            capable = None
+        if capable is False:
+            if not self._said_no_live:
+                self._said_no_live = True
+                log.warning(
+                    "scheduler_lever_unavailable", reason="the engine's scheduler reports no live limit"
+                )
+            return False
+        write_limit(self.lever.limit_file, limit)
+        self.engine_limit = limit
+        return capable is True
 
     async def recapture(self, action: RecaptureAction) -> bool:
         fields: dict[str, FieldValue] = {

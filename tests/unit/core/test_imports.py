@@ -36,9 +36,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("soakd.collectors",),
     ("soakd.control",),
     ("soakd.resume",),
-    ("soakd.jobs", "soakd.parts"),
+    ("soakd.jobs", "soakd.parts", "soakd.replay_part"),
     ("soakd.wiring",),  # builds the run's parts from the config
-    ("soakd.app", "soakd.progress", "soakd.matrix", "soakd.checks"),
+    ("soakd.app", "soakd.rundocs", "soakd.stopping", "soakd.progress", "soakd.matrix", "soakd.checks"),
     ("soakd.cli", "soakd.__main__"),
     ("soakd.testing",),  # fakes for tests (a stub engine, a fake pynvml): may import any module
 ]  # fmt: skip

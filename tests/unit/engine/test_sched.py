@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from soakd.engine.live_limit import read_status, status_path, write_status
+from soakd.engine.live_limit import read_status, status_path, write_limit, write_status
 from soakd.engine.sched import SoakdScheduler, _LiveLimit, live_attr
-from soakd.policies.actuator import write_limit
 
 
 def bare(tmp_path: Path, attrs: dict[str, int], running: int) -> SoakdScheduler:

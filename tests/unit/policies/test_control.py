@@ -17,6 +17,7 @@ from soakd.engine.base import EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import EngineError
 from soakd.policies.actuator import Actuator
+from soakd.policies.lever import Lever
 from soakd.replay.admission import AdmissionGate
 from soakd.rundir import CONTROL_STATE_FILE, LIMIT_FILE
 
@@ -86,11 +87,11 @@ def make(
     eng = engine or RebuildStub(info())
     clock = [1000.0]
     cfg = control_cfg(tmp_path, text)
+    kind = cfg.batch.lever
     actuator = Actuator(
         cast(EngineSupervisor, eng),
         lambda kind, msg, **f: events.append((kind, msg, f)),
-        lever=cfg.batch.lever,
-        limit_file=tmp_path / LIMIT_FILE,
+        lever=Lever(kind, limit_file=tmp_path / LIMIT_FILE if kind == "scheduler" else None),
         dry_run=cfg.dry_run,
     )
     actuator.gate = AdmissionGate(start)
@@ -227,9 +228,14 @@ def test_state_survives_a_restart_and_the_ceiling_is_restored(tmp_path: Path) ->
     assert ctrl.batch.limit == 12
     again, _, _, _, _ = make(tmp_path, BATCH)  # a new daemon on the same run directory
     assert again.restored and again.batch.limit == 12 and again.batch.actions == 1
-    assert again.actuator.gate is not None
-    asyncio.run(again.start())
-    assert again.actuator.gate.limit == 12
+    gate = AdmissionGate(16)  # the replay's, as the new daemon makes it
+    (tmp_path / LIMIT_FILE).unlink()
+    asyncio.run(again.start(gate))
+    # The restored ceiling takes effect through the actuator: in the gate and the engine's limit file.
+    assert again.actuator.gate is gate and gate.limit == 12
+    assert (tmp_path / LIMIT_FILE).read_text() == "12"
+    (point,) = again.collect(1)
+    assert point.fields["ceiling"] == 12 and point.fields["engine_limit"] == 12
 
 
 def test_torn_state_file_starts_afresh(tmp_path: Path) -> None:

@@ -3,8 +3,11 @@ and a (re)started engine retags and re-judges the collectors that depend on its 
 
 from __future__ import annotations
 
+import asyncio
 import typing
 from pathlib import Path
+
+import pytest
 
 from soakd.clock import SystemClock
 from soakd.collectors.base import EngineListener
@@ -17,6 +20,7 @@ from soakd.config import CollectorName, Config
 from soakd.engine.base import EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.live import LiveRun
+from soakd.policies.lever import Lever, choose_lever
 from soakd.sinks.spool import Spool
 from soakd.sinks.writer import SampleWriter
 
@@ -94,7 +98,10 @@ def test_the_controller_sees_no_engine_between_engines_instead_of_an_error(tmp_p
     b = _build(tmp_path, ["engine"])
     cfg = Config.model_validate({"control": {"enabled": True}, "telemetry": {"collectors": ["engine"]}})
     drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
-    controller = make_controller(cfg, tmp_path, b.engine, [], b.engine_collector, drift, b.live, b.writer)
+    lever = choose_lever(cfg, tmp_path)
+    controller = make_controller(
+        cfg, tmp_path, lever, b.engine, [], b.engine_collector, drift, b.live, b.writer
+    )
     assert controller is not None
     assert b.engine.alive() and controller.inputs.engine() is None  # supervised, no engine yet
 
@@ -110,23 +117,111 @@ def test_no_gpu_is_written_down_for_meta_json(tmp_path: Path, monkeypatch: typin
     assert b.gpu_meta == {"source": "none", "reason": "NVML Shared Library Not Found", "devices": []}
 
 
-def test_advice_only_runs_the_scheduler_class_control_would_run(
-    tmp_path: Path, monkeypatch: typing.Any
-) -> None:
-    from soakd.engine.base import ACTIVE_SEQS_ENV
+def test_advice_only_runs_the_scheduler_class_control_would_run(tmp_path: Path) -> None:
     from soakd.engine.vllm_local import SCHEDULER_CLS
     from soakd.wiring import engine_config
 
-    # engine_config names the limit file in the environment: undone at teardown.
-    monkeypatch.setenv(ACTIVE_SEQS_ENV, "")
-
-    def cls_of(control: dict[str, typing.Any]) -> str:
-        cfg = Config.model_validate({"engine": {"kind": "vllm-local"}, "control": control})
-        return engine_config(cfg, tmp_path, 0.0).scheduler_cls
+    def chosen(control: dict[str, typing.Any], **engine: typing.Any) -> tuple[Lever, str]:
+        cfg = Config.model_validate({"engine": {"kind": "vllm-local", **engine}, "control": control})
+        lever = choose_lever(cfg, tmp_path)
+        return lever, engine_config(cfg, lever, 0.0).scheduler_cls
 
     # The A/B of control against advice-only compares policies on one engine: both arms run the class.
-    assert cls_of({"enabled": True, "dry_run": True}) == SCHEDULER_CLS
-    assert cls_of({"enabled": True}) == SCHEDULER_CLS
+    for control in ({"enabled": True, "dry_run": True}, {"enabled": True}):
+        lever, cls = chosen(control)
+        assert cls == SCHEDULER_CLS and lever.kind == "scheduler"
+        assert lever.limit_file == tmp_path / "active-seqs"
     # Without control, or with a lever that never moves vLLM's limit, vLLM's own scheduler.
-    assert cls_of({"enabled": False}) == ""
-    assert cls_of({"enabled": True, "batch": {"lever": "admission"}}) == ""
+    assert chosen({"enabled": False}) == (Lever("scheduler"), "")
+    assert chosen({"enabled": True, "batch": {"lever": "admission"}}) == (Lever("admission"), "")
+    assert chosen({"enabled": True, "batch": {"lever": "rebuild"}}) == (Lever("rebuild"), "")
+
+
+def test_the_scheduler_lever_degrades_to_the_gate_where_the_engine_cannot_run_the_class(
+    tmp_path: Path,
+) -> None:
+    from soakd.engine.vllm_local import SCHEDULER_CLS
+    from soakd.wiring import engine_config
+
+    def chosen(**engine: typing.Any) -> tuple[Lever, str]:
+        cfg = Config.model_validate({"engine": engine, "control": {"enabled": True}})
+        lever = choose_lever(cfg, tmp_path)
+        return lever, engine_config(cfg, lever, 0.0).scheduler_cls
+
+    # A server soakd attaches to, or a scheduler class of the config's own: the admission gate alone,
+    # the reason kept (the controller's summary gives it), the engine's class left as configured.
+    lever, cls = chosen(kind="openai", url="http://127.0.0.1:1")
+    assert (lever.kind, lever.limit_file, cls) == ("admission", None, "")
+    assert "OpenAI-compatible server" in lever.note
+    lever, cls = chosen(scheduler_cls="my.Scheduler")
+    assert (lever.kind, lever.limit_file, cls) == ("admission", None, "my.Scheduler")
+    assert "my.Scheduler" in lever.note
+    # Naming soakd's own class is no reason to lose its live limit.
+    lever, cls = chosen(scheduler_cls=SCHEDULER_CLS)
+    assert (lever.kind, lever.limit_file, cls) == ("scheduler", tmp_path / "active-seqs", SCHEDULER_CLS)
+
+
+async def test_the_engine_starts_beside_the_later_parts_and_a_start_nobody_awaited_is_cut_short(
+    tmp_path: Path,
+) -> None:
+    """The engine's start (minutes on a GPU) runs while the parts after it start (the scheduler, whose
+    watchdog must keep pinging meanwhile); when the stack stops before the start was awaited (a later
+    part failed), the start is cancelled, and no engine is left to stop."""
+    from soakd.collectors.runner import CollectorRunner
+    from soakd.lifecycle import Part, Stack
+    from soakd.parts import EnginePart
+    from soakd.testing import StubEngine
+
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    class SlowStart(StubEngine):
+        async def start(self) -> None:
+            started.set()
+            try:
+                await asyncio.Event().wait()  # an engine that would take for ever to load
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+
+    b = _build(tmp_path, [])
+    drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
+    b.engine = EngineSupervisor(
+        lambda _: SlowStart(b.engine_collector), b.cfg.engine, on_event=lambda *a, **k: None
+    )
+    part = EnginePart(b.engine, b, drift, CollectorRunner([], b.writer))
+
+    async def later_start() -> None:
+        await asyncio.wait_for(started.wait(), 10)  # the engine's start is under way meanwhile
+        raise RuntimeError("a later part failed to start")
+
+    stack = Stack("run", [part, Part("later", start=later_start)])
+    with pytest.raises(RuntimeError, match="a later part"):
+        await stack.start()
+    assert b.live.phase == "engine_start" and cancelled.is_set()
+    assert not part.started and not b.live.engine_started and stack.stop_failures == {}
+
+
+async def test_a_failed_engine_start_is_recorded_in_the_live_run_not_raised(tmp_path: Path) -> None:
+    from soakd.collectors.runner import CollectorRunner
+    from soakd.errors import EngineError
+    from soakd.parts import EnginePart
+    from soakd.testing import StubEngine
+
+    class NoMemory(StubEngine):
+        async def start(self) -> None:
+            raise EngineError("no GPU memory left")
+
+    b = _build(tmp_path, [])
+    drift = AcceptanceDrift(DriftSettings(60.0, 60.0, 0.1, 100))
+    events: list[str] = []
+    b.engine = EngineSupervisor(
+        lambda _: NoMemory(b.engine_collector),
+        b.cfg.engine,
+        on_event=lambda kind, *a, **k: events.append(kind),
+    )
+    part = EnginePart(b.engine, b, drift, CollectorRunner([], b.writer))
+    await part.start()
+    assert await part.ready() is None
+    assert b.live.error.startswith("engine did not start: ") and "no GPU memory left" in b.live.error
+    assert not part.started
+    await part.stop()  # nothing started: nothing to stop
