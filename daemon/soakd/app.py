@@ -35,6 +35,7 @@ from soakd.collectors.engine import EngineCollector
 from soakd.collectors.prom import MetricsScraper
 from soakd.collectors.registry import build_collectors, find
 from soakd.config import Config, EngineConfig
+from soakd.engine import compat
 from soakd.engine.base import Engine, EngineInfo
 from soakd.errors import EXIT_ERROR, EXIT_STOPPED, EngineError
 from soakd.files import write_json_atomic
@@ -123,6 +124,8 @@ class Soak:
         # Everything that can reject the input is checked here, before anything is written.
         self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
         self.model = resolve_model(cfg)
+        if engine_factory is None:  # the real engine: a vLLM outside the known versions only when accepted
+            compat.check_version(cfg)
         self.host = cfg.run.host or socket.gethostname()
         # Secrets are read now, before the output folder is made (a bad credential is bad input: exit 2
         # with nothing half-made), then taken out of the environment the engine's processes inherit.
@@ -294,6 +297,7 @@ class Soak:
             self._engine_factory,
             on_engines=lambda infos: self._write_meta(
                 {"engine": asdict(infos[-1]), "engines": [asdict(i) for i in infos]}
+                | compat.meta_field(cfg, infos[-1])
             ),
             journal=self._journal,
             progress=self._progress,
@@ -395,6 +399,7 @@ class Soak:
             start_s=info.start_s,
             config=info.config_id,
         )
+        compat.engine_event(cfg, info, writer.event)
         b.info = info
         for collector in build_collectors(b, "engine"):
             # Built now, for this engine: told which one at once (a rebuild tells it again).

@@ -26,6 +26,7 @@ from soakd.collectors.spec import AcceptanceDrift, DriftSettings, SpecProfile
 from soakd.config import Config, EngineConfig
 from soakd.control import ControlInputs, Controller, Slo, input_harm, input_throttled
 from soakd.engine.base import ACTIVE_SEQS_ENV, Engine, EngineInfo
+from soakd.engine.compat import lever_available
 from soakd.engine.supervisor import EngineSupervisor, apply_change
 from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.errors import ConfigError, EngineError
@@ -152,7 +153,8 @@ def engine_config(cfg: Config, run_dir: Path, offset_s: float) -> EngineConfig:
             ecfg = apply_change(ecfg, change)
     batch = cfg.control.batch
     wants = cfg.control.enabled and batch.enabled and batch.lever == "scheduler"
-    if wants and ecfg.kind != "openai" and not ecfg.scheduler_cls:
+    # A vLLM without the lever runs without the class: the batch lever is soakd's admission gate alone.
+    if wants and ecfg.kind != "openai" and not ecfg.scheduler_cls and lever_available():
         os.environ[ACTIVE_SEQS_ENV] = str(run_dir / LIMIT_FILE)
         ecfg = ecfg.model_copy(update={"scheduler_cls": SCHEDULER_CLS})
     return ecfg
