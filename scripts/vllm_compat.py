@@ -209,7 +209,7 @@ def _figures(summary: dict[str, Any]) -> dict[str, object]:
         f"{logger.get('steps')} (lost {logger.get('lost')}, malformed {logger.get('malformed')})"
     )
     spec = summary.get("spec_decode") or {}
-    out["spec_accepted"] = f"{spec.get('accepted')} of {spec.get('draft_tokens', spec.get('drafts'))}"
+    out["spec_accepted"] = f"{spec.get('accepted')} tokens accepted in {spec.get('drafts')} drafts"
     return out
 
 
