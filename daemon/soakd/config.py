@@ -222,6 +222,9 @@ class EngineConfig(_Section):
     scheduler_cls: str = ""
     per_request_spec_metrics: bool = True
     worker_extension: bool = True
+    allow_untested_vllm: bool = False
+    """Run on a vLLM outside the versions soakd knows (docs/vllm-versions.md): refused otherwise (exit 2).
+    The run then names, at engine start, which of soakd's vLLM features are live, degraded or off."""
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     start_timeout: Duration = Field(default=900.0, gt=0, le=86400)
     drain_timeout: Duration = Field(default=60.0, ge=0)

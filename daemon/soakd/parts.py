@@ -22,6 +22,7 @@ from soakd.collectors.registry import Build, build_collectors, each, find
 from soakd.collectors.runner import CollectorRunner
 from soakd.collectors.spec import AcceptanceDrift, SpecProfile
 from soakd.control import Controller
+from soakd.engine import compat
 from soakd.engine.base import SIGNALS, EngineInfo
 from soakd.engine.supervisor import EngineSupervisor
 from soakd.errors import EngineError
@@ -161,6 +162,7 @@ class EnginePart:
             start_s=info.start_s,
             config=info.config_id,
         )
+        compat.engine_event(self._build.cfg, info, writer.event)
         self._build.info = info
         for collector in build_collectors(self._build, "engine"):
             # Told which engine at once (a rebuild tells it again).

@@ -132,6 +132,10 @@ def test_server_mode_with_plugin_metrics_and_allocator(server_soak: ServerSoak) 
     # No CUDA graphs on the CPU build: said outright, no graph fields written.
     assert tele["cudagraphs"]["applicable"] is False
     assert not any(k.startswith("cg_") for s in by["engine"] for k in s.fields)
+    # The feature table as the server confirmed it: its plugin answered, the CPU build's allocator is RSS.
+    features = json.loads((Path(doc["run_dir"]) / "meta.json").read_text())["vllm_compat"]["features"]
+    assert features["stat_plugin"]["state"] == "live" and features["stat_logger"]["state"] == "off"
+    assert features["allocator"]["state"] == "degraded" and features["cudagraph_stats"]["state"] == "off"
     log = Path(doc["run_dir"]) / "engine-server.log"
     assert "# soakd: " in log.read_text(encoding="utf-8", errors="replace")
     assert_exact_accounting(doc, by)
@@ -393,6 +397,11 @@ max_concurrency = 8
     meta = json.loads((run_dir / "meta.json").read_text())
     engines = meta["engines"]
     assert len(engines) == 2 and all(e["live_active_seqs"] for e in engines)
+    # The feature table says what the engine's scheduler reported: the lever live, on its attribute.
+    lever = meta["vllm_compat"]["features"]["scheduler_lever"]
+    assert lever["state"] == "live" and lever["detail"].startswith("max_num_active_reqs")
+    compat_events = [e for e in by["events"] if e.tags.get("kind") == "vllm_compat"]
+    assert compat_events and compat_events[0].fields["scheduler_lever"] == "live"
     assert control_doc["recaptures"] == 1 and control_doc["batch_actions"] >= 1
     points = by["control"]
     assert {8, 6} <= {int(p.fields["policy_limit"]) for p in points}

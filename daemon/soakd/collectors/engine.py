@@ -150,15 +150,18 @@ class EngineCollector:
             f["waiting_max"] = max(s.waiting for s in sched)
             f["kv_cache_usage_max"] = max(s.kv_cache_usage for s in sched)
             f["kv_cache_usage_mean"] = sum(s.kv_cache_usage for s in sched) / len(sched)
-        queries = sum(s.prefix_queries for s in steps)
-        hits = sum(s.prefix_hits for s in steps)
-        f["prefix_queries"] = queries
-        f["prefix_hits"] = hits
-        if queries:
-            f["prefix_hit_rate"] = hits / queries
+        # A count the engine's release does not report is left out, never written as 0 (engine/compat.py).
+        if any(s.has_prefix for s in steps):
+            queries = sum(s.prefix_queries for s in steps)
+            hits = sum(s.prefix_hits for s in steps)
+            f["prefix_queries"] = queries
+            f["prefix_hits"] = hits
+            if queries:
+                f["prefix_hit_rate"] = hits / queries
         gen = sum(s.generation_tokens for s in steps)
         f["prompt_tokens"] = sum(s.prompt_tokens for s in steps)
-        f["prompt_tokens_cached"] = sum(s.prompt_tokens_cached for s in steps)
+        if any(s.has_cached_count for s in steps):
+            f["prompt_tokens_cached"] = sum(s.prompt_tokens_cached for s in steps)
         f["generation_tokens"] = gen
         f["preempted"] = sum(s.preempted for s in steps)
         f["finished"] = sum(s.finished for s in steps)

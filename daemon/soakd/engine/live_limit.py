@@ -122,6 +122,13 @@ def read_status(path: Path, *, since: float | None = None) -> EngineLimitStatus 
     )
 
 
+def reported_attr() -> str | None:
+    """The attribute the current engine's scheduler last reported moving (None: none, or no report)."""
+    limit_file = os.environ.get(ACTIVE_SEQS_ENV)
+    status = read_status(status_path(limit_file)) if limit_file else None
+    return status.attr if status is not None else None
+
+
 def reported_live(since: float) -> bool:
     """Whether the scheduler of an engine started at `since` (wall s) reported a live limit, in the
     status file beside the limit file this process's environment names (the engine inherits it)."""

@@ -61,6 +61,10 @@ class StepStats:
     """Tokens after padding to the captured graph size."""
     cg_paddings: int = 0
     """Padding tokens added."""
+    has_prefix: bool = False
+    """True when the step carried prefix-cache stats (a release without them reports no lookups)."""
+    has_cached_count: bool = False
+    """True when the step's prompt tokens came with the count served from the cache."""
 
 
 def _int(obj: object, name: str) -> int:
@@ -87,6 +91,7 @@ def step_from_vllm(
         step.kv_cache_usage = float(usage) if isinstance(usage, int | float) else 0.0
         pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
         if pcs is not None:
+            step.has_prefix = True
             step.prefix_queries = _int(pcs, "queries")
             step.prefix_hits = _int(pcs, "hits")
         sd = getattr(scheduler_stats, "spec_decoding_stats", None)
@@ -115,6 +120,7 @@ def step_from_vllm(
         step.preempted = _int(iteration_stats, "num_preempted_reqs")
         pts = getattr(iteration_stats, "prompt_token_stats", None)
         if pts is not None:
+            step.has_cached_count = True
             step.prompt_tokens = _int(pts, "total")
             step.prompt_tokens_cached = _int(pts, "local_cache_hit")
         else:

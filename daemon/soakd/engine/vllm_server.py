@@ -242,6 +242,7 @@ class VllmServerEngine:
         if facts:
             signals += ["per_step", "spec_per_pos"]
             cg_mode = str(facts.get("cudagraph_mode", "NONE"))
+            details["platform"] = "cpu" if facts.get("cpu", True) else "gpu"
             details["cudagraph_mode"] = cg_mode
             details["max_num_seqs"] = str(facts.get("max_num_seqs", ""))
             cudagraphs = not facts.get("cpu", True) and "NONE" not in cg_mode.upper()

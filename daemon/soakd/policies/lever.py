@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from soakd.config import Config, EngineConfig
+from soakd.engine import compat
 from soakd.engine.vllm_local import SCHEDULER_CLS
 from soakd.rundir import LIMIT_FILE
 
@@ -67,4 +68,8 @@ def scheduler_class_refused(engine: EngineConfig) -> str:
         return "an OpenAI-compatible server runs its own scheduler"
     if engine.scheduler_cls and engine.scheduler_cls != SCHEDULER_CLS:
         return f"the config names its own scheduler class ({engine.scheduler_cls})"
+    if not compat.lever_available():
+        # Read from the installed vLLM's source by feature (engine/compat.py), not by version.
+        lever = compat.installed().get("scheduler_lever")
+        return f"this vLLM has no admission limit the class can move: {lever.detail}"
     return ""

@@ -111,6 +111,7 @@ def test_interval_aggregation_and_acceptance_per_position() -> None:
             has_iteration=True,
             generation_tokens=8,
             prompt_tokens=100,
+            has_prefix=True,
             prefix_queries=100,
             prefix_hits=50,
             has_spec=True,
@@ -140,6 +141,7 @@ def test_interval_aggregation_and_acceptance_per_position() -> None:
     assert f["steps"] == 2 and f["running_max"] == 4 and f["running_mean"] == 3.0
     assert f["prefix_hit_rate"] == 0.5 and f["generation_tokens"] == 12
     assert "cg_hit_rate" not in f  # no CUDA graphs: not applicable, never a fake 0%
+    assert "prompt_tokens_cached" not in f  # the steps carried no cached count: left out, not 0
     s = spec.fields
     assert (s["drafts"], s["draft_tokens"], s["accepted"]) == (3, 8, 5)
     assert s["acceptance_rate"] == pytest.approx(5 / 8)
@@ -195,3 +197,41 @@ def test_releases_without_per_position_draft_counts_fall_back_to_drafts() -> Non
 
     s = step_from_vllm(_Sched(spec_decoding_stats=OldSpec()), None, 1, 0)  # type: ignore[arg-type]
     assert s.spec_draft_tokens_per_pos == (4, 4, 4)
+
+
+def test_counts_a_release_does_not_report_are_left_out_not_zero() -> None:
+    """A vLLM without prefix-cache stats or cached prompt-token counts (engine/compat.py: degraded or
+    off) gives steps without them: the interval has no such field, rather than a 0 that reads as a
+    measured 0% hit rate; from stats objects that carry them, the fields are back."""
+
+    class Sched:
+        num_running_reqs = 1
+        num_waiting_reqs = 0
+        kv_cache_usage = 0.1
+
+    class Iter:
+        num_generation_tokens = 3
+        num_prompt_tokens = 40
+        finished_requests = ()
+
+    bare = step_from_vllm(Sched(), Iter(), 1, 0)
+    c = EngineCollector(config_id="x")
+    c.push(bare)
+    (engine, *_) = c.collect(5)
+    assert engine.fields["prompt_tokens"] == 40
+    absent = {"prefix_queries", "prefix_hits", "prefix_hit_rate", "prompt_tokens_cached"}
+    assert not absent & set(engine.fields)
+
+    class Pcs:
+        queries, hits = 40, 10
+
+    class Pts:
+        total, local_cache_hit = 40, 10
+
+    Sched.prefix_cache_stats = Pcs()  # type: ignore[attr-defined]
+    Iter.prompt_token_stats = Pts()  # type: ignore[attr-defined]
+    c.push(step_from_vllm(Sched(), Iter(), 2, 0))
+    (engine, *_) = c.collect(6)
+    f = engine.fields
+    assert (f["prefix_queries"], f["prefix_hits"], f["prompt_tokens_cached"]) == (40, 10, 10)
+    assert f["prefix_hit_rate"] == 0.25
