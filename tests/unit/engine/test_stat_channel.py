@@ -37,7 +37,9 @@ def test_wire_format_round_trips() -> None:
 
 async def _received(channel: StepChannel, n: int) -> None:
     deadline = asyncio.get_running_loop().time() + 60  # a hang guard only
-    while channel.stats.steps + channel.stats.malformed < n and asyncio.get_running_loop().time() < deadline:
+    while asyncio.get_running_loop().time() < deadline:
+        if channel.stats.steps + channel.stats.malformed >= n:
+            return
         await asyncio.sleep(0.005)  # poll interval
 
 
