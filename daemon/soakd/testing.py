@@ -1,7 +1,8 @@
 """Fakes for tests of soakd and of code built on it: clocks that tests move by hand, an HTTP app served on
 a free loopback port, an in-process engine that streams tokens (StubEngine) with a config for a short
 soak over it (stub_config), a fake pynvml module (FakeNvml), a run folder rebuilt from a recorded
-run's files (recorded_run_dir), and a child process whose peak RSS is read (measured, PeakRss). (The
+run's files (recorded_run_dir), a child process whose peak RSS is read (measured, PeakRss), and the
+least time of a few calls (least_time), for costs compared with a reference timed alongside. (The
 replay's virtual-time clock, which wakes sleepers in order, is soakd.clock.FakeClock.)
 
 This module may import any other soakd module (it sits in the top layer of the import graph); nothing in
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import gzip
 import importlib.util
 import json
 import os
 import shutil
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -43,6 +46,25 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+def least_time(fn: Callable[[], object], runs: int = 5, calls: int = 5) -> float:
+    """The least seconds per call of `fn` over `runs` runs of `calls` calls each, the collector off: a
+    cost to compare with a reference's, timed the same way alongside (never with a fixed bound: a busy
+    machine slows both)."""
+    best = float("inf")
+    gc_was = gc.isenabled()
+    gc.disable()  # a collection's pause is not the call's cost
+    try:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / calls)
+    finally:
+        if gc_was:
+            gc.enable()
+    return best
 
 
 class ManualClock:

@@ -169,8 +169,14 @@ def test_ctrl_c_during_the_engine_start_ends_it_in_seconds(tmp_path: Path, tiny_
         if proc.poll() is None:
             finish_soakd(proc, timeout_s=1)
     assert code == 4, err[-3000:]
-    assert took_s < 10, f"the stop took {took_s:.1f} s"
+    # Cut short, not waited out (whatever the machine's speed): soakd says it killed the half-started
+    # engine, and no engine start was ever recorded; the time is a hang guard (soakd waits 5 s at most
+    # for the start's thread after the kill; the start itself takes 20-35 s on two cores).
+    assert "engine_start_cut_short" in err, err[-3000:]
+    assert took_s < 60, f"the stop took {took_s:.1f} s"
     doc = json.loads(out)
+    spooled = [s.tags["kind"] for s in iter_samples(Path(doc["run_dir"]) / "spool", "events")]
+    assert "engine_start" not in spooled, spooled
     verdict = json.loads((Path(doc["run_dir"]) / "verdict.json").read_text())
     assert verdict["replay_began"] is False and verdict["stopped_by"] == "SIGINT"
     assert verdict["exit_code"] == 4 and verdict["verdict"] == "FAIL"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -15,7 +15,9 @@ from soakd.errors import EngineError
 
 
 class Slow:
-    """Streams one token every `tick` seconds; can be made to die."""
+    """Streams one token every `tick` seconds; can be made to die. A request whose id is in `gates` waits
+    for its gate instead, then streams every token at once (no timer: the test, not the machine's speed,
+    says when it ends)."""
 
     def __init__(self, cfg: EngineConfig, tick: float = 0.01, fail_start: bool = False) -> None:
         self.cfg = cfg
@@ -23,6 +25,7 @@ class Slow:
         self.fail_start = fail_start
         self.dead = False
         self.stopped = False
+        self.gates: dict[str, asyncio.Event] = {}
 
     @property
     def info(self) -> EngineInfo:
@@ -33,8 +36,12 @@ class Slow:
             raise EngineError("does not fit")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        gate = self.gates.get(request.request_id)
+        if gate is not None:
+            await gate.wait()
         for _ in range(request.max_tokens):
-            await asyncio.sleep(self.tick)
+            if gate is None:
+                await asyncio.sleep(self.tick)
             if self.dead:
                 raise EngineError("engine core died")
             yield 1
@@ -86,6 +93,19 @@ def supervisor(engines: list[Slow], events: list[tuple[str, dict[str, Any]]], **
         events.append((kind, fields))
 
     return EngineSupervisor(factory, EngineConfig(**cfg), on_event=on_event)
+
+
+def on_drain_start(sup: EngineSupervisor, fn: Callable[[], None]) -> None:
+    """Call `fn` as a drain begins, before its timeout starts: what it lets finish is queued on the loop
+    ahead of the timeout, however late the loop runs."""
+    wait_idle = sup._wait_idle
+
+    async def hooked(timeout_s: float) -> None:
+        if sup._draining:
+            fn()
+        await wait_idle(timeout_s)
+
+    sup._wait_idle = hooked  # type: ignore[method-assign]
 
 
 def test_apply_change_touches_only_what_it_names() -> None:
@@ -140,10 +160,15 @@ async def test_a_drain_that_takes_too_long_aborts_the_rest() -> None:
     events: list[tuple[str, dict[str, Any]]] = []
     sup = supervisor(engines, events, drain_timeout=0.05)
     await sup.start()
+    # The quick request ends as the drain begins; the slow one never would: the timeout ends it.
+    quick_gate, never = asyncio.Event(), asyncio.Event()
+    engines[0].gates = {"r0": quick_gate, "r1": never}
+    on_drain_start(sup, quick_gate.set)
     quick = asyncio.create_task(consume(sup, req(0, 2)))
     slow = asyncio.create_task(consume(sup, req(1, 1000)))
-    await asyncio.sleep(0.005)
-    await sup.rebuild(EngineChange(at=1, mode="drain"))
+    await asyncio.sleep(0)  # one loop turn: both start and reach their gates
+    assert len(sup._inflight) == 2  # both in flight before the rebuild
+    await asyncio.wait_for(sup.rebuild(EngineChange(at=1, mode="drain")), 60)  # a hang guard only
     assert await quick == "ok 2" and (await slow).startswith("aborted")
     assert (events[0][1]["drained"], events[0][1]["aborted"]) == (1, 1)
     await sup.stop()
@@ -250,7 +275,8 @@ async def test_a_restart_queued_behind_a_rebuild_leaves_the_rebuilt_engine_alone
     engines[0].dead = True  # the old engine dies while the rebuild drains it
     assert await rebuild is True
     assert (await slow).startswith(("engine died", "aborted"))
-    await asyncio.sleep(0.05)  # let a queued restart run, if one was queued
+    if sup._restart_task is not None:
+        await sup._restart_task  # a queued restart has run, if one was queued
     assert sup.info.config_id == "seqs4" and not engines[-1].stopped
     assert sup.stats.restarts == 0 and await consume(sup, req(2, 2)) == "ok 2"
     await sup.stop()
@@ -259,14 +285,20 @@ async def test_a_restart_queued_behind_a_rebuild_leaves_the_rebuilt_engine_alone
 async def test_drained_counts_only_requests_that_finished_normally() -> None:
     engines: list[Slow] = []
     events: list[tuple[str, dict[str, Any]]] = []
-    sup = supervisor(engines, events, drain_timeout=1.0)
+    sup = supervisor(engines, events, drain_timeout=60.0)  # a hang guard: the drain ends on its own
     await sup.start()
+    ok_gate, doomed_gate = asyncio.Event(), asyncio.Event()
+    engines[0].gates = {"r0": ok_gate, "r1": doomed_gate}
+    on_drain_start(sup, ok_gate.set)  # the short request finishes normally during the drain
     ok = asyncio.create_task(consume(sup, req(0, 3)))
     doomed = asyncio.create_task(consume(sup, req(1, 1000)))
-    await asyncio.sleep(0.005)
+    await asyncio.sleep(0)  # one loop turn: both start and reach their gates
+    assert len(sup._inflight) == 2  # both in flight before the rebuild
     rebuild = asyncio.create_task(sup.rebuild(EngineChange(at=1, mode="drain")))
-    await asyncio.sleep(0.05)
+    await asyncio.wait({ok, rebuild}, return_when=asyncio.FIRST_COMPLETED)
+    assert ok.done() and not rebuild.done()  # the drain still waits for the long request
     engines[0].dead = True  # the long request fails during the drain: not "drained"
+    doomed_gate.set()
     await rebuild
     assert await ok == "ok 3" and (await doomed).startswith("engine died")
     assert events[-1][0] == "engine_rebuild" and events[-1][1]["drained"] == 1

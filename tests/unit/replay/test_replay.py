@@ -173,9 +173,12 @@ async def test_stop_ends_dispatch_and_drain_timeout_aborts_in_flight() -> None:
     engine = FakeEngine(clock, step_s=0.2, chunk=1)
     rep, records = make(engine, [spec(0, 0.0, out=50), spec(1, 30.0)], clock, drain=0.1)
     task = asyncio.create_task(rep.run())
-    await asyncio.sleep(START + 0.2)  # the replay's clock starts START after run(); request 0 is sent
+    deadline = asyncio.get_running_loop().time() + 60  # a hang guard only
+    while not engine.requests:  # request 0 is sent (the replay's clock starts START after run())
+        assert asyncio.get_running_loop().time() < deadline and not task.done()
+        await asyncio.sleep(0.01)  # poll interval
     rep.stop()
-    stats = await asyncio.wait_for(task, 5)
+    stats = await asyncio.wait_for(task, 60)  # a hang guard: the 0.1 s drain, then the abort
     assert stats.scheduled == 1  # the request due at 30 s was never dispatched
     assert len(records) == 1
     assert records[0].error.startswith("aborted")

@@ -45,6 +45,30 @@ class NotifySocket:
     def times(self, message: str) -> list[float]:
         return [t for t, m in self.got if message in m.split("\n")]
 
+    def mark(self, name: str) -> None:
+        """Send a marker datagram of the test's own: datagrams are read in the order they were sent, so
+        what was sent before and after it is told apart however late the reader thread runs."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(f"MARK={name}".encode(), str(self.path))
+
+    def count_between(self, message: str, first: str, second: str) -> tuple[int, int, int]:
+        """How many `message` datagrams came before marker `first`, between it and `second`, after it."""
+        counts = [0, 0, 0]
+        part = 0
+        for _, m in self.got:
+            if m in (f"MARK={first}", f"MARK={second}"):
+                part += 1
+            elif message in m.split("\n"):
+                counts[part] += 1
+        return counts[0], counts[1], counts[2]
+
+    def wait_for_mark(self, name: str, timeout_s: float = 60.0) -> None:
+        """Every datagram sent before marker `name` has been read (a hang guard of `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(m == f"MARK={name}" for _, m in self.got):
+            assert time.monotonic() < deadline, f"marker {name} never read"
+            time.sleep(0.01)  # poll interval
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
@@ -90,21 +114,20 @@ async def test_watchdog_pings_stop_while_the_main_loop_hangs(
     hang: list[float] = []
 
     def block() -> None:
+        notify_socket.mark("hang")
         hang.append(time.monotonic())
         time.sleep(1.5)  # the event loop is wedged: no job, no ping can run
         hang.append(time.monotonic())
+        notify_socket.mark("free")
 
     after_ready(notify_socket, 1.0, block)
     await asyncio.wait_for(soak.run(), 60)
-    pings = notify_socket.times("WATCHDOG=1")
-    start, end = hang
-    before = [t for t in pings if t < start]
-    during = [t for t in pings if start + 0.05 < t < end]
-    after = [t for t in pings if t > end]
-    assert len(before) >= 3 and len(after) >= 3, pings
-    assert during == []
-    # The pings resume only after the hang: the gap spans it.
-    assert min(after) - max(before) >= 1.4
+    notify_socket.mark("end")
+    notify_socket.wait_for_mark("end")
+    # In the order sent: pings before the hang, none while the loop was wedged, pings again after it.
+    before, during, after = notify_socket.count_between("WATCHDOG=1", "hang", "free")
+    assert before >= 3 and after >= 3, (before, during, after, hang)
+    assert during == 0
 
 
 async def test_no_ping_while_collection_has_stalled(tmp_path: Path, notify_socket: NotifySocket) -> None:
@@ -117,23 +140,24 @@ async def test_no_ping_while_collection_has_stalled(tmp_path: Path, notify_socke
         assert soak.jobs is not None
         soak.jobs.scheduler.pause_job("collect")
         stalled.append(time.monotonic())
+        # Unhealthy once no cycle ran for 1.5 ping intervals (0.3 s), or 3 collection intervals (0.6 s):
+        # from 0.9 s on (or later, on a late loop) no ping is sent.
+        loop.call_later(0.9, notify_socket.mark, "stale")
         loop.call_later(1.5, unpause)
 
     def unpause() -> None:
         assert soak.jobs is not None
+        notify_socket.mark("resumed")
         soak.jobs.scheduler.resume_job("collect")
         stalled.append(time.monotonic())
 
     after_ready(notify_socket, 1.0, pause)
     assert soak.healthy()[0]
     await asyncio.wait_for(soak.run(), 60)
-    start, end = stalled
-    pings = notify_socket.times("WATCHDOG=1")
-    before = [p for p in pings if p < start]
-    # Unhealthy once no cycle ran for 1.5 ping intervals (0.3 s), or 3 collection intervals (0.6 s).
-    during = [p for p in pings if start + 0.9 < p < end]
-    after = [p for p in pings if p > end]
-    assert before and after and during == [], (stalled, pings)
+    notify_socket.mark("end")
+    notify_socket.wait_for_mark("end")
+    before, during, after = notify_socket.count_between("WATCHDOG=1", "stale", "resumed")
+    assert before and after and during == 0, (stalled, notify_socket.got)
 
 
 async def test_sigterm_says_stopping_extends_the_timeout_and_drains(
@@ -148,8 +172,9 @@ async def test_sigterm_says_stopping_extends_the_timeout_and_drains(
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
     assert result.stopped_by == "SIGTERM"
-    await asyncio.sleep(0.2)  # the last datagrams reach the reader thread
-    messages = [m for _, m in notify_socket.got]
+    notify_socket.mark("end")
+    notify_socket.wait_for_mark("end")  # every datagram the soak sent has been read
+    messages = [m for _, m in notify_socket.got if m != "MARK=end"]
     stopping = next(i for i, m in enumerate(messages) if "STOPPING=1" in m)
     assert "SIGTERM" in messages[stopping]
     assert any(m == "EXTEND_TIMEOUT_USEC=30000000" for m in messages[stopping:])
