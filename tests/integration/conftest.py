@@ -130,10 +130,14 @@ def server_soak(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, infl
     dashboard and alert checks (test_dashboards_influx.py), which need a real run in a real InfluxDB.
     Besides the engine it replays the recorded H200 as its GPU (so the GPU collector, the throttle
     detector and the control loop act on a real throttle episode) and ships to the session InfluxDB."""
-    from test_engine_lifecycle_e2e import run_ok, write_config  # the lifecycle tests' config and runner
+    from test_engine_lifecycle_e2e import LIFECYCLE_CRITERIA, run_ok, write_config
 
     tmp = tmp_path_factory.mktemp("server-soak")
-    extra = f"""
+    # The latency and error-rate criteria are off (as in the lifecycle tests): a CPU engine's TTFT on a
+    # machine busy with other work is no finding of this run, which must pass for its readers.
+    extra = (
+        LIFECYCLE_CRITERIA
+        + f"""
 [sinks.influx]
 enabled = true
 url = "{influxdb.url}"
@@ -147,6 +151,7 @@ settle = "1s"
 eval = "2s"
 min_binding = 0.0
 """
+    )
     cfg = write_config(tmp / "server.toml", tiny_model, 'kind = "vllm-server"', extra=extra)
     collectors = 'collectors = ["host", "engine", "allocator", "metrics"]'
     text = cfg.read_text(encoding="utf-8")
