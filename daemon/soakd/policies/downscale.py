@@ -543,11 +543,15 @@ class BatchPolicy:
         self._skip_said = True
         self.skipped += 1
         limit = self.settings.ttft_limit_s
+        reach_text = (
+            f"would reach {reach:.1f} s within the trial"
+            if math.isfinite(reach)
+            else "would not move again: no request finished in the before-window"
+        )
         reason = (
             f"no trial of {self.limit} -> {target}: the head of the admission queue has waited {wait:.1f} s "
-            f"and would reach {reach:.1f} s within the trial (its trend, and the stall while the running "
-            f"requests drain to {target}), past the {limit:g} s TTFT limit: goodput would measure the "
-            "queue, not the level"
+            f"and {reach_text} (its trend, and the stall while the running requests drain to {target}), "
+            f"past the {limit:g} s TTFT limit: goodput would measure the queue, not the level"
         )
         evidence = {**evidence, "wait_s": round(wait, 3), "wait_reach_s": round(reach, 3)}
         return TrialSkipped(t, self.limit, target, reason, evidence)

@@ -243,7 +243,6 @@ class Replayer:
         self._t0 = 0.0
         self._wall0 = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._waiting_admission = 0
         self._queued: dict[int, float] = {}  # id(record) -> since when it waits for admission (its due time)
         self._waiting_turn = 0
         self._late_sum = 0.0
@@ -283,7 +282,7 @@ class Replayer:
     @property
     def waiting_admission(self) -> int:
         """Requests due and waiting for the concurrency ceiling (not for an earlier turn)."""
-        return self._waiting_admission
+        return len(self._queued)
 
     def head_wait_s(self) -> float:
         """How long the request that has waited longest for the concurrency ceiling has waited so far,
@@ -307,7 +306,7 @@ class Replayer:
             "shed": st.shed,
             "output_tokens": st.output_tokens,
             "pending": len(self._tasks),
-            "waiting_admission": self._waiting_admission,
+            "waiting_admission": len(self._queued),
             "head_wait_s": self.head_wait_s(),
             "waiting_turn": self._waiting_turn,
             "in_engine": self._gate.in_flight,
@@ -557,7 +556,6 @@ class Replayer:
     ) -> None:
         clock = self._clock
         t_wait = clock.monotonic()
-        self._waiting_admission += 1
         self._queued[id(record)] = max(t_wait, deadline)
         try:
             await self._gate.acquire()
@@ -565,7 +563,6 @@ class Replayer:
             self._finish(record, "aborted: replay ended before admission")
             raise
         finally:
-            self._waiting_admission -= 1
             del self._queued[id(record)]
         try:
             # From its due time: a request handed to a sender ahead of time has not queued before it.

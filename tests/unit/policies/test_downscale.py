@@ -603,3 +603,16 @@ def test_a_ttft_limit_that_is_not_a_positive_number_is_refused() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="ttft_limit_s"):
             BatchSettings(**{**_kw(GOODPUT), "ttft_limit_s": bad})
+
+
+def test_a_window_in_which_no_request_finished_skips_the_trial_and_says_why() -> None:
+    # Tokens flow but no request ends (long outputs): the lower ceiling's stall has no end in sight.
+    policy = BatchPolicy(LIMITED)
+    out: Out = []
+    for i in range(1, 60):
+        h = i >= 10
+        tick = Tick(float(i), 1.0, h, "power" if h else "", binding=True, tokens=2000.0, good_tokens=1500.0)
+        out += policy.update(tick)
+    (skip,) = [o for o in out if isinstance(o, TrialSkipped)]
+    assert actions(out) == [] and skip.evidence["wait_reach_s"] == float("inf")
+    assert "no request finished in the before-window" in skip.reason and "inf" not in skip.reason
