@@ -112,6 +112,7 @@ def main() -> None:
         ("noise: shared-advice2 vs shared-advice", "shared-advice2", "shared-advice"),
         ("A/A: class (shared-free) vs no class (shared-noclass)", "shared-free", "shared-noclass"),
         ("noise: shared-noclass2 vs shared-noclass", "shared-noclass2", "shared-noclass"),
+        ("A/A: class (shared-free2) vs no class (shared-noclass2)", "shared-free2", "shared-noclass2"),
     ]
     for label, x, y in pairs:
         if x not in arms or y not in arms:
