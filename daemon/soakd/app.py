@@ -26,6 +26,7 @@ import structlog
 from soakd.checkpoint import Checkpoint
 from soakd.clock import Clock, SystemClock
 from soakd.collectors.engine import EngineCollector
+from soakd.collectors.engine_gpus import check_parallel
 from soakd.config import Config, EngineConfig
 from soakd.engine import compat
 from soakd.engine.base import Engine
@@ -112,6 +113,7 @@ class Soak:
         # Everything that can reject the input is checked here, before anything is written.
         self.trace: Trace = open_trace(cfg.trace, cfg.resolve, cfg.run.seed, cfg.replay)
         self.model = resolve_model(cfg)
+        check_parallel(cfg, os.environ)
         if engine_factory is None:  # the real engine: a vLLM outside the known versions only when accepted
             compat.check_version(cfg)
         self.host = cfg.run.host or socket.gethostname()

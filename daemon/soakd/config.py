@@ -214,6 +214,13 @@ class EngineConfig(_Section):
     max_model_len: int = Field(default=2048, ge=16, le=MAX_MODEL_LEN)
     max_num_seqs: int = Field(default=16, ge=1, le=65536)
     gpu_memory_utilization: float = Field(default=0.3, gt=0, le=1)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    """GPUs per replica (vLLM's tensor parallelism): every step waits for the slowest of them, so harm on
+    any one is the engine's harm."""
+    data_parallel_size: int = Field(default=1, ge=1, le=64)
+    """Replicas (vLLM's data parallelism), each on its own `tensor_parallel_size` GPUs. The engine takes
+    the first tensor x data parallel GPUs CUDA_VISIBLE_DEVICES leaves (all when unset); soakd judges
+    those and records every GPU."""
     cpu_kvcache_space_gib: int = Field(default=1, ge=1, le=65536)
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -512,6 +519,8 @@ class Config(_Section):
 
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _source: str = PrivateAttr(default="<defaults>")
+    _text: str = PrivateAttr(default="")
+    _overridden: dict[tuple[str, ...], str | None] = PrivateAttr(default_factory=dict)
 
     @property
     def base_dir(self) -> Path:
@@ -520,6 +529,11 @@ class Config(_Section):
     @property
     def source(self) -> str:
         return self._source
+
+    def where(self, dotted: str) -> tuple[str | None, int | None]:
+        """(file, line) that set `dotted` (the environment variable or the command line when it came from
+        there), for a value found wrong only when the run starts (against the GPUs it sees)."""
+        return _blame(self._source, self._text, dotted.split("."), self._overridden)
 
     def resolve(self, path: str) -> Path:
         """An absolute path for a path given in the config (relative ones are relative to base_dir)."""
@@ -574,6 +588,10 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
+# vLLM's parallelism options: first-class engine keys (they decide which GPUs soakd judges), never extra_args.
+PARALLEL_KEYS = ("tensor_parallel_size", "data_parallel_size")
+
+
 def load(
     path: str | Path | None,
     overrides: dict[str, Any] | None = None,
@@ -624,8 +642,19 @@ def load(
     if cfg.sinks.webhook.enabled and not cfg.sinks.webhook.url:
         file, line = _blame(source, text, ["sinks", "webhook", "url"], overridden)
         raise ConfigError("needed when sinks.webhook.enabled", file=file, line=line, key="sinks.webhook.url")
+    for key in PARALLEL_KEYS:
+        if key in cfg.engine.extra_args:
+            file, line = _blame(source, text, ["engine", "extra_args"], overridden)
+            raise ConfigError(
+                f"set engine.{key} instead: soakd picks and judges the engine's GPUs by it",
+                file=file,
+                line=line,
+                key=f"engine.extra_args.{key}",
+            )
     cfg._base_dir = base_dir
     cfg._source = source
+    cfg._text = text
+    cfg._overridden = overridden
     return cfg
 
 

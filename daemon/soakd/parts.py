@@ -53,6 +53,8 @@ def collectors_part(runner: CollectorRunner, ceiling: CeilingTracker | None, cei
             "collectors": {name: asdict(h) for name, h in runner.health.items()},
             "loop": loopwatch.summary() if loopwatch is not None else None,
             "gpu_throttle": gpu_watch.summary() if gpu_watch is not None else None,
+            # A parallel engine's GPUs against each other: the straggler, per replica (None: one GPU).
+            "gpu_spread": (gpu_watch.spread_summary() or None) if gpu_watch is not None else None,
             "gpu_events": events.summary() if events is not None else None,
             "host_throttle": host_watch.summary() if host_watch is not None else None,
             "decode_ceiling": ceiling.summary()

@@ -240,6 +240,7 @@ def make_controller(
         engine=engine_info,
         drifting=lambda: drift.drifting,
         harm=harm,
+        harm_source=gpu_watch.harm_source if gpu_watch is not None and ccfg.scope != "host" else lambda: "",
         waiting=lambda: live.replayer.waiting_admission if live.replayer is not None else 0,
         head_wait=lambda: live.replayer.head_wait_s() if live.replayer is not None else 0.0,
         draining=lambda: live.replayer.draining if live.replayer is not None else False,

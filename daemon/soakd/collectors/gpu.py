@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,6 +12,8 @@ class GpuProbe:
     count: int
     driver: str = ""
     reason: str = ""
+    uuids: tuple[str | None, ...] = field(default=())
+    """Each GPU's UUID by NVML index (None where NVML would not say): how CUDA_VISIBLE_DEVICES is read."""
 
 
 def probe_nvml() -> GpuProbe:
@@ -27,7 +29,14 @@ def probe_nvml() -> GpuProbe:
     try:
         driver = pynvml.nvmlSystemGetDriverVersion()
         count = int(pynvml.nvmlDeviceGetCount())
-        return GpuProbe(count, driver=str(driver))
+        uuids: list[str | None] = []
+        for i in range(count):
+            try:
+                raw = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                uuids.append(raw.decode() if isinstance(raw, bytes) else str(raw))
+            except pynvml.NVMLError:
+                uuids.append(None)
+        return GpuProbe(count, driver=str(driver), uuids=tuple(uuids))
     except pynvml.NVMLError as err:
         return GpuProbe(0, reason=f"NVML error: {err}")
     finally:

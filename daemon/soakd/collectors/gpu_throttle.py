@@ -1,11 +1,15 @@
 """Throttle state per GPU during a soak: the episode detector and the harm judge fed with every fast
-NVML sample, their changes written as `throttle_*` / `harm_*` events (a `harm_leave` says how the harm
-ended: `ended_by` "loss", "own_level" or "bound"), and a `throttle` point per GPU per interval. It also
-integrates board power into energy (J) for the control loop's tokens-per-joule."""
+NVML sample of the engine's GPUs, their changes written as `throttle_*` / `harm_*` events (a `harm_leave`
+says how the harm ended: `ended_by` "loss", "own_level" or "bound"), and a `throttle` point per GPU per
+interval. With more than one GPU to an engine, a `gpu_spread` point per group and interval: how far
+apart the GPUs ran (clock, power, temperature) and which one was the straggler, since every
+tensor-parallel step waits for the slowest. It also integrates board power into energy (J) for the
+control loop's tokens-per-joule."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from soakd.metric import FieldValue, Sample
@@ -25,6 +29,30 @@ from soakd.policies.throttle import (
 EventFn = Callable[..., None]
 STATE_CODE = {ThrottleState.OK: 0, ThrottleState.THROTTLED: 1, ThrottleState.RECOVERING: 2}
 _GPU_IDLE = 0x1
+STRAGGLER_SPREAD = 0.02
+"""Clock spread (of the fastest GPU's mean) below which no GPU of a group is named the straggler: equal
+clocks within sampling noise (H200s at their boost clock differ by a few MHz of 1,980)."""
+
+
+@dataclass(slots=True)
+class _Acc:
+    """One GPU's samples in the current interval, for the spread across its group."""
+
+    sm_sum: float = 0.0
+    sm_n: int = 0
+    power_sum: float = 0.0
+    power_n: int = 0
+    temp_max: float | None = None
+
+
+@dataclass(slots=True)
+class _GroupRecord:
+    """A group's spread over the run, for the summary."""
+
+    intervals: int = 0
+    spreads: list[float] = field(default_factory=list)
+    slowest: dict[int, int] = field(default_factory=dict)
+    """GPU -> intervals it was the straggler (spread at least STRAGGLER_SPREAD)."""
 
 
 _EVENT_KIND = {
@@ -59,11 +87,21 @@ class GpuThrottleWatch:
         on_event: EventFn,
         settings: ThrottleSettings | None = None,
         harm: HarmSettings | None = None,
+        groups: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
+        """`max_sm_mhz`: the GPUs judged (the engine's), each with its maximum SM clock. `groups`: named
+        sets of them whose spread is recorded (a tensor-parallel replica's GPUs; "all" the replicas)."""
         self._detectors = {
             gpu: ThrottleDetector(settings, max_mhz=mhz or None) for gpu, mhz in max_sm_mhz.items()
         }
         self._judges = {gpu: HarmJudge(harm, max_mhz=mhz or None) for gpu, mhz in max_sm_mhz.items()}
+        self._groups = {
+            name: tuple(g for g in gpus if g in self._judges)
+            for name, gpus in (groups or {}).items()
+            if len([g for g in gpus if g in self._judges]) >= 2
+        }
+        self._acc: dict[int, _Acc] = {gpu: _Acc() for gpu in self._judges}
+        self._group_record = {name: _GroupRecord() for name in self._groups}
         self._power: dict[int, tuple[float, float]] = {}  # gpu -> (t, W) of the last sample
         self._energy_j = 0.0
         self._on_event = on_event
@@ -100,6 +138,19 @@ class GpuThrottleWatch:
         if change is not None:
             self._harm_event(gpu, change)
         self._integrate(gpu, t_s, fast.get("power_mw"))
+        if self._groups:
+            self._accumulate(gpu, inp.sm_mhz, fast.get("power_mw"), slow.get("temp_c"))
+
+    def _accumulate(self, gpu: int, sm_mhz: object, power_mw: object, temp_c: object) -> None:
+        acc = self._acc[gpu]
+        if isinstance(sm_mhz, int | float):
+            acc.sm_sum += float(sm_mhz)
+            acc.sm_n += 1
+        if isinstance(power_mw, int | float) and 0 <= power_mw < 1e8:
+            acc.power_sum += float(power_mw) / 1000.0
+            acc.power_n += 1
+        if isinstance(temp_c, int | float):
+            acc.temp_max = float(temp_c) if acc.temp_max is None else max(acc.temp_max, float(temp_c))
 
     def _integrate(self, gpu: int, t_s: float, power_mw: object) -> None:
         if not isinstance(power_mw, int | float) or not 0 <= power_mw < 1e8:
@@ -144,8 +195,15 @@ class GpuThrottleWatch:
 
     def harm(self) -> str:
         """The harm the control loop acts on: "thermal" or "power" when any GPU loses clock beyond its
-        threshold (thermal wins), "" when none."""
+        threshold (thermal wins), "" when none: in tensor parallelism one GPU's harm is the engine's."""
         return worst_harm(j.kind for j in self._judges.values() if j.harmful)
+
+    def harm_source(self) -> str:
+        """Which GPUs the harm is on ("GPU 1", "GPUs 0, 3"), for the evidence of an action; "" when none."""
+        gpus = [gpu for gpu, j in self._judges.items() if j.harmful]
+        if not gpus:
+            return ""
+        return f"GPU {gpus[0]}" if len(gpus) == 1 else "GPUs " + ", ".join(map(str, gpus))
 
     def limited(self) -> bool:
         """Whether any GPU showed a throttle reason in most of its last window of samples."""
@@ -169,6 +227,58 @@ class GpuThrottleWatch:
             for name, secs in det.per_reason_s.items():
                 fields[f"throttle_{name}_total_s"] = secs
             out.append(Sample("throttle", fields, now_ns, tags={"gpu": str(gpu)}))
+        out += self._spread(now_ns)
+        return out
+
+    def _spread(self, now_ns: int) -> list[Sample]:
+        """One `gpu_spread` point per group whose GPUs all sampled a clock in the interval."""
+        accs, self._acc = self._acc, {gpu: _Acc() for gpu in self._judges}
+        out = []
+        for name, gpus in self._groups.items():
+            if any(accs[g].sm_n == 0 for g in gpus):
+                continue
+            sm = {g: accs[g].sm_sum / accs[g].sm_n for g in gpus}
+            fast, slow = max(sm.values()), min(sm, key=lambda g: sm[g])
+            spread = (fast - sm[slow]) / fast if fast > 0 else 0.0
+            fields: dict[str, FieldValue] = {
+                "gpus": len(gpus),
+                "sm_mhz_min": round(sm[slow], 1),
+                "sm_mhz_max": round(fast, 1),
+                "sm_spread": round(spread, 4),
+                "straggler": slow if spread >= STRAGGLER_SPREAD else -1,
+            }
+            power = [accs[g].power_sum / accs[g].power_n for g in gpus if accs[g].power_n]
+            if len(power) == len(gpus):
+                fields["power_w_min"], fields["power_w_max"] = round(min(power), 1), round(max(power), 1)
+            temps = [t for g in gpus if (t := accs[g].temp_max) is not None]
+            if len(temps) == len(gpus):
+                fields["temp_c_min"], fields["temp_c_max"] = min(temps), max(temps)
+            record = self._group_record[name]
+            record.intervals += 1
+            record.spreads.append(spread)
+            if spread >= STRAGGLER_SPREAD:
+                record.slowest[slow] = record.slowest.get(slow, 0) + 1
+            out.append(Sample("gpu_spread", fields, now_ns, tags={"group": name}))
+        return out
+
+    def spread_summary(self) -> dict[str, object]:
+        """Per group: its GPUs, the clock spread's median and maximum over the run, and the straggler:
+        the GPU slowest in most intervals with a spread worth naming (none when there were none)."""
+        out: dict[str, object] = {}
+        for name, gpus in self._groups.items():
+            record = self._group_record[name]
+            ranked = sorted(record.spreads)
+            slowest = max(record.slowest, key=lambda g: record.slowest[g], default=None)
+            named = sum(record.slowest.values())
+            out[name] = {
+                "gpus": list(gpus),
+                "intervals": record.intervals,
+                "sm_spread_p50": ranked[len(ranked) // 2] if ranked else None,
+                "sm_spread_max": ranked[-1] if ranked else None,
+                "straggler": slowest,
+                "straggler_intervals": record.slowest.get(slowest, 0) if slowest is not None else 0,
+                "intervals_with_a_straggler": named,
+            }
         return out
 
     def summary(self) -> dict[str, object]:

@@ -608,7 +608,7 @@ class _GpuState:
 
 
 class NvmlCollector:
-    """One `gpu` point per GPU per interval (tag `gpu` = index), from a NvmlSource.
+    """One `gpu` point per GPU per interval (tags `gpu` = NVML index, `uuid` where known), from a NvmlSource.
 
     The app calls `sample_fast` at the fast rate (10 Hz by default), awaits `refresh` on the slow
     tier, and calls `collect` once per interval. Fields (absent when the GPU does not report them):
@@ -796,7 +796,10 @@ class NvmlCollector:
             fields = self._fields(st, a)
             if last is not None:
                 fields["interval_s"] = (now_ns - last) / 1e9
-            out.append(Sample("gpu", fields, now_ns, tags={"gpu": str(i)}))
+            # The UUID beside the index: an index names another GPU under another CUDA_VISIBLE_DEVICES or
+            # after a node's GPUs change; a UUID is the same board all night and across runs.
+            tags = {"gpu": str(i), "uuid": st.static.uuid} if st.static.uuid else {"gpu": str(i)}
+            out.append(Sample("gpu", fields, now_ns, tags=tags))
         return out
 
     def _fields(self, st: _GpuState, a: _Interval) -> dict[str, FieldValue]:

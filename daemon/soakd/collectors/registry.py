@@ -8,6 +8,7 @@ keeps the two in step).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from soakd.collectors.allocator import AllocatorCollector
 from soakd.collectors.base import Collector
 from soakd.collectors.ceiling import CeilingTracker
 from soakd.collectors.engine import EngineCollector
+from soakd.collectors.engine_gpus import for_config
 from soakd.collectors.gpu import probe_nvml
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.host import HostCollector
@@ -125,16 +127,29 @@ def _gpu(b: Build) -> Sequence[Collector]:
             version = int(pynvml.nvmlSystemGetCudaDriverVersion())  # 13000 for CUDA 13.0
             cuda = f"{version // 1000}.{version % 1000 // 10}"
         extra.append(GpuEventListener(pynvml, range(source.gpu_count()), b.writer.event))
+    devices = [source.static(i) for i in range(source.gpu_count())]
+    # Every GPU is recorded; the engine's are judged (a GPU beside it, busy with other work, is not its harm).
+    mine = for_config(b.cfg, [d.uuid for d in devices], os.environ)
+    judged = list(mine.gpus) if mine is not None else list(range(len(devices)))
+    groups: dict[str, tuple[int, ...]] = {}
+    if mine is not None and mine.known:
+        groups = {str(r): g for r, g in enumerate(mine.replicas) if len(g) >= 2}
+        if len(mine.replicas) >= 2:
+            groups["all"] = mine.gpus
     b.gpu_meta = {
         "source": "recording" if tcfg.gpu_recording else "nvml",
         "driver": source.driver_version(),
         "cuda_driver": cuda,
-        "devices": [source.static(i).to_dict() for i in range(source.gpu_count())],
+        "devices": [d.to_dict() for d in devices],
+        "engine": mine.to_dict()
+        if mine is not None
+        else {"gpus": judged, "known": False, "found_by": "engine elsewhere"},
     }
     watch = GpuThrottleWatch(
-        {i: source.static(i).max_sm_mhz for i in range(source.gpu_count())},
+        {i: devices[i].max_sm_mhz for i in judged if i < len(devices)},
         on_event=b.writer.event,
         harm=HarmSettings.from_config(b.cfg.control.harm),
+        groups=groups,
     )
     energy_every = max(1, round(tcfg.gpu_energy_interval / tcfg.gpu_slow_interval))
     nvml = NvmlCollector(source, on_fast=watch.observe, energy_every=energy_every)

@@ -53,6 +53,11 @@ def engine_kwargs(cfg: EngineConfig, model_path: str) -> dict[str, Any]:
         # soakd's own logger is the one consumer; vLLM's periodic log lines would only be noise.
         "disable_log_stats": True,
     }
+    # Only when parallel: a one-GPU engine's kwargs (and so its config id) stay as they were.
+    if cfg.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+    if cfg.data_parallel_size > 1:
+        kwargs["data_parallel_size"] = cfg.data_parallel_size
     # A shape folder has no weights: vLLM fills the config's shapes with random ones.
     kwargs.update(engine_overrides(model_path))
     if cfg.load_format != "auto":

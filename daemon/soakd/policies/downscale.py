@@ -183,6 +183,8 @@ class Tick:
     """A sustained clock loss (HarmJudge) on the devices in scope."""
     harm_kind: str = ""
     """"thermal" or "power" (the reason class of the harm), empty when none."""
+    harm_source: str = ""
+    """Where the harm is ("GPU 1"), empty when unknown or none."""
     throttled: bool = False
     """The throttle episode state (recorded; the policy acts on harm, not on this)."""
     binding: bool = False
@@ -446,7 +448,7 @@ class BatchPolicy:
         if tick.harm and self._harm_since is not None:
             held = t - self._harm_since
             if held >= s.dwell_s and since_action >= s.settle_s + s.eval_s and self.limit > s.floor:
-                act = self._try_downscale(t, held, tick.harm_kind)
+                act = self._try_downscale(t, held, tick.harm_kind, tick.harm_source)
                 if act is not None:
                     out.append(act)
         elif not tick.harm and self._quiet_since is not None and self.limit < s.start:
@@ -481,7 +483,9 @@ class BatchPolicy:
         return objective_value(self.settings.objective, ticks)
 
     # --- actions ----------------------------------------------------------------------------------
-    def _try_downscale(self, t: float, held: float, kind: str) -> BatchAction | TrialSkipped | None:
+    def _try_downscale(
+        self, t: float, held: float, kind: str, source: str = ""
+    ) -> BatchAction | TrialSkipped | None:
         s = self.settings
         since = max(t - s.eval_s, self._last_action_t or -math.inf)
         window = self._window(t, since)
@@ -502,10 +506,12 @@ class BatchPolicy:
         evidence: dict[str, Any] = {
             "harm_for_s": round(held, 3),
             "harm_kind": kind or "unknown",
+            **({"harm_source": source} if source else {}),
             "binding_share": round(binding, 3),
             "objective": s.objective,
             "objective_before": round(before, 6),
         }
+        what = (kind or "clock loss") + (f" on {source}" if source else "")
         if s.objective == "goodput" and s.ttft_limit_s is not None:
             reach = wait_reach(window, 2 * (s.settle_s + s.eval_s), self.limit - target)
             if reach >= s.ttft_limit_s:
@@ -520,12 +526,12 @@ class BatchPolicy:
                 "downscale",
                 self.limit,
                 target,
-                f"harm ({kind or 'clock loss'}) for {held:.0f} s with the ceiling binding: would try "
+                f"harm ({what}) for {held:.0f} s with the ceiling binding: would try "
                 f"{self.limit} -> {target} and keep it only if {s.objective} gains {s.min_gain:.0%}",
                 {**evidence, "advice": 1},
             )
         reason = (
-            f"harm ({kind or 'clock loss'}) for {held:.0f} s with the ceiling binding: trying "
+            f"harm ({what}) for {held:.0f} s with the ceiling binding: trying "
             f"{self.limit} -> {target}, kept only if {s.objective} gains {s.min_gain:.0%} over {self.limit} "
             "before and after it (A-B-A)"
         )

@@ -44,7 +44,12 @@ class World:
 
 
 def drive(
-    policy: BatchPolicy, world: World, harm: Callable[[float], bool], seconds: int, t0: float = 0.0
+    policy: BatchPolicy,
+    world: World,
+    harm: Callable[[float], bool],
+    seconds: int,
+    t0: float = 0.0,
+    source: str = "",
 ) -> tuple[Out, list[int]]:
     out: Out = []
     limits: list[int] = []
@@ -58,6 +63,7 @@ def drive(
             interval_s=1.0,
             harm=h,
             harm_kind="power" if h else "",
+            harm_source=source if h else "",
             binding=world.demand > level,
             tokens=tokens,
             good_tokens=tokens * world.good_share(level, h),
@@ -616,3 +622,17 @@ def test_a_window_in_which_no_request_finished_skips_the_trial_and_says_why() ->
     (skip,) = [o for o in out if isinstance(o, TrialSkipped)]
     assert actions(out) == [] and skip.evidence["wait_reach_s"] == float("inf")
     assert "no request finished in the before-window" in skip.reason and "inf" not in skip.reason
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_the_evidence_names_the_gpu_the_harm_is_on(dry_run: bool) -> None:
+    """A tensor-parallel engine held back by one GPU: the action (or the advice) says which."""
+    world = World(tps=lambda limit, harm: 100.0 * limit)
+    policy = BatchPolicy(BatchSettings(**{**_kw(SETTINGS), "dry_run": dry_run}))
+    out, _ = drive(policy, world, lambda t: t >= 10, 60, source="GPU 1")
+    first = actions(out, "downscale")[0]
+    assert first.evidence["harm_source"] == "GPU 1" and "harm (power on GPU 1) for " in first.reason
+    plain, _ = drive(
+        BatchPolicy(BatchSettings(**{**_kw(SETTINGS), "dry_run": dry_run})), world, lambda t: t >= 10, 60
+    )
+    assert "harm_source" not in actions(plain, "downscale")[0].evidence

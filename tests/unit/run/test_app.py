@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from soakd.checkpoint import read_checkpoint
 from soakd.collectors.engine import EngineCollector
 from soakd.config import Config, load
 from soakd.engine.base import GenerationRequest
+from soakd.errors import ConfigError
 from soakd.metric import Sample
 from soakd.sinks.spool import Spool, iter_samples
 from soakd.sinks.writer import SampleWriter
@@ -462,3 +464,100 @@ def test_event_numbers_are_floats_whatever_their_python_type(tmp_path: Path) -> 
     assert all("ok=1i" not in line and "ok=true" not in line for line in lines)
     assert [s.fields["ok"] for s in iter_samples(tmp_path)] == [1.0, 1.0]
     assert "down_s=0i" not in lines[1] and 'sizes="1,2"' in lines[0]
+
+
+def _two_gpus_one_capped(src: Path, dst: Path) -> Path:
+    """The H200 recording as a tensor-parallel pair: GPU 1 as recorded (the matmul at the power cap),
+    GPU 0 never capped (the cap bit cleared, its clock held at the last busy uncapped sample's, no
+    throttle time counted)."""
+    with gzip.open(src, "rt") as f:
+        header = json.loads(f.readline())
+        rows = [json.loads(line) for line in f]
+    g0 = header["header"]["gpus"][0]
+    header["header"]["gpus"] = [{**g0, "uuid": "GPU-0000-calm"}, {**g0, "uuid": "GPU-1111-capped"}]
+    calm = 1980
+    with gzip.open(dst, "wt") as f:
+        f.write(json.dumps(header) + "\n")
+        for row in rows:
+            g = row["gpus"][0]
+            other = dict(g)
+            if isinstance(g.get("reasons"), int) and g["reasons"] & 0x4:
+                other["reasons"], other["sm_mhz"] = g["reasons"] & ~0x4, calm
+            elif g.get("sm_mhz") is not None and not (g.get("reasons") or 0) & 0x1:
+                calm = g["sm_mhz"]  # a busy uncapped clock (an idle one reads 345 MHz)
+            if "fields" in g:
+                other["fields"] = {k: 0 for k in g["fields"]}
+            row["gpus"] = [other, g]
+            f.write(json.dumps(row) + "\n")
+    return dst
+
+
+async def test_a_tensor_parallel_soak_names_the_straggler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two GPUs of one tensor-parallel engine (a recording made from the H200's: the cap on GPU 1 only),
+    and a third run with the engine on GPU 0 alone: every GPU recorded with its UUID, the engine's judged,
+    the straggler named in the spread series, the summary and the printout; the other tenant's cap is not
+    this engine's."""
+    recording = _two_gpus_one_capped(
+        Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz",
+        tmp_path / "two.jsonl.gz",
+    )
+    over = {
+        "run.duration": "6s",
+        "telemetry.collectors": ["host", "engine", "gpu"],
+        "telemetry.gpu_recording": str(recording),
+        "telemetry.gpu_recording_speed": 40.0,
+        "telemetry.gpu_fast_interval": "25ms",
+        "telemetry.gpu_slow_interval": "250ms",
+        "telemetry.interval": "0.25s",
+        "engine.tensor_parallel_size": 2,
+    }
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    soak = Soak(config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
+    result = await asyncio.wait_for(soak.run(), 60)
+    by: dict[str, list[Sample]] = {}
+    for s in iter_samples(result.run_dir / "spool"):
+        by.setdefault(s.measurement, []).append(s)
+    assert {(s.tags["gpu"], s.tags["uuid"]) for s in by["gpu"]} == {
+        ("0", "GPU-0000-calm"),
+        ("1", "GPU-1111-capped"),
+    }
+    enters = [e for e in by["events"] if e.tags["kind"] == "throttle_enter"]
+    assert [e.fields["gpu"] for e in enters] == [1]
+    capped = [s for s in by["gpu_spread"] if s.fields["straggler"] == 1]
+    assert capped and all(float(s.fields["sm_spread"]) > 0.15 for s in capped)  # 1530 of 1980 MHz
+    assert all(s.fields["straggler"] in (1, -1) for s in by["gpu_spread"])
+    spread = result.summary["gpu_spread"]["0"]
+    assert spread["gpus"] == [0, 1] and spread["straggler"] == 1
+    meta = json.loads((result.run_dir / "meta.json").read_text())
+    engine = meta["gpu"]["engine"]
+    assert engine["gpus"] == [0, 1] and engine["replicas"] == [[0, 1]] and engine["known"] is True
+    from soakd.cli.common import hardware_lines
+
+    (line,) = [x for x in hardware_lines(result.summary) if "straggler" in x]
+    assert line.startswith("  GPUs 0, 1 (replica 0): clock spread p50 ") and "straggler GPU 1 in " in line
+
+    # The engine on GPU 0 alone: GPU 1's cap is recorded, not judged.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-0000")
+    alone = config(tmp_path, **{**over, "engine.tensor_parallel_size": 1})
+    result = await asyncio.wait_for(Soak(alone, engine_factory=lambda c, m, col: StubEngine(col)).run(), 60)
+    samples = list(iter_samples(result.run_dir / "spool"))
+    assert {s.tags["gpu"] for s in samples if s.measurement == "gpu"} == {"0", "1"}
+    assert not [s for s in samples if s.measurement == "events" and s.tags["kind"] == "throttle_enter"]
+    assert {s.tags["gpu"] for s in samples if s.measurement == "throttle" and "gpu" in s.tags} == {"0"}
+    assert result.summary["gpu_spread"] is None and list(result.summary["gpu_throttle"]) == ["0"]
+
+
+def test_a_tensor_parallel_engine_the_gpus_cannot_hold_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recording = _two_gpus_one_capped(
+        Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz",
+        tmp_path / "two.jsonl.gz",
+    )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    cfg = config(tmp_path, **{"telemetry.gpu_recording": str(recording), "engine.tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match=r"needs 2 GPUs; CUDA_VISIBLE_DEVICES=1 leaves 1 of 2 \(1\)"):
+        Soak(cfg, engine_factory=lambda c, m, col: StubEngine(col))
+    assert not (tmp_path / "runs").exists()

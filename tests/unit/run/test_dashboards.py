@@ -32,6 +32,7 @@ import pytest
 from soakd.app import Soak
 from soakd.clock import FakeClock
 from soakd.collectors.engine import EngineCollector
+from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.collectors.nvml_events import GpuEventListener
 from soakd.collectors.spec import OUTPUT_EDGES, TURN_EDGES
 from soakd.config import Config, load, parse_duration
@@ -80,8 +81,23 @@ PROFILE_OPTIONAL = {
 # admission wait, pacing lateness and connection included), beside the server's view from the send
 # (ttft_s, e2e_s). The dashboard leads with them: the schema soak must carry them (checked below).
 OFFERED = {("requests", "ttft_offered_s"), ("requests", "e2e_offered_s")}
-OPTIONAL = HOST_OPTIONAL | PROFILE_OPTIONAL | GPU_OPTIONAL | CONTROL_OPTIONAL
-OPTIONAL_MEASUREMENTS = {m for m, _ in GPU_OPTIONAL}
+
+
+def _spread_schema() -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
+    """What the straggler series holds, from soakd's own throttle watch over two GPUs of one engine (the
+    schema soak's recorded H200 is one GPU; tests/unit/run/test_app.py runs a two-GPU soak through it)."""
+    watch = GpuThrottleWatch({0: 1980.0, 1: 1980.0}, lambda *_a, **_f: None, groups={"0": (0, 1)})
+    for gpu, mhz in ((0, 1980), (1, 1500)):
+        watch.observe(gpu, 1.0, {"sm_mhz": mhz, "reasons": 0, "power_mw": 500_000}, {"temp_c": 50})
+    (point,) = [p for p in watch.collect(1) if p.measurement == "gpu_spread"]
+    tags = {(point.measurement, t) for t in (*point.tags, "run_id", "host")}
+    return {(point.measurement, f) for f in point.fields}, tags
+
+
+# A parallel engine's spread across its GPUs (`gpu_spread`): written only with two or more GPUs to an engine.
+SPREAD_OPTIONAL, SPREAD_OPTIONAL_TAGS = _spread_schema()
+OPTIONAL = HOST_OPTIONAL | PROFILE_OPTIONAL | GPU_OPTIONAL | CONTROL_OPTIONAL | SPREAD_OPTIONAL
+OPTIONAL_MEASUREMENTS = {m for m, _ in GPU_OPTIONAL | SPREAD_OPTIONAL}
 # Targets the schema soak leaves empty: control actions and throttle transitions need a throttle episode
 # longer than the detector's dwell (the real soak in tests/integration/test_dashboards_influx.py has one).
 NEEDS_AN_EPISODE = {"Control actions A"}
@@ -761,7 +777,7 @@ def test_every_measurement_field_and_tag_a_query_reads_is_written_by_soakd(
     dashboard: dict[str, Any], schema: SoakSchema
 ) -> None:
     fields = schema.fields | OPTIONAL
-    tags = schema.tags | GPU_OPTIONAL_TAGS
+    tags = schema.tags | GPU_OPTIONAL_TAGS | SPREAD_OPTIONAL_TAGS
     measurements = {m for m, _ in schema.fields}
     problems: list[str] = []
     read: set[tuple[str, str]] = set()
