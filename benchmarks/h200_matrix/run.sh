@@ -29,7 +29,13 @@ declare -A SCEN=(
   [pays]="--set criteria.ttft_p99_ms=false --set criteria.tpot_p99_ms=12.79 --set control.harm.act_on_throughput=true"
   # The engine's own batch at the power cap: twice the trace's rate, no second process.
   [owncap]="--set replay.rate_scale=2.0"
+  # pays with room for the policy's default times (dwell 10 s, legs of settle 10 s + eval 20 s): a 150 s
+  # load, a 200 s replay, so an A-B-A trial's legs are twice as long as the 45 s load allows.
+  [payslong]="--set criteria.ttft_p99_ms=false --set criteria.tpot_p99_ms=12.79 --set control.harm.act_on_throughput=true --set control.batch.dwell=10s --set control.batch.settle=10s --set control.batch.eval=20s --duration 200s"
 )
+# The outside load's length (s, from 20 s into the replay) and the arm's time for the deadline, per scenario.
+declare -A LOAD_S=([payslong]=150)
+declare -A SCEN_ARM_S=([payslong]=300)
 declare -A POLICY=(
   [control]=""
   [advice]="--set control.dry_run=true"
@@ -45,13 +51,14 @@ fi
 arm() {  # scenario policy load
   local scen=$1 policy=$2 load=$3 name="$1-$2"
   local pol=${POLICY[${policy%2}]}
-  if (( DEADLINE > 0 && $(date +%s) + ARM_S > DEADLINE )); then echo "skip $name: past the deadline"; return; fi
+  local need=${SCEN_ARM_S[$scen]:-$ARM_S} load_s=${LOAD_S[$scen]:-45}
+  if (( DEADLINE > 0 && $(date +%s) + need > DEADLINE )); then echo "skip $name: past the deadline"; return; fi
   echo "== $name $(date -u +%T)"
   mkdir -p "$OUT/$name"
   printf '{"scenario": "%s", "policy": "%s", "load": %s}\n' "$scen" "${policy%2}" \
     "$([[ $load == load ]] && echo true || echo false)" > "$OUT/$name/arm.json"
   if [[ $load == load ]]; then
-    python3 $LOAD --runs /tmp/runs/$name --after 20 --seconds 45 --out "$OUT/$name/times.json" \
+    python3 $LOAD --runs /tmp/runs/$name --after 20 --seconds "$load_s" --out "$OUT/$name/times.json" \
       > "$OUT/$name/load.txt" 2>&1 &
   fi
   # Raw NVML at 10 Hz from the replay's first request, for replaying the harm judge in tests.
@@ -59,7 +66,7 @@ arm() {  # scenario policy load
       j=$(ls /tmp/runs/$name/*/replay.journal 2>/dev/null | head -1)
       [[ -n $j && -s $j ]] && break; sleep 0.1
     done
-    python3 -m soakd telemetry record --duration 100s "$OUT/$name/nvml.jsonl.gz" > /dev/null 2>&1 ) &
+    python3 -m soakd telemetry record --duration "$(( load_s + 55 ))s" "$OUT/$name/nvml.jsonl.gz" > /dev/null 2>&1 ) &
   # shellcheck disable=SC2086
   python3 -m soakd run --config $HERE/matrix.toml --json --no-progress \
     --set run.name="$name" --set run.output_dir="/tmp/runs/$name" ${SCEN[$scen]} $pol \
