@@ -588,8 +588,32 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
-# vLLM's parallelism options: first-class engine keys (they decide which GPUs soakd judges), never extra_args.
+# vLLM's parallelism options: first-class engine keys (they decide which GPUs soakd judges), never given
+# another way (extra_args, a change's extra_args, a server's flags). Pipeline parallelism stays in
+# extra_args: the engine's GPUs count it (collectors/engine_gpus).
 PARALLEL_KEYS = ("tensor_parallel_size", "data_parallel_size")
+_PARALLEL_FLAGS = {
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size",
+    "--data-parallel-size": "data_parallel_size",
+    "-dp": "data_parallel_size",
+}
+
+
+def _parallel_elsewhere(e: EngineConfig) -> tuple[list[str], str, str] | None:
+    """Where a parallelism option is set other than by its engine key: (its location in the TOML, the key
+    to name, the engine key to set instead); None when nowhere."""
+    for name in PARALLEL_KEYS:
+        if name in e.extra_args:
+            return ["engine", "extra_args"], f"engine.extra_args.{name}", name
+        for n, change in enumerate(e.changes):
+            if name in change.extra_args:
+                return ["engine", "changes", str(n), "extra_args"], f"engine.changes.extra_args.{name}", name
+    for flag in e.server.extra_flags:
+        option = _PARALLEL_FLAGS.get(flag.split("=", 1)[0])
+        if option is not None:
+            return ["engine", "server", "extra_flags"], "engine.server.extra_flags", option
+    return None
 
 
 def load(
@@ -642,15 +666,16 @@ def load(
     if cfg.sinks.webhook.enabled and not cfg.sinks.webhook.url:
         file, line = _blame(source, text, ["sinks", "webhook", "url"], overridden)
         raise ConfigError("needed when sinks.webhook.enabled", file=file, line=line, key="sinks.webhook.url")
-    for key in PARALLEL_KEYS:
-        if key in cfg.engine.extra_args:
-            file, line = _blame(source, text, ["engine", "extra_args"], overridden)
-            raise ConfigError(
-                f"set engine.{key} instead: soakd picks and judges the engine's GPUs by it",
-                file=file,
-                line=line,
-                key=f"engine.extra_args.{key}",
-            )
+    where = _parallel_elsewhere(cfg.engine)
+    if where is not None:
+        loc, key, name = where
+        file, line = _blame(source, text, loc, overridden)
+        raise ConfigError(
+            f"set engine.{name} instead: soakd picks and judges the engine's GPUs by it",
+            file=file,
+            line=line,
+            key=key,
+        )
     cfg._base_dir = base_dir
     cfg._source = source
     cfg._text = text

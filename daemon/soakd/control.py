@@ -66,8 +66,8 @@ class ControlInputs:
     """Whether speculative acceptance is below its baseline by the drift threshold now."""
     harm: Callable[[], str] = lambda: ""
     """The harm the batch policy acts on: "thermal", "power" or "" (policies.throttle.HarmJudge)."""
-    harm_source: Callable[[], str] = lambda: ""
-    """Where the harm is ("GPU 1"): an action's evidence names the GPU that held the engine back."""
+    harm_source: Callable[[str], str] = lambda _kind: ""
+    """Where harm of this kind is ("GPU 1"): an action's evidence names the GPU that held the engine back."""
     waiting: Callable[[], int] = lambda: 0
     """Requests waiting for admission now (the ceiling binds when > 0)."""
     head_wait: Callable[[], float] = lambda: 0.0
@@ -223,7 +223,7 @@ class Controller:
                 interval_s=interval,
                 harm=bool(harm),
                 harm_kind=harm,
-                harm_source=self.inputs.harm_source() if harm and harm != "throughput" else "",
+                harm_source=self.inputs.harm_source(harm) if harm and harm != "throughput" else "",
                 throttled=self.inputs.throttled(),
                 binding=binding,
                 tokens=float(delta),

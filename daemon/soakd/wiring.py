@@ -172,6 +172,10 @@ def make_ceiling(cfg: Config, model: str) -> tuple[CeilingTracker | None, str]:
     if cfg.engine.kind == "openai" or not is_model_dir(path):
         return None, "no local model folder to read the weight bytes from"
     ecfg = cfg.engine
+    if ecfg.tensor_parallel_size * ecfg.data_parallel_size > 1:
+        # One GPU's bandwidth against the whole model's bytes: neither split (tensor) nor summed (data)
+        # parallelism is modelled, and a wrong ceiling is worse than none.
+        return None, "a parallel engine: the decode ceiling is modelled for one GPU only"
     try:
         # Dummy weights are the config's shapes, whatever safetensors lie beside it.
         load_format = effective_load_format(ecfg.load_format, ecfg.extra_args, model)
@@ -240,7 +244,9 @@ def make_controller(
         engine=engine_info,
         drifting=lambda: drift.drifting,
         harm=harm,
-        harm_source=gpu_watch.harm_source if gpu_watch is not None and ccfg.scope != "host" else lambda: "",
+        harm_source=gpu_watch.harm_source
+        if gpu_watch is not None and ccfg.scope != "host"
+        else lambda _k: "",
         waiting=lambda: live.replayer.waiting_admission if live.replayer is not None else 0,
         head_wait=lambda: live.replayer.head_wait_s() if live.replayer is not None else 0.0,
         draining=lambda: live.replayer.draining if live.replayer is not None else False,

@@ -55,24 +55,6 @@ def trace_arg(value: str) -> str:
     return value if value.startswith(BUNDLED_PREFIX) else str(Path(value).absolute())
 
 
-def spread_line(group: str, g: dict[str, Any]) -> str:
-    """A parallel engine's GPUs against each other over the run: how far apart their clocks ran and
-    which GPU held the others back."""
-    gpus = ", ".join(map(str, g.get("gpus", [])))
-    who = "replicas' GPUs" if group == "all" else f"replica {group}"
-    p50, top = g.get("sm_spread_p50"), g.get("sm_spread_max")
-    spread = (
-        "no interval measured" if p50 is None or top is None else f"clock spread p50 {p50:.1%}, max {top:.1%}"
-    )
-    slow = g.get("straggler")
-    named = (
-        f"straggler GPU {slow} in {g['straggler_intervals']} of {g['intervals']} intervals"
-        if slow is not None
-        else "no straggler (clocks within 2 %)"
-    )
-    return f"  GPUs {gpus} ({who}): {spread}; {named}"
-
-
 def hardware_lines(summary: dict[str, Any]) -> list[str]:
     """Throttling, GPU error events and the decode ceiling, as the run's printout and the report show them."""
     from soakd.collectors.ceiling import ceiling_line
@@ -87,8 +69,10 @@ def hardware_lines(summary: dict[str, Any]) -> list[str]:
             f"  throttle, {name}: {t['throttled_s']:.1f} s throttled in {t['enters']} episode(s), "
             f"now {t['state']}" + (f"; counters: {reasons}" if reasons else "")
         )
+    from soakd.report.gpus import spread_text
+
     for group, g in (summary.get("gpu_spread") or {}).items():
-        out.append(spread_line(group, g))
+        out.append("  " + spread_text(group, g))
     events = summary.get("gpu_events")
     if events:
         if events.get("listening") or events.get("totals"):

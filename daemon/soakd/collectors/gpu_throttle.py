@@ -138,7 +138,8 @@ class GpuThrottleWatch:
         if change is not None:
             self._harm_event(gpu, change)
         self._integrate(gpu, t_s, fast.get("power_mw"))
-        if self._groups:
+        if self._groups and inp.active is not False:
+            # Busy samples only: an idle GPU's clock drops to its floor and says nothing of who is slow.
             self._accumulate(gpu, inp.sm_mhz, fast.get("power_mw"), slow.get("temp_c"))
 
     def _accumulate(self, gpu: int, sm_mhz: object, power_mw: object, temp_c: object) -> None:
@@ -198,9 +199,10 @@ class GpuThrottleWatch:
         threshold (thermal wins), "" when none: in tensor parallelism one GPU's harm is the engine's."""
         return worst_harm(j.kind for j in self._judges.values() if j.harmful)
 
-    def harm_source(self) -> str:
-        """Which GPUs the harm is on ("GPU 1", "GPUs 0, 3"), for the evidence of an action; "" when none."""
-        gpus = [gpu for gpu, j in self._judges.items() if j.harmful]
+    def harm_source(self, kind: str) -> str:
+        """Which GPUs have harm of this kind ("GPU 1", "GPUs 0, 3"), for the evidence of an action; ""
+        when none (the harm acted on came from elsewhere: the host's CPUs)."""
+        gpus = [gpu for gpu, j in self._judges.items() if j.harmful and j.kind == kind]
         if not gpus:
             return ""
         return f"GPU {gpus[0]}" if len(gpus) == 1 else "GPUs " + ", ".join(map(str, gpus))
@@ -210,7 +212,7 @@ class GpuThrottleWatch:
         return any(j.limited >= 0.5 for j in self._judges.values())
 
     def energy_j(self) -> float:
-        """GPU energy since the start (J, all GPUs), integrated from the fast tier's board power."""
+        """GPU energy since the start (J, the engine's GPUs), integrated from the fast tier's board power."""
         return self._energy_j
 
     def collect(self, now_ns: int) -> Sequence[Sample]:

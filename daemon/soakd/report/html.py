@@ -23,8 +23,9 @@ from typing import Any
 from soakd import __version__
 from soakd.files import json_text, write_private
 from soakd.judge.verdict import stop_note
+from soakd.report.gpus import gpu_rows
 from soakd.report.headline import headline, human
-from soakd.report.series import ACTION_KINDS
+from soakd.report.series import ACTION_KINDS, at_path
 from soakd.rundir import DIGEST_FILES, SPOOL_DIR
 from soakd.sinks.spool import list_segments, open_segment
 from soakd.units import format_duration
@@ -67,60 +68,6 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _get(d: Mapping[str, Any], path: str) -> Any:
-    node: Any = d
-    for part in path.split("."):
-        if not isinstance(node, Mapping):
-            return None
-        node = node.get(part)
-    return node
-
-
-def _gpu_rows(
-    meta: Mapping[str, Any], cfg: Mapping[str, Any], data: Mapping[str, Any]
-) -> list[tuple[str, Any]]:
-    """The GPUs: meta.json's facts (driver, each device), then what the GPU series say."""
-    gpu_meta = meta.get("gpu") if isinstance(meta.get("gpu"), Mapping) else None
-    gpu: list[tuple[str, Any]] = []
-    collectors = _get(cfg, "telemetry.collectors")
-    if gpu_meta is not None and gpu_meta.get("source") == "none":
-        gpu.append(("GPU", f"none: {gpu_meta.get('reason') or 'no GPU found'} (GPU telemetry was off)"))
-    elif gpu_meta is not None:
-        assert isinstance(gpu_meta, Mapping)
-        gpu.append(("driver", gpu_meta.get("driver")))
-        gpu.append(("CUDA (driver)", gpu_meta.get("cuda_driver")))
-        if gpu_meta.get("source") == "recording":
-            gpu.append(("read from", f"an NVML recording ({_get(cfg, 'telemetry.gpu_recording')})"))
-        for i, dev in enumerate(gpu_meta.get("devices") or []):
-            if isinstance(dev, Mapping):
-                facts = [str(dev.get("name") or "unnamed")]
-                if dev.get("mem_total"):
-                    facts.append(f"{dev['mem_total'] / 2**30:.1f} GiB")
-                if dev.get("max_sm_mhz"):
-                    facts.append(f"SM clock up to {dev['max_sm_mhz']} MHz")
-                if dev.get("power_limit_mw"):
-                    facts.append(f"power limit {dev['power_limit_mw'] / 1000:g} W")
-                gpu.append((f"GPU {i}", ", ".join(facts)))
-    elif (
-        isinstance(collectors, list) and "gpu" not in collectors and not _get(cfg, "telemetry.gpu_recording")
-    ):
-        gpu.append(("GPU", "not read: the gpu collector was off (telemetry.collectors)"))
-    elif _get(meta, "engine.details.platform") == "cpu":
-        gpu.append(("GPU", "none: the engine ran on the CPU platform"))
-    else:
-        gpu.append(("name, driver, CUDA", "not recorded in meta.json (runs before soakd wrote them)"))
-    for g in data.get("gpus", []):
-        facts = []
-        if g.get("mem_total_bytes"):
-            facts.append(f"{g['mem_total_bytes'] / 2**30:.1f} GiB")
-        if g.get("power_limit_w"):
-            facts.append(f"power limit {g['power_limit_w']:g} W")
-        gpu.append((f"GPU {g['index']} (from its series)", ", ".join(facts) or "seen"))
-    if not data.get("gpus"):
-        gpu.append(("GPU series", "none in this run"))
-    return gpu
-
-
 def _engine_history(engines: Any) -> list[tuple[str, Any]]:
     """Each engine configuration of a run that rebuilt its engine: its start and CUDA-graph sizes."""
     eng: list[tuple[str, Any]] = []
@@ -139,7 +86,9 @@ def _engine_history(engines: Any) -> list[tuple[str, Any]]:
     return eng
 
 
-def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[str, Any]]:
+def environment(
+    meta: Mapping[str, Any], data: Mapping[str, Any], summary: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """What the run ran on, from meta.json (and the GPU series where meta.json does not say)."""
     cfg = meta.get("config") if isinstance(meta.get("config"), Mapping) else {}
     engine = meta.get("engine") if isinstance(meta.get("engine"), Mapping) else {}
@@ -150,48 +99,48 @@ def environment(meta: Mapping[str, Any], data: Mapping[str, Any]) -> list[dict[s
         ("run id", meta.get("run_id")),
         ("host", meta.get("host")),
         ("started (UTC)", meta.get("started_utc")),
-        ("planned duration (s)", _get(cfg, "run.duration")),
+        ("planned duration (s)", at_path(cfg, "run.duration")),
         ("resumed after crashes", meta.get("resumes")),
         ("config file", meta.get("config_source")),
         ("soakd version", meta.get("soakd_version")),
         ("Python", meta.get("python")),
     ]
-    gpu = _gpu_rows(meta, cfg, data)
+    gpu = gpu_rows(meta, cfg, data, summary or {})
 
-    spec = _get(cfg, "engine.speculative") or {}
+    spec = at_path(cfg, "engine.speculative") or {}
     details = engine.get("details") if isinstance(engine.get("details"), Mapping) else {}
     assert isinstance(details, Mapping)
     eng = [
-        ("engine", engine.get("kind") or _get(cfg, "engine.kind")),
+        ("engine", engine.get("kind") or at_path(cfg, "engine.kind")),
         ("vLLM version", engine.get("version")),
-        ("model", engine.get("model") or _get(cfg, "engine.model")),
+        ("model", engine.get("model") or at_path(cfg, "engine.model")),
         ("engine config id", engine.get("config_id")),
         ("platform", details.get("platform")),
         ("CUDA-graph mode", details.get("cudagraph_mode")),
-        ("max_num_seqs", details.get("max_num_seqs") or _get(cfg, "engine.max_num_seqs")),
-        ("max_model_len", engine.get("max_model_len") or _get(cfg, "engine.max_model_len")),
-        ("dtype", _get(cfg, "engine.dtype")),
-        ("gpu_memory_utilization", _get(cfg, "engine.gpu_memory_utilization")),
-        ("enforce_eager", _get(cfg, "engine.enforce_eager")),
-        ("prefix caching", _get(cfg, "engine.enable_prefix_caching")),
+        ("max_num_seqs", details.get("max_num_seqs") or at_path(cfg, "engine.max_num_seqs")),
+        ("max_model_len", engine.get("max_model_len") or at_path(cfg, "engine.max_model_len")),
+        ("dtype", at_path(cfg, "engine.dtype")),
+        ("gpu_memory_utilization", at_path(cfg, "engine.gpu_memory_utilization")),
+        ("enforce_eager", at_path(cfg, "engine.enforce_eager")),
+        ("prefix caching", at_path(cfg, "engine.enable_prefix_caching")),
         (
             "speculative decoding",
             f"{spec.get('method')}, {spec.get('num_speculative_tokens')} tokens"
             if isinstance(spec, Mapping) and spec.get("enabled")
             else "off",
         ),
-        ("extra engine args", _get(cfg, "engine.extra_args")),
+        ("extra engine args", at_path(cfg, "engine.extra_args")),
         ("engine start (s)", engine.get("start_s")),
     ]
     eng += _engine_history(meta.get("engines"))
     tr = [
-        ("path", trace.get("path") or _get(cfg, "trace.path")),
+        ("path", trace.get("path") or at_path(cfg, "trace.path")),
         ("sha256", trace.get("sha256")),
         ("format", trace.get("format")),
         ("requests", trace.get("requests")),
         ("span (s)", trace.get("span_s")),
         ("sessions", trace.get("sessions")),
-        ("replay speed", _get(cfg, "replay.speed")),
+        ("replay speed", at_path(cfg, "replay.speed")),
     ]
     return [
         {"group": name, "items": [[k, _text(v)] for k, v in items]}
@@ -216,7 +165,7 @@ def build_doc(
         "run_id": verdict.get("run_id") or meta.get("run_id"),
         "verdict": dict(verdict),
         "headline": headline(verdict, summary or {}),
-        "environment": environment(meta, data),
+        "environment": environment(meta, data, summary),
         "digest": data_digest(run_dir),
         "data": dict(data),
         "generated": {

@@ -412,7 +412,8 @@ def _series(
     return out
 
 
-def _get(cfg: Mapping[str, Any], path: str, default: Any = None) -> Any:
+def at_path(cfg: Mapping[str, Any], path: str, default: Any = None) -> Any:
+    """The value at a dotted path of nested mappings ("telemetry.collectors"), or `default`."""
     node: Any = cfg
     for part in path.split("."):
         if not isinstance(node, Mapping) or part not in node:
@@ -423,13 +424,13 @@ def _get(cfg: Mapping[str, Any], path: str, default: Any = None) -> Any:
 
 def _why(cfg: Mapping[str, Any], panel: str, b: SeriesBuilder) -> str:
     """Why a panel has no data, from what the run's config asked for."""
-    collectors = _get(cfg, "telemetry.collectors", None)
+    collectors = at_path(cfg, "telemetry.collectors", None)
 
     def has(name: str) -> bool:
         return name in collectors if isinstance(collectors, list) else True
 
     if panel in ("sm_clock", "power", "temperature"):
-        if not has("gpu") and not _get(cfg, "telemetry.gpu_recording"):
+        if not has("gpu") and not at_path(cfg, "telemetry.gpu_recording"):
             return "the gpu collector was not enabled (telemetry.collectors)"
         return "no gpu points: NVML saw no GPU, or it read nothing (GPU telemetry was off)"
     if panel == "throughput":
@@ -437,7 +438,7 @@ def _why(cfg: Mapping[str, Any], panel: str, b: SeriesBuilder) -> str:
     if panel in ("ttft", "tpot"):
         return "no completed requests"
     if panel in ("spec_acceptance", "spec_drift"):
-        if _get(cfg, "engine.speculative.enabled") is False:
+        if at_path(cfg, "engine.speculative.enabled") is False:
             return "speculative decoding was off (engine.speculative.enabled = false)"
         if not has("engine"):
             return "the engine collector was not enabled (telemetry.collectors)"
@@ -445,7 +446,7 @@ def _why(cfg: Mapping[str, Any], panel: str, b: SeriesBuilder) -> str:
             return "no drift figures: the baseline window (telemetry.spec_drift.baseline) never filled"
         return "the engine reported no speculative-decoding counters"
     if panel == "cudagraph":
-        if _get(cfg, "engine.enforce_eager") is True:
+        if at_path(cfg, "engine.enforce_eager") is True:
             return "CUDA graphs were off (engine.enforce_eager = true)"
         if not has("engine"):
             return "the engine collector was not enabled (telemetry.collectors)"
@@ -510,7 +511,7 @@ def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
         {fld.split("#")[0] for fld in b.fields_of("spec_decode") if fld.startswith("pos") and "#" in fld},
         key=lambda p: int(p[3:]),
     )
-    threshold = _get(cfg, "telemetry.spec_drift.threshold")
+    threshold = at_path(cfg, "telemetry.spec_drift.threshold")
     ceiling = f.level("control", "", "ceiling", "ceiling", "ceiling", "concurrency ceiling")
     failed = (
         f.count("requests", "error", "lateness_s", "failed requests"),

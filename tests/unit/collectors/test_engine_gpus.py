@@ -40,16 +40,24 @@ MATRIX = Path(__file__).parents[2] / "data" / "h200" / "matrix2" / "pays-advice"
         ("", []),
         ("1,0", [1, 0]),
         (" 2 , 3 ", [2, 3]),
-        ("GPU-c511bdc7", [0]),  # a unique prefix is enough
-        ("gpu-C511BDC7-A71E-2132-5c94-314c9553998c,1", [0, 1]),
-        ("GPU-0f3e", []),  # two GPUs start so: CUDA takes neither, and ignores the rest
+        ("1gpu,2ampere", [1, 2]),  # strtoul: the digits an entry starts with
         ("1,7,0", [1]),  # no GPU 7: the list ends there
-        ("1,1,0", [1]),  # a GPU named twice ends it too
-        ("-1,0", []),
+        ("1,-1,0", [1]),  # a negative entry ends it too
         ("0,zzz,1", [0]),
+        ("1,1,0", []),  # an index given twice: no GPU at all
+        ("GPU-c511bdc7", [0]),  # a unique prefix is enough
+        ("GPU-c511bdc7-a71e-2132-5c94-314c9553998c,GPU-0f3e9a11", [0, 1]),
+        ("GPU-c511bdc7,1", [0]),  # a UUID list ends at the first entry without the prefix
+        ("GPU-0f3e", []),  # two GPUs start so: ambiguous, no GPU at all
+        ("GPU-ffff,GPU-c511bdc7", []),  # no such GPU: the list ends there
+        ("GPU-c511bdc7,GPU-c511bdc7", []),  # named twice
+        ("c511bdc7", []),  # without the prefix: not a UUID, and no index either
+        ("gpu-c511bdc7", []),  # the prefix is case-sensitive
     ],
 )
 def test_visible_gpus_reads_the_variable_as_cuda_does(env: str | None, want: list[int]) -> None:
+    """CUDA's rules as PyTorch mirrors them (torch.cuda._parse_visible_devices and
+    _transform_uuid_to_ordinals)."""
     assert visible_gpus(env, UUIDS) == want
 
 
@@ -57,13 +65,22 @@ def test_mig_instances_leave_the_engines_gpus_unknown() -> None:
     assert visible_gpus("MIG-5c1e0f0a-aaaa-bbbb-cccc-dddddddddddd", UUIDS) is None
     found = engine_gpus(2, 1, UUIDS, "MIG-5c1e0f0a")
     assert not found.known and found.gpus == (0, 1, 2, 3) and "MIG" in found.found_by
+    assert found.replicas == () and found.to_dict()["replicas"] == []
 
 
-def test_replicas_are_consecutive_tensor_parallel_groups_of_the_visible_gpus() -> None:
-    found = engine_gpus(2, 2, (*UUIDS, "GPU-e", "GPU-f"), "5,4,3,2,1")
+def test_replicas_are_consecutive_groups_of_the_visible_gpus() -> None:
+    found = engine_gpus(2, 2, (*UUIDS, "GPU-e", "GPU-f"), "5,4,3,2,1", order="PCI_BUS_ID")
     assert found.gpus == (5, 4, 3, 2) and found.replicas == ((5, 4), (3, 2))
-    assert found.replica_of(3) == 1 and found.replica_of(1) is None
-    assert found.to_dict()["replicas"] == [[5, 4], [3, 2]]
+    assert (
+        found.to_dict()["replicas"] == [[5, 4], [3, 2]] and found.found_by == "CUDA_VISIBLE_DEVICES=5,4,3,2,1"
+    )
+    # Indices under CUDA's default order: taken in NVML's, and said so.
+    assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in engine_gpus(2, 1, UUIDS, "1,0").found_by
+    # Pipeline parallelism counts in a replica's GPUs, as vLLM's device map has it.
+    piped = engine_gpus(1, 2, UUIDS, None, pipeline_parallel=2)
+    assert piped.replicas == ((0, 1), (2, 3)) and piped.per_replica == 2
+    with pytest.raises(ConfigError, match="x pipeline_parallel_size 2 x data_parallel_size 3 needs 6"):
+        engine_gpus(1, 3, UUIDS, None, pipeline_parallel=2)
 
 
 def test_a_parallel_engine_that_cannot_fit_is_refused_with_its_key_and_line(tmp_path: Path) -> None:
@@ -74,7 +91,8 @@ def test_a_parallel_engine_that_cannot_fit_is_refused_with_its_key_and_line(tmp_
         for_config(cfg, UUIDS[:2], {"CUDA_VISIBLE_DEVICES": "1,0"})
     text = str(err.value)
     assert text.startswith(f"{path}:6: engine.tensor_parallel_size: ") and "needs 4 GPUs" in text
-    assert "CUDA_VISIBLE_DEVICES=1,0 leaves 2 of 2 (1, 0)" in text and "\n" not in text
+    assert "CUDA_VISIBLE_DEVICES=1,0 (indices taken" in text and "leaves 2 of 2 (1, 0)" in text
+    assert "\n" not in text
     # From the command line: no file line to name, the key still.
     cfg = load(None, {"engine.data_parallel_size": 3})
     with pytest.raises(ConfigError, match=r"^engine.data_parallel_size: .*needs 3 GPUs"):
@@ -101,11 +119,26 @@ def test_a_servers_own_environment_wins_and_a_remote_engine_has_no_gpus_here() -
     assert for_config(remote, UUIDS, {}) is None
 
 
-def test_parallelism_in_extra_args_is_refused_for_the_first_class_key(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("toml", "line", "key"),
+    [
+        ("extra_args = { tensor_parallel_size = 2 }", 3, "engine.extra_args.tensor_parallel_size"),
+        (
+            "[[engine.changes]]\nat = '1h'\nextra_args = { data_parallel_size = 2 }",
+            5,
+            "engine.changes.extra_args",
+        ),
+        ("[engine.server]\nextra_flags = ['--tensor-parallel-size', '2']", 4, "engine.server.extra_flags"),
+        ("[engine.server]\nextra_flags = ['-dp=2']", 4, "engine.server.extra_flags"),
+    ],
+)
+def test_parallelism_given_another_way_is_refused_for_the_first_class_key(
+    tmp_path: Path, toml: str, line: int, key: str
+) -> None:
     path = tmp_path / "soak.toml"
-    path.write_text("[engine]\nmodel = 'm'\nextra_args = { tensor_parallel_size = 2 }\n")
+    path.write_text(f"[engine]\nmodel = 'm'\n{toml}\n")
     with pytest.raises(
-        ConfigError, match=r":3: engine.extra_args.tensor_parallel_size: set engine.tensor_parallel_size"
+        ConfigError, match=rf":{line}: {key}.*: set engine\.(tensor|data)_parallel_size instead"
     ):
         load(path)
 
@@ -163,7 +196,10 @@ def test_the_straggler_is_named_and_its_harm_is_the_engines(recording: Path) -> 
     load (none on GPU 0), the engine's harm while it lasts with the evidence naming GPU 1, and the
     `gpu_spread` points naming GPU 1 the straggler through the load, none outside it."""
     start, end = load_span()
-    assert recorded_uuids(recording) == ("GPU-00000000-aaaa", "GPU-c511bdc7-a71e-2132-5c94-314c9553998c")
+    assert recorded_uuids(recording, load(None, {})) == (
+        "GPU-00000000-aaaa",
+        "GPU-c511bdc7-a71e-2132-5c94-314c9553998c",
+    )
     events: list[tuple[float, str, dict[str, Any]]] = []
     now = [0.0]
     watch = GpuThrottleWatch(
@@ -182,7 +218,8 @@ def test_the_straggler_is_named_and_its_harm_is_the_engines(recording: Path) -> 
                 slow[i] = g
             watch.observe(i, t, g, slow[i])
         if watch.harm():
-            sources.add(watch.harm_source())
+            sources.add(watch.harm_source(watch.harm()))
+            assert watch.harm_source("thermal") == ""  # harm of another kind (the host's) is not GPU 1's
         if last is None or t - last >= 1.0:
             points += [(t, p) for p in watch.collect(int(t * 1e9)) if p.measurement == "gpu_spread"]
             last = t
@@ -224,6 +261,26 @@ def test_check_parallel_reads_a_recordings_gpus(recording: Path, tmp_path: Path)
     with pytest.raises(ConfigError, match=r":3: engine.tensor_parallel_size: .*needs 4 GPUs"):
         check_parallel(load(path), {})
     check_parallel(load(None, {"engine.tensor_parallel_size": 1}), {})  # one GPU: nothing to probe
+    missing = tmp_path / "missing.jsonl.gz"
+    bad = load(None, {"engine.tensor_parallel_size": 2, "telemetry.gpu_recording": str(missing)})
+    with pytest.raises(
+        ConfigError, match=r"^telemetry.gpu_recording: .*missing.jsonl.gz: not an NVML recording"
+    ):
+        check_parallel(bad, {})
+
+
+def test_an_idle_gpu_is_no_straggler() -> None:
+    """Two data-parallel replicas, one idle: its clock at the floor says nothing of who is slow."""
+    watch = GpuThrottleWatch({0: 1980.0, 1: 1980.0}, lambda *_a, **_f: None, groups={"all": (0, 1)})
+    for k in range(10):
+        watch.observe(0, k / 10, {"sm_mhz": 1980, "reasons": 0}, {"util_gpu": 90})
+        watch.observe(1, k / 10, {"sm_mhz": 345, "reasons": 0x1}, {"util_gpu": 0})
+    assert [p for p in watch.collect(1) if p.measurement == "gpu_spread"] == []
+    for k in range(10):
+        watch.observe(0, 1 + k / 10, {"sm_mhz": 1980, "reasons": 0}, {"util_gpu": 90})
+        watch.observe(1, 1 + k / 10, {"sm_mhz": 1900, "reasons": 0}, {"util_gpu": 90})
+    (point,) = [p for p in watch.collect(2) if p.measurement == "gpu_spread"]
+    assert point.fields["straggler"] == 1 and point.tags == {"group": "all"}
 
 
 def test_the_engine_is_started_parallel_and_a_one_gpu_config_keeps_its_id() -> None:

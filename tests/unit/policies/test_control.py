@@ -474,3 +474,23 @@ def test_the_drain_after_the_trace_is_no_traffic_to_tune_for(tmp_path: Path) -> 
     assert events == [] and ctrl.actuator.gate is not None and ctrl.actuator.gate.limit == 16
     run_for(ctrl, world, clock, 12, draining=False)
     assert [e[0] for e in events] == ["downscale"]
+
+
+def test_the_downscale_names_the_gpu_the_harm_is_on(tmp_path: Path) -> None:
+    """A parallel engine: the controller asks where harm of the kind it acts on is, and the action's
+    event says it; harm of another kind (the host's CPUs) names no GPU."""
+    ctrl, world, events, _, clock = make(tmp_path, BATCH)
+    ctrl.inputs.harm_source = lambda kind: "GPU 1" if kind == "power" else ""
+    run_for(ctrl, world, clock, 3)
+    run_for(ctrl, world, clock, 6, harm="power")
+    (kind, msg, fields) = events[0]
+    assert (
+        kind == "downscale" and "harm (power on GPU 1) for 5 s" in msg and fields["ev_harm_source"] == "GPU 1"
+    )
+    (tmp_path / "host").mkdir()
+    ctrl, world, events, _, clock = make(tmp_path / "host", BATCH)
+    ctrl.inputs.harm_source = lambda kind: "GPU 1" if kind == "power" else ""
+    run_for(ctrl, world, clock, 3)
+    run_for(ctrl, world, clock, 6, harm="thermal")
+    (kind, msg, fields) = events[0]
+    assert "harm (thermal) for 5 s" in msg and "ev_harm_source" not in fields
