@@ -342,11 +342,12 @@ async def test_a_scheduled_rebuild_swaps_the_engine_with_exact_accounting(tmp_pa
     assert lifecycle["rebuilds"] == 1 and len(lifecycle["configs"]) == 2
 
 
-async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_path: Path) -> None:
-    """The GPU is a real H200 recording (idle, a soak, 25 s of matmul at the 700 W cap) played 40x
-    faster: gpu points, the throttle state per interval and its transitions as events."""
-    recording = Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
-    over = {
+BURN = Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz"
+
+
+def recorded_gpu(recording: Path) -> dict[str, object]:
+    """A 6 s soak over an H200 recording (idle, a soak, 25 s of matmul at the 700 W cap) played 40x."""
+    return {
         "run.duration": "6s",
         "telemetry.collectors": ["host", "engine", "gpu"],
         "telemetry.gpu_recording": str(recording),
@@ -357,6 +358,14 @@ async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_pat
         # every 0.25 s put at least one wholly inside it whatever their phase to the replay's start
         # (at 0.5 s a third of the phases left none at 80 %).
         "telemetry.interval": "0.25s",
+    }
+
+
+async def test_a_soak_over_recorded_h200_telemetry_detects_the_power_cap(tmp_path: Path) -> None:
+    """The GPU is a real H200 recording (idle, a soak, 25 s of matmul at the 700 W cap) played 40x
+    faster: gpu points, the throttle state per interval and its transitions as events."""
+    over = {
+        **recorded_gpu(BURN),
         "criteria.checks": ["throttle_time_pct < 5", "throttle_episodes == 0", "errors == 0"],
     }
     soak = Soak(config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
@@ -499,20 +508,8 @@ async def test_a_tensor_parallel_soak_names_the_straggler(
     and a third run with the engine on GPU 0 alone: every GPU recorded with its UUID, the engine's judged,
     the straggler named in the spread series, the summary and the printout; the other tenant's cap is not
     this engine's."""
-    recording = _two_gpus_one_capped(
-        Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz",
-        tmp_path / "two.jsonl.gz",
-    )
-    over = {
-        "run.duration": "6s",
-        "telemetry.collectors": ["host", "engine", "gpu"],
-        "telemetry.gpu_recording": str(recording),
-        "telemetry.gpu_recording_speed": 40.0,
-        "telemetry.gpu_fast_interval": "25ms",
-        "telemetry.gpu_slow_interval": "250ms",
-        "telemetry.interval": "0.25s",
-        "engine.tensor_parallel_size": 2,
-    }
+    recording = _two_gpus_one_capped(BURN, tmp_path / "two.jsonl.gz")
+    over = {**recorded_gpu(recording), "engine.tensor_parallel_size": 2}
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     soak = Soak(config(tmp_path, **over), engine_factory=lambda c, m, col: StubEngine(col))
     result = await asyncio.wait_for(soak.run(), 60)
@@ -560,10 +557,7 @@ async def test_a_tensor_parallel_soak_names_the_straggler(
 def test_a_tensor_parallel_engine_the_gpus_cannot_hold_is_refused_before_anything_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    recording = _two_gpus_one_capped(
-        Path(__file__).parents[2] / "data" / "h200" / "nvml_soak_then_matmul_burn.jsonl.gz",
-        tmp_path / "two.jsonl.gz",
-    )
+    recording = _two_gpus_one_capped(BURN, tmp_path / "two.jsonl.gz")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     cfg = config(tmp_path, **{"telemetry.gpu_recording": str(recording), "engine.tensor_parallel_size": 2})
     with pytest.raises(ConfigError, match=r"needs 2 GPUs; CUDA_VISIBLE_DEVICES=1 .*leaves 1 of 2 \(1\)"):
