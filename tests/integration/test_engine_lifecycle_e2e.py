@@ -474,7 +474,9 @@ drain_timeout = "900s"
     assert all(any(0 < h - t <= 3.0 for t in falls) for h in harm_s), harm_s
     down = events["downscale"][0]
     assert down.fields["from_limit"] == 8 and down.fields["to_limit"] == 6 and "rebuilt" not in down.fields
-    assert "harm (power)" in str(down.fields["reason"]) and float(down.fields["ev_binding_share"]) >= 0.5
+    # The GPU the harm is on, named (the recording's one GPU: the engine's).
+    assert "harm (power on GPU 0)" in str(down.fields["reason"]) and down.fields["ev_harm_source"] == "GPU 0"
+    assert float(down.fields["ev_binding_share"]) >= 0.5
     assert "ev_objective_before" in down.fields
     # Every trial is judged, on a busy engine: a verdict that says what decided it, with A (the objective
     # before). A downscale that re-applies a level kept after its trial (ev_trial_leg) is not a trial; a
