@@ -10,14 +10,13 @@ the two shapes and repeats, so a busy machine shifts both alike. Prints microsec
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
+from soakd.testing import recorded_gpu
 
 RECORDING = (
     Path(__file__).resolve().parents[1]
@@ -32,17 +31,7 @@ RECORDING = (
 
 def samples() -> list[tuple[float, dict[str, Any], dict[str, Any]]]:
     """(seconds, fast reading, latest slow reading) of the recording's GPU."""
-    out = []
-    slow: dict[str, Any] = {}
-    with gzip.open(RECORDING, "rt") as f:
-        f.readline()
-        for line in f:
-            row = json.loads(line)
-            g = row["gpus"][0]
-            if g.get("fields") is not None:
-                slow = g
-            out.append((float(row["t"]), g, slow))
-    return out
+    return [(t, fast, slow) for t, _, fast, slow in recorded_gpu(RECORDING)]
 
 
 def run(rows: list[tuple[float, dict[str, Any], dict[str, Any]]], gpus: int, spread: bool) -> float:

@@ -241,6 +241,26 @@ class EngineConfig(_Section):
     changes: list[EngineChange] = Field(default_factory=list)
     extra_args: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """vLLM's pipeline parallelism, given in extra_args (1 when not, or not a whole number >= 1)."""
+        pp = self.extra_args.get("pipeline_parallel_size", 1)
+        return pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else 1
+
+    @property
+    def gpus_needed(self) -> int:
+        """GPUs the engine runs on: tensor x pipeline x data parallel (1: a one-GPU engine)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def parallel_key(self) -> str:
+        """The key that made the engine parallel, for an error about its GPUs."""
+        if self.tensor_parallel_size > 1:
+            return "engine.tensor_parallel_size"
+        if self.data_parallel_size > 1:
+            return "engine.data_parallel_size"
+        return "engine.extra_args.pipeline_parallel_size"
+
 
 class ReplayConfig(_Section):
     """[replay]: how the trace is paced and admitted."""

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -192,6 +192,20 @@ def stub_config(tmp_path: Path, **overrides: object) -> Config:
     }
     base.update(overrides)
     return load(None, base)
+
+
+def recorded_gpu(path: Path, gpu: int = 0) -> Iterator[tuple[float, float, dict[str, Any], dict[str, Any]]]:
+    """One GPU of an NVML recording (`soakd telemetry record`), as the throttle watch is fed: per fast
+    sample, (seconds from the recording's start, wall seconds, the fast reading, the latest slow one)."""
+    slow: dict[str, Any] = {}
+    with gzip.open(path, "rt") as f:
+        f.readline()
+        for line in f:
+            row = json.loads(line)
+            g = row["gpus"][gpu]
+            if g.get("fields") is not None:
+                slow = g
+            yield float(row["t"]), row["wall_ns"] / 1e9, g, slow
 
 
 def load_script(path: Path, name: str) -> ModuleType:

@@ -172,7 +172,7 @@ def make_ceiling(cfg: Config, model: str) -> tuple[CeilingTracker | None, str]:
     if cfg.engine.kind == "openai" or not is_model_dir(path):
         return None, "no local model folder to read the weight bytes from"
     ecfg = cfg.engine
-    if ecfg.tensor_parallel_size * ecfg.data_parallel_size > 1:
+    if ecfg.gpus_needed > 1:
         # One GPU's bandwidth against the whole model's bytes: neither split (tensor) nor summed (data)
         # parallelism is modelled, and a wrong ceiling is worse than none.
         return None, "a parallel engine: the decode ceiling is modelled for one GPU only"

@@ -112,12 +112,13 @@ def engine_gpus(
     *,
     pipeline_parallel: int = 1,
     order: str | None = None,
+    key: str = "engine.tensor_parallel_size",
     where: tuple[str | None, int | None] = (None, None),
 ) -> EngineGpus:
     """The engine's GPUs among the NVML devices with these UUIDs (`env`: CUDA_VISIBLE_DEVICES, `order`:
     CUDA_DEVICE_ORDER). Bad input (exit 2): fewer visible GPUs than a parallel engine needs; the error
-    names the config key and where it was set (`where`: the file and line, the environment variable,
-    nothing for the command line)."""
+    names the config key that made it parallel and where it was set (`where`: the file and line, the
+    environment variable, nothing for the command line)."""
     group = tensor_parallel * pipeline_parallel
     visible = visible_gpus(env, uuids)
     found_by = "all GPUs (CUDA_VISIBLE_DEVICES unset)" if env is None else f"CUDA_VISIBLE_DEVICES={env}"
@@ -147,7 +148,7 @@ def engine_gpus(
             f"GPUs; {found_by} leaves {len(visible)} of {len(uuids)} ({shown})",
             file=file,
             line=line,
-            key="engine.tensor_parallel_size" if tensor_parallel > 1 else "engine.data_parallel_size",
+            key=key,
         )
     return EngineGpus(tuple(visible[:need]), group, data_parallel, found_by)
 
@@ -160,27 +161,21 @@ def _engine_env(cfg: Config, environ: Mapping[str, str], name: str) -> str | Non
     return environ.get(name)
 
 
-def _key(cfg: Config) -> str:
-    return (
-        "engine.tensor_parallel_size" if cfg.engine.tensor_parallel_size > 1 else "engine.data_parallel_size"
-    )
-
-
 def for_config(cfg: Config, uuids: Sequence[str | None], environ: Mapping[str, str]) -> EngineGpus | None:
     """The engine's GPUs among these NVML devices; None for an engine elsewhere (`engine.kind =
     "openai"`: the GPUs here need not be its). Raises ConfigError when a parallel engine cannot fit."""
     if cfg.engine.kind == "openai":
         return None
     e = cfg.engine
-    pipeline = e.extra_args.get("pipeline_parallel_size", 1)
     return engine_gpus(
         e.tensor_parallel_size,
         e.data_parallel_size,
         uuids,
         _engine_env(cfg, environ, "CUDA_VISIBLE_DEVICES"),
-        pipeline_parallel=pipeline if isinstance(pipeline, int) and pipeline >= 1 else 1,
+        pipeline_parallel=e.pipeline_parallel_size,
         order=_engine_env(cfg, environ, "CUDA_DEVICE_ORDER"),
-        where=cfg.where(_key(cfg)),
+        key=e.parallel_key,
+        where=cfg.where(e.parallel_key),
     )
 
 
@@ -209,7 +204,7 @@ def check_parallel(cfg: Config, environ: Mapping[str, str]) -> None:
     """Refuse, before anything is written, a parallel engine that the GPUs here cannot hold (exit 2).
     With no GPU here at all nothing is refused: vLLM's CPU build runs tensor parallel too."""
     e = cfg.engine
-    if e.tensor_parallel_size * e.data_parallel_size <= 1 or e.kind == "openai":
+    if e.gpus_needed <= 1 or e.kind == "openai":
         return
     recording = cfg.telemetry.gpu_recording
     if recording:

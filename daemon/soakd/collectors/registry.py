@@ -146,7 +146,7 @@ def _gpu(b: Build) -> Sequence[Collector]:
         else {"gpus": judged, "known": False, "found_by": "engine elsewhere"},
     }
     watch = GpuThrottleWatch(
-        {i: devices[i].max_sm_mhz for i in judged if i < len(devices)},
+        {i: devices[i].max_sm_mhz for i in judged},
         on_event=b.writer.event,
         harm=HarmSettings.from_config(b.cfg.control.harm),
         groups=groups,

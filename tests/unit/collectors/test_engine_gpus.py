@@ -261,6 +261,12 @@ def test_check_parallel_reads_a_recordings_gpus(recording: Path, tmp_path: Path)
     with pytest.raises(ConfigError, match=r":3: engine.tensor_parallel_size: .*needs 4 GPUs"):
         check_parallel(load(path), {})
     check_parallel(load(None, {"engine.tensor_parallel_size": 1}), {})  # one GPU: nothing to probe
+    # Pipeline parallelism alone (in extra_args) needs its GPUs too: refused here, not when the run is made.
+    piped = load(
+        None, {"engine.extra_args": {"pipeline_parallel_size": 4}, "telemetry.gpu_recording": str(recording)}
+    )
+    with pytest.raises(ConfigError, match=r"^engine.extra_args.pipeline_parallel_size: .*needs 4 GPUs"):
+        check_parallel(piped, {})
     missing = tmp_path / "missing.jsonl.gz"
     bad = load(None, {"engine.tensor_parallel_size": 2, "telemetry.gpu_recording": str(missing)})
     with pytest.raises(

@@ -9,7 +9,6 @@ the drift comes out inconclusive, not a verdict; no action where there is no loa
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from soakd.config import BatchControlConfig
 from soakd.control import Slo
 from soakd.policies.downscale import ActionResult, BatchAction, BatchPolicy, BatchSettings, TrialSkipped
 from soakd.policies.throttle import SW_POWER_CAP, HarmJudge, ThroughputJudge
-from soakd.testing import load_script
+from soakd.testing import load_script, recorded_gpu
 
 DATA = Path(__file__).parents[2] / "data" / "h200" / "matrix"
 FIGURES = Path(__file__).parents[3] / "benchmarks" / "h200_matrix" / "figures.py"
@@ -79,15 +78,8 @@ def test_no_action_and_no_harm_without_a_load() -> None:
 
 def nvml_rows(arm: str) -> Iterator[tuple[float, dict[str, Any], dict[str, Any]]]:
     """(wall s, fast reading, the latest slow reading) of GPU 0 from the arm's 10 Hz recording."""
-    slow: dict[str, Any] = {}
-    with gzip.open(DATA / arm / "nvml.jsonl.gz", "rt") as f:
-        f.readline()
-        for line in f:
-            row = json.loads(line)
-            g = row["gpus"][0]
-            if g.get("fields") is not None:
-                slow = g
-            yield row["wall_ns"] / 1e9, g, slow
+    for _, wall, fast, slow in recorded_gpu(DATA / arm / "nvml.jsonl.gz"):
+        yield wall, fast, slow
 
 
 def load_times(arm: str) -> tuple[float, float]:
