@@ -45,6 +45,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -314,14 +315,22 @@ class PeakRss:
         return self.peak / 2**20
 
 
-def run_child(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Json:
-    """Run a client to its end; its CPU seconds (from getrusage of waited children), wall, peak RSS."""
+def run_child(
+    argv: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    on_start: Callable[[int], object] | None = None,
+) -> Json:
+    """Run a client to its end; its CPU seconds (from getrusage of waited children), wall, peak RSS.
+    `on_start` is called with the child's pid once it runs."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     machine0 = psutil.cpu_times()
     t0 = time.monotonic()
     with log_path.open("ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         peak = PeakRss(proc.pid)
+        if on_start is not None:
+            on_start(proc.pid)
         try:
             rc = proc.wait(timeout=CLIENT_TIMEOUT_S)
         finally:

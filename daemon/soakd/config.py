@@ -201,9 +201,15 @@ class EngineConfig(_Section):
     sender: Literal["process", "loop"] = "process"
     """Where an HTTP engine's completions are sent and read: a process of soakd's own (its event loop
     does nothing else, so no collector or sink delays a send) or soakd's main event loop."""
+    senders: int = Field(default=1, ge=1, le=64)
+    """Sender processes (with `sender = "process"`): requests are spread over them in turn, each with
+    its own connections. One reads ~10,000 output tokens/s in well under a core (benchmarks/RESULTS.md,
+    "Capacity"); a node's tens of thousands want a few."""
     warm_connections: int = Field(default=32, ge=0, le=1024)
-    """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency):
-    a connection opened while a request is due delays it. More are opened as the traffic needs them."""
+    """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency) and
+    kept open, idle, ahead of demand for the whole run (stale ones replaced before the server's
+    keep-alive timeout closes them): a connection opened while a request is due delays it. More are
+    opened as the traffic needs them."""
     served_model: str = ""
     vocab_size: int = Field(default=0, ge=0, le=MAX_VOCAB)
     model: str = "models/tiny"

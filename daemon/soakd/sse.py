@@ -52,3 +52,30 @@ def _event(raw: bytes) -> Event:
             value = line[len(_DATA) :]
             parts.append(value[1:] if value.startswith(b" ") else value)
     return Event(raw=raw, data=b"\n".join(parts) if parts else None)
+
+
+class DataSplitter:
+    """The `data` payloads of a stream's events, stripped, without keeping the events' bytes (a reader
+    that only needs what the events say: the completion client's per-delta path). Events without data
+    (comments, keep-alives) and empty payloads are skipped."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buf = self._buf + chunk if self._buf else chunk
+        # The common case, one whole event per network chunk, skips the search loop's bookkeeping.
+        end = buf.find(b"\n\n")
+        if end == len(buf) - 2 and b"\r" not in buf and buf.startswith(_DATA) and b"\n" not in buf[:end]:
+            self._buf = b""
+            only = buf[len(_DATA) : end].strip()
+            return [only] if only else []
+        out: list[bytes] = []
+        start = 0
+        while (match := _EVENT_END.search(buf, start)) is not None:
+            data = _event(buf[start : match.end()]).data
+            if data is not None and data.strip():
+                out.append(data.strip())
+            start = match.end()
+        self._buf = buf[start:]
+        return out

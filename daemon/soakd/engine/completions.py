@@ -20,7 +20,7 @@ import aiohttp
 from soakd.engine.base import SpecSteps
 from soakd.engine.stats import copy_spec_steps
 from soakd.errors import EngineError
-from soakd.sse import EventSplitter
+from soakd.sse import DataSplitter
 
 CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 ERROR_CHARS = 160
@@ -183,16 +183,19 @@ async def stream_completion(
         if resp.status != 200:
             text = (await resp.content.read(BODY_CHARS)).decode("utf-8", errors="replace")
             raise RequestError(error_message(resp.status, text))
-        splitter = EventSplitter()
+        splitter = DataSplitter()
         seen = 0
+        lean = output_ids is None
         async for chunk in resp.content.iter_any():
-            for event in splitter.feed(chunk):
-                if event.data is None:
-                    continue
-                if event.data.strip() == b"[DONE]":
+            for data in splitter.feed(chunk):
+                if data == b"[DONE]":
                     finished = True
                     return
-                n, seen = new_tokens(event.data, seen, output_ids, spec)
+                total = usage_tokens(data) if lean else None
+                if total is not None:
+                    n, seen = max(0, total - seen), max(seen, total)
+                else:
+                    n, seen = new_tokens(data, seen, output_ids, spec)
                 if n:
                     yield n
         finished = True
@@ -234,6 +237,27 @@ def error_of(error: dict[str, Any]) -> Exception:
     if kind == KIND_ENGINE:
         return EngineError(message)
     return RequestError(message)
+
+
+_USAGE_KEY = b'"completion_tokens":'
+_DIGITS = re.compile(rb"\s*(\d+)")
+
+
+def usage_tokens(data: bytes) -> int | None:
+    """completion_tokens of a stream event's usage, read without parsing the event; None when the event
+    needs parsing: no usage, an error, or vLLM's per-request speculative metrics (its last event).
+
+    Most of a stream's events are deltas whose only figure soakd needs is the running token count, and
+    a JSON parse per delta was the largest single cost of reading streams (benchmarks/RESULTS.md,
+    "Capacity"). The keys' bytes cannot occur inside a JSON string (a quote there is always escaped, and
+    these end in a letter before the quote), so a match is the key itself; an event holding `"error"`
+    anywhere (even in its text) is left to the full parse, which raises only for a real one. Token ids
+    (`return_token_ids`) need the parse: callers that want them do not come here."""
+    at = data.rfind(_USAGE_KEY)
+    if at < 0 or b'"error"' in data or b'"speculative_decoding"' in data:
+        return None
+    hit = _DIGITS.match(data, at + len(_USAGE_KEY))
+    return int(hit.group(1)) if hit is not None else None
 
 
 def new_tokens(

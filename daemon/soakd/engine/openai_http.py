@@ -81,7 +81,9 @@ class OpenAIEngine:
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._headers: dict[str, str] = {}
-        self._sender: SenderProcess | None = None
+        self._senders: list[SenderProcess] = []
+        self._turn = 0  # the next request's sender, in turn
+        self._warm_each = 0  # connections each sender keeps open ahead of demand (0: none asked)
         self._sender_lock = asyncio.Lock()
         self._sender_restarts = 0
         self._restart_times: deque[float] = deque()
@@ -123,8 +125,8 @@ class OpenAIEngine:
             await self._wait_healthy(shown, t0 + self._cfg.start_timeout)
             self._info = await self._discover(shown, time.monotonic() - t0)
             if self._cfg.sender == "process":
-                self._sender = self._new_sender()
-                await self._sender.start(self._cfg.api_key_env)
+                self._senders = [self._new_sender() for _ in range(self._cfg.senders)]
+                await asyncio.gather(*(s.start(self._cfg.api_key_env) for s in self._senders))
         except BaseException:
             await self.stop()
             raise
@@ -338,7 +340,7 @@ class OpenAIEngine:
         if self.on_send is not None:
             self.on_send(request)
         try:
-            if self._sender is not None:
+            if self._senders:
                 async for n in self._through_sender(request, body):
                     yield n
                 return
@@ -357,7 +359,8 @@ class OpenAIEngine:
             raise
 
     async def _through_sender(self, request: GenerationRequest, body: bytes) -> AsyncIterator[int]:
-        sender = await self._live_sender()
+        slot, self._turn = self._turn % len(self._senders), self._turn + 1
+        sender = await self._live_sender(slot)
         if request.stamps is not None:
             request.stamps.handed = time.monotonic()
         async for header in stream_via(sender, request, body):
@@ -372,13 +375,14 @@ class OpenAIEngine:
                 if isinstance(error, dict):
                     raise error_of(error)
 
-    async def _live_sender(self) -> SenderProcess:
-        """The sender process, started again when it exited (each restart logged and counted). One that
-        cannot be kept running is soakd's failure, not the engine's (HarnessError)."""
+    async def _live_sender(self, slot: int) -> SenderProcess:
+        """Sender `slot`, started again when it exited (each restart logged and counted, its spare
+        connections opened again). One that cannot be kept running is soakd's failure, not the
+        engine's (HarnessError)."""
         async with self._sender_lock:
-            sender = self._sender
-            if sender is None:
+            if slot >= len(self._senders):
                 raise EngineError("engine stopped")
+            sender = self._senders[slot]
             if sender.running:
                 return sender
             now = time.monotonic()
@@ -391,12 +395,13 @@ class OpenAIEngine:
             self._restart_times.append(now)
             self._sender_restarts += 1
             await sender.stop()
-            fresh = self._sender = self._new_sender()
+            fresh = self._senders[slot] = self._new_sender()
             try:
                 await fresh.start(self._cfg.api_key_env)
             except EngineError as err:
                 raise HarnessError(str(err)) from err
-            log.warning("sender_restarted", restarts=self._sender_restarts, pid=fresh.pid)
+            warmed = await fresh.warm(self._warm_each) if self._warm_each else 0
+            log.warning("sender_restarted", restarts=self._sender_restarts, pid=fresh.pid, warmed=warmed)
             return fresh
 
     def process_ids(self) -> list[int]:
@@ -437,12 +442,19 @@ class OpenAIEngine:
             raise EngineError(f"POST {path}: {type(err).__name__}: {err}"[:200]) from err
 
     def _new_sender(self) -> SenderProcess:
-        return SenderProcess(self._url, self._headers, self._max_connections)
+        # The pool's limit (when there is one) shared out: each sender holds its part.
+        limit = -(-self._max_connections // self._cfg.senders) if self._max_connections else 0
+        return SenderProcess(self._url, self._headers, limit)
+
+    @property
+    def senders(self) -> list[SenderProcess]:
+        """The sender processes now (a restarted one replaces its slot)."""
+        return list(self._senders)
 
     @property
     def sender_pid(self) -> int | None:
-        """The sender process's pid (soakd's own process, not the engine's); None without one."""
-        return self._sender.pid if self._sender is not None else None
+        """The first sender process's pid (soakd's own process, not the engine's); None without one."""
+        return self._senders[0].pid if self._senders else None
 
     async def prepare_replay(self, concurrency: int) -> None:
         # The figures are the replay's: warm-up requests (before this) opened connections of their own.
@@ -451,8 +463,12 @@ class OpenAIEngine:
         if n == 0:
             return
         try:
-            if self._sender is not None:
-                opened = await (await self._live_sender()).warm(n)
+            if self._senders:
+                # Each sender keeps its share open ahead of demand for the whole run.
+                self._warm_each = -(-n // len(self._senders))
+                slots = range(len(self._senders))
+                live = [await self._live_sender(i) for i in slots]
+                opened = sum(await asyncio.gather(*(s.warm(self._warm_each) for s in live)))
             else:
                 opened = await open_connections(self._require_session(), self._url, n)
         # Opening connections ahead is an optimisation: its failure (a session closed by a restart, a
@@ -465,6 +481,9 @@ class OpenAIEngine:
 
     def telemetry_summary(self) -> dict[str, object]:
         out: dict[str, object] = {"sender_restarts": self._sender_restarts} if self._sender_restarts else {}
+        if self._senders and self._senders[0].loop_kind:
+            out["sender_loop"] = self._senders[0].loop_kind
+            out["senders"] = len(self._senders)
         if self._sends.requests or self._sends.warmed:
             out["sends"] = self._sends.summary()
         if self._probes:
@@ -473,9 +492,8 @@ class OpenAIEngine:
 
     async def stop(self) -> None:
         async with self._sender_lock:  # not while a restart is under way: it would outlive the engine
-            sender, self._sender = self._sender, None
-        if sender is not None:
-            await sender.stop()
+            senders, self._senders = self._senders, []
+        await asyncio.gather(*(s.stop() for s in senders))
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()

@@ -28,7 +28,7 @@ import os
 import struct
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,17 +37,19 @@ import structlog
 
 from soakd.engine.base import GenerationRequest, SpecSteps, Stamps
 from soakd.engine.completions import (
+    BODY_CHARS,
     KIND_ENGINE,
     KIND_GONE,
     KIND_REQUEST,
     RequestError,
-    SendTrace,
     ServerGone,
-    open_connections,
-    send_trace_config,
-    stream_completion,
+    error_message,
+    new_tokens,
+    usage_tokens,
 )
+from soakd.engine.h1 import Collect, ConnectError, Connection, Pool, ProtocolError, Target, request_head
 from soakd.errors import EngineError
+from soakd.sse import DataSplitter
 
 log = structlog.get_logger(__name__)
 
@@ -61,6 +63,7 @@ PROGRESS_S = 0.5
 _START_TIMEOUT_S = 60.0
 _WARM_TIMEOUT_S = 15.0
 _STOP_TIMEOUT_S = 5.0
+_HEALTH_TIMEOUT_S = 10.0
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 600.0
 """A sender that exits more than MAX_RESTARTS times within this window is a bug, not bad luck: the
@@ -124,6 +127,10 @@ class SenderProcess:
         self._pending: dict[int, _Pending] = {}
         self._next = 0
         self._exited = False
+        self.loop_kind = ""
+        """The child's event loop ("uvloop" or "asyncio"), from its ready frame."""
+        self.submitted = 0
+        """Requests handed to this child."""
 
     @property
     def pid(self) -> int | None:
@@ -181,6 +188,7 @@ class SenderProcess:
             raise EngineError(f"the sender process did not start: {type(err).__name__}") from err
         if got is None or got[0].get("op") != "ready":
             raise EngineError(f"the sender process did not start (exit code {proc.returncode})")
+        self.loop_kind = str(got[0].get("loop", ""))
         self._reader = asyncio.create_task(self._read(proc.stdout), name="soakd-sender-reader")
 
     def submit(self, request: GenerationRequest, body: bytes) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
@@ -194,6 +202,7 @@ class SenderProcess:
             "ids": request.output_ids is not None,
             "spec": request.spec is not None,
         }
+        self.submitted += 1
         return self._post(header, body)
 
     def _post(self, header: dict[str, Any], body: bytes = b"") -> tuple[int, asyncio.Queue[dict[str, Any]]]:
@@ -321,33 +330,137 @@ def _package_root() -> str:
 # ------------------------------------------------------------------------------------- the child's side
 
 
+class _Stream:
+    """One completion's answer, read in the connection's callbacks (engine/h1.py): tokens counted from
+    each event, deltas stamped, progress reported, nothing awaited per chunk."""
+
+    def __init__(
+        self,
+        child: _Child,
+        key: int,
+        stamps: Stamps,
+        output_ids: list[int] | None,
+        spec: SpecSteps | None,
+    ) -> None:
+        self._child, self._key, self.stamps = child, key, stamps
+        self._ids, self._spec = output_ids, spec
+        self._lean = output_ids is None
+        self._splitter = DataSplitter()
+        self._seen = 0
+        self.pending = 0
+        self._reported_at = stamps.sent or time.monotonic()
+        self._status = 0
+        self._error_body = b""
+        self.conn: Connection | None = None
+        self.written: float | None = None
+        self.new_conn = False
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def again(self) -> None:
+        """Ready to be sent once more (nothing of the first answer arrived)."""
+        self._status, self._error_body, self._splitter = 0, b"", DataSplitter()
+        self.done = asyncio.get_running_loop().create_future()
+
+    def on_head(self, status: int, headers: dict[str, str]) -> None:
+        self._status = status
+
+    def on_body(self, data: bytes) -> None:
+        if self._status != 200:
+            if len(self._error_body) < BODY_CHARS:
+                self._error_body += data[: BODY_CHARS - len(self._error_body)]
+            return
+        for event in self._splitter.feed(data):
+            if event == b"[DONE]" or self.done.done():
+                continue
+            total = usage_tokens(event) if self._lean else None
+            try:
+                if total is not None:
+                    n, self._seen = max(0, total - self._seen), max(self._seen, total)
+                else:
+                    n, self._seen = new_tokens(event, self._seen, self._ids, self._spec)
+            except RequestError as err:
+                # A stream's error event: the request failed; dropping the connection aborts it.
+                self._fail(err)
+                if self.conn is not None:
+                    self.conn.abort()
+                return
+            if n:
+                self._tokens(n)
+
+    def _tokens(self, n: int) -> None:
+        now = time.monotonic()
+        stamps = self.stamps
+        first = stamps.first is None
+        if first:
+            stamps.first = now
+        else:
+            stamps.gaps += now - (stamps.last or now)
+            stamps.deltas += 1
+        stamps.last = now
+        self.pending += n
+        # The first token at once (the consumer learns the stream began), then at most every PROGRESS_S.
+        if first or now - self._reported_at >= PROGRESS_S:
+            self._child.write({"key": self._key, "n": self.pending})
+            self.pending = 0
+            self._reported_at = now
+
+    def on_end(self) -> None:
+        if self._status != 200:
+            text = self._error_body.decode("utf-8", errors="replace")
+            self._fail(RequestError(error_message(self._status, text)))
+        elif not self.done.done():
+            self.done.set_result(None)
+
+    def on_error(self, err: Exception) -> None:
+        self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(err)
+
+
 class _Child:
-    """Sends each request at its time and reports on it; one aiohttp session, one event loop."""
+    """Sends each request at its time and reports on it; one connection pool, one event loop."""
 
     def __init__(self, init: dict[str, Any], out: asyncio.StreamWriter) -> None:
-        import aiohttp
-
         from soakd.clock import SystemClock
 
-        self._url = str(init["url"])
+        self._target = Target(str(init["url"]))
         self._out = out
         self._clock = SystemClock()
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        limit = int(init.get("max_connections", 0))
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=max(0, limit), limit_per_host=0),
-            headers={str(k): str(v) for k, v in dict(init.get("headers", {})).items()},
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30.0),
-            trace_configs=[send_trace_config()],
-        )
+        self._outbox: list[bytes] = []
+        self._headers = {str(k): str(v) for k, v in dict(init.get("headers", {})).items()}
+        self.pool = Pool(self._target, max(0, int(init.get("max_connections", 0))))
 
     async def warm(self) -> None:
         """Pay the first request's one-time costs before any request is due: the pool's first
-        connection, aiohttp's first request, the alarm thread's start."""
-        import aiohttp
-
-        await open_connections(self.session, self._url, 1, each=aiohttp.ClientTimeout(total=5.0))
+        connection, the first request's code paths, the alarm thread's start."""
+        await self._open_healthy(1, limit_s=5.0)
         await self._clock.sleep_until(time.monotonic() + 0.001)
+
+    async def _open_healthy(self, n: int, limit_s: float = _HEALTH_TIMEOUT_S) -> int:
+        """Open `n` connections at once, each proven with GET /health; those answered 200 join the pool."""
+        head = request_head(self._target, "GET", "/health", self._headers, 0)
+
+        async def one() -> bool:
+            try:
+                conn = self.pool.count(await self.pool.connect())
+            except ConnectError:
+                return False
+            sink = Collect(BODY_CHARS)
+            conn.send(head, b"", sink)
+            try:
+                await asyncio.wait_for(asyncio.shield(sink.done), limit_s)
+            except (TimeoutError, ProtocolError):
+                conn.abort()
+                return False
+            if sink.status != 200 or conn.closed:
+                conn.abort()
+                return False
+            return True  # its answer's end put it into the pool
+
+        return sum(await asyncio.gather(*(one() for _ in range(max(0, n)))))
 
     def handle(self, header: dict[str, Any], body: bytes) -> None:
         op = header.get("op")
@@ -366,11 +479,22 @@ class _Child:
         task.add_done_callback(lambda _: self._tasks.pop(key, None))
 
     async def _warm(self, key: int, n: int) -> None:
-        opened = await open_connections(self.session, self._url, n)
-        self._write({"key": key, "final": True, "opened": opened})
+        opened = await self._open_healthy(n)
+        # From now on the pool keeps that many open ahead of demand, replacing stale ones.
+        self.pool.keep_spare(n)
+        self.write({"key": key, "final": True, "opened": opened})
 
-    def _write(self, header: dict[str, Any]) -> None:
-        self._out.write(frame(header))
+    def write(self, header: dict[str, Any]) -> None:
+        """Queue a frame for the parent; the frames of one loop step leave in one write (a pipe write
+        per progress frame was a tenth of the sender's CPU at 10,000 tokens/s)."""
+        self._outbox.append(frame(header))
+        if len(self._outbox) == 1:
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self._outbox:
+            data, self._outbox = b"".join(self._outbox), []
+            self._out.write(data)
 
     async def _one(self, key: int, header: dict[str, Any], body: bytes) -> None:
         at = header.get("at")
@@ -378,30 +502,18 @@ class _Child:
             await self._clock.sleep_until(float(at))
         output_ids: list[int] | None = [] if header.get("ids") else None
         spec = SpecSteps() if header.get("spec") else None
-        reported_at = time.monotonic()
-        stamps = Stamps(sent=reported_at)
-        trace = SendTrace()
-        pending = 0
+        stamps = Stamps(sent=time.monotonic())
+        head = request_head(
+            self._target,
+            "POST",
+            "/v1/completions",
+            {**self._headers, "X-Request-Id": str(header.get("rid", "")), "Content-Type": "application/json"},
+            len(body),
+        )
         final: dict[str, Any] = {"key": key, "final": True}
+        stream = _Stream(self, key, stamps, output_ids, spec)
         try:
-            async for n in stream_completion(
-                self.session, self._url, body, str(header.get("rid", "")), output_ids, spec, trace
-            ):
-                now = time.monotonic()
-                first = stamps.first is None
-                if first:
-                    stamps.first = now
-                else:
-                    stamps.gaps += now - (stamps.last or now)
-                    stamps.deltas += 1
-                stamps.last = now
-                pending += n
-                # The first token at once (the consumer learns the stream began), then at most every
-                # PROGRESS_S.
-                if first or now - reported_at >= PROGRESS_S:
-                    self._write({"key": key, "n": pending})
-                    pending = 0
-                    reported_at = now
+            await self._exchange(stream, head, body)
         except ServerGone as err:
             final["error"] = {"kind": KIND_GONE, "message": str(err)}
         except EngineError as err:
@@ -411,11 +523,11 @@ class _Child:
         # One request's failure is reported, never the sender's end: the boundary per request.
         except Exception as err:  # noqa: BLE001
             final["error"] = {"kind": KIND_REQUEST, "message": f"{type(err).__name__}: {err}"[:200]}
-        final["n"] = pending
+        final["n"] = stream.pending
         final["stamps"] = {
             "sent": stamps.sent,
-            "written": trace.written,
-            "new_conn": trace.new_connection,
+            "written": stream.written,
+            "new_conn": stream.new_conn,
             "first": stamps.first,
             "last": stamps.last,
             "gaps": stamps.gaps,
@@ -425,13 +537,55 @@ class _Child:
             final["ids"] = output_ids
         if spec is not None:
             final["spec"] = {"accepted": spec.accepted, "drafted": spec.drafted}
-        self._write(final)
+        self.write(final)
+
+    async def _exchange(self, stream: _Stream, head: bytes, body: bytes) -> None:
+        """Send on a pooled connection and wait for the answer's end. A reused connection closed before
+        any byte of its answer came never served the request: it is sent once more on a fresh one."""
+        for attempt in range(2):
+            try:
+                conn, new = await self.pool.acquire()
+            except ConnectError as err:
+                gone = ServerGone if err.refused else EngineError
+                raise gone(f"server unreachable: {err}"[:200]) from err
+            stream.conn = conn
+            stream.new_conn = stream.new_conn or new
+            stream.written = conn.send(head, body, stream)
+            try:
+                await stream.done
+            except asyncio.CancelledError:
+                conn.abort()  # dropping the connection is what makes the server abort the request
+                raise
+            except ProtocolError as err:
+                if attempt == 0 and not new and not conn.got_bytes:
+                    stream.again()
+                    continue
+                raise await self._broken(err) from err
+            return
+
+    async def _broken(self, err: Exception) -> Exception:
+        """What a broken connection means: a server that died (ServerGone) or one failed request. A
+        dropped keep-alive connection or a cut stream says nothing by itself; a fresh connection being
+        refused does."""
+        message = f"{type(err).__name__}: {err}"[:200]
+        try:
+            conn = await self.pool.connect(pooled=False)
+        except ConnectError as refused:
+            gone = ServerGone if refused.refused else EngineError
+            return gone(f"server unreachable after {message}"[:200])
+        sink = Collect(BODY_CHARS)
+        conn.send(request_head(self._target, "GET", "/health", self._headers, 0), b"", sink)
+        with contextlib.suppress(Exception):  # there, but slow or odd: judge this request alone
+            await asyncio.wait_for(sink.done, _HEALTH_TIMEOUT_S)
+        conn.abort()
+        return RequestError(message)
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        await self.session.close()
+        self.flush()
+        await self.pool.close()
 
 
 async def _serve() -> None:
@@ -445,7 +599,8 @@ async def _serve() -> None:
         return
     child = _Child(got[0], out)
     await child.warm()
-    out.write(frame({"op": "ready", "pid": os.getpid()}))
+    loop_kind = type(loop).__module__.split(".")[0]
+    out.write(frame({"op": "ready", "pid": os.getpid(), "loop": loop_kind}))
     try:
         while (got := await read_frame(reader)) is not None:
             child.handle(*got)
@@ -466,7 +621,18 @@ def main() -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
     )
     with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
-        asyncio.run(_serve())
+        loop_runner()(_serve())
+
+
+def loop_runner() -> Callable[[Coroutine[Any, Any, None]], None]:
+    """uvloop's runner where it is installed, else asyncio's. Reading thousands of streams is mostly
+    event-loop work per network chunk, which uvloop does in C: it halves the sender's CPU per delta
+    (benchmarks/RESULTS.md, "Capacity")."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
 
 
 if __name__ == "__main__":

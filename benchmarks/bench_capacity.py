@@ -1,0 +1,312 @@
+"""How many output tokens per second one soakd process can drive, and what each costs it.
+
+Run by hand:  .venv/bin/python benchmarks/bench_capacity.py [--levels 2000 5000 10000] [--seconds 30]
+                  [--server-procs N] [--senders N] [--reps 1] [--keep DIR] [--json]
+
+A stand-in OpenAI-compatible server (benchmarks/standin_server.py, `--server-procs` processes on one
+port) streams every completion as vLLM does: deltas of 1-4 tokens, 20-100 ms apart per stream, usage in
+each chunk, idle keep-alive connections closed after 5 s. For each target level (output tokens/s) a
+Mooncake-format trace is written: Poisson arrivals at level / mean output length, prompts of 200-2,000
+tokens, answers of 100-300 (mean 200), so 50,000 tok/s is 250 req/s and about 1,200 streams open at
+once. `soakd run` replays it in attach mode (the whole daemon: pacer, sender process(es), spool,
+collectors, scheduler, verdict; `engine.senders` = `--senders`).
+
+Figures per level:
+- achieved: output tokens/s over the replay (soakd's own verdict, checked against the server's count);
+- cost: soakd's CPU (every soakd process: the daemon and its sender children, from getrusage of the
+  waited child) minus a baseline run's (the same daemon replaying 10 requests: imports, start-up and
+  the stop, which no token pays for), per output token in microseconds; and by process (main vs
+  sender(s), polled with psutil every 0.5 s: the split, not the total);
+- lateness at the server: each POST's arrival (the stand-in stamps its first bytes) minus its trace
+  time, minus the median of those (the clock offset), absolute: p50 / p99 / max ms; soakd's own
+  lateness p99 / max beside it;
+- peak RSS of soakd's process tree; the event loop's worst lag and late seconds (its loop watch).
+
+The figures go to benchmarks/RESULTS.md ("Capacity: one soakd process against a stand-in server").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fidelity import free_port, run_child
+
+Json = dict[str, Any]
+HERE = Path(__file__).resolve().parent
+MEAN_OUT = 200
+VOCAB = 32000
+
+
+def write_trace(path: Path, level: float, seconds: float, seed: int) -> list[float]:
+    """Mooncake rows at `level` output tok/s for `seconds`; returns each request's trace time (ms)."""
+    rng = np.random.default_rng(seed)
+    rate = level / MEAN_OUT
+    t, rows, times = 0.0, [], []
+    i = 0
+    while t < seconds:
+        inp = int(rng.integers(200, 2001))
+        ms = round(t * 1000, 3)
+        rows.append(
+            {
+                "timestamp": ms,
+                "input_length": inp,
+                "output_length": int(rng.integers(100, 301)),
+                "hash_ids": list(range(i * 4 + 10, i * 4 + 10 + (inp + 511) // 512)),
+            }
+        )
+        times.append(ms)
+        t += float(rng.exponential(1 / rate))
+        i += 1
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return times
+
+
+class Server:
+    """The stand-in, its own process group; stopped by pid (SIGTERM writes the arrival stamps)."""
+
+    def __init__(self, procs: int, arrivals: Path) -> None:
+        self.port = free_port()
+        self.arrivals = arrivals
+        arrivals.mkdir(parents=True, exist_ok=True)
+        self.log = (arrivals / "server.log").open("wb")
+        argv = [sys.executable, str(HERE / "standin_server.py"), "--port", str(self.port)]
+        argv += ["--procs", str(procs), "--arrivals", str(arrivals)]
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        import urllib.request
+
+        deadline = time.monotonic() + 30
+        while True:  # ready when it answers /health
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:  # noqa: S310 (http only)
+                    if resp.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("the stand-in server did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+    def stamps(self) -> list[Json]:
+        rows: list[Json] = []
+        for f in self.arrivals.glob("arrivals-*.jsonl"):
+            rows += [json.loads(line) for line in f.read_text(encoding="utf-8").splitlines() if line]
+        return rows
+
+
+class CpuSplit:
+    """Per-process CPU seconds of a process tree, by role (main or sender), polled."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                procs = [self.root, *self.root.children(recursive=True)]
+            except psutil.Error:
+                return
+            for p in procs:
+                try:
+                    role = "sender" if "soakd.engine.sender" in " ".join(p.cmdline()) else "main"
+                    t = p.cpu_times()
+                    self.last[p.pid] = (role, t.user + t.system)
+                except psutil.Error:
+                    pass
+
+    def stop(self) -> Json:
+        self._stop.set()
+        self._thread.join()
+        out: dict[str, float] = {}
+        for role, cpu in self.last.values():
+            out[role] = out.get(role, 0.0) + cpu
+        return {k: round(v, 2) for k, v in out.items()}
+
+
+def soakd_config(work: Path, url: str, trace: Path, seconds: float, senders: int) -> Path:
+    cfg = work / "soakd.toml"
+    cfg.write_text(
+        f"""
+[run]
+name = "capacity"
+duration = "{seconds + 10:.0f}s"
+output_dir = "{work / "runs"}"
+report = false
+[trace]
+path = "{trace}"
+format = "mooncake"
+block_size = 512
+[replay]
+warmup_requests = 0
+loop = false
+drain_timeout = "60s"
+max_concurrency = 100000
+[criteria]
+ttft_p99_ms = false
+tpot_p99_ms = false
+max_error_rate = 1.0
+min_completed_ratio = 0.0
+[engine]
+kind = "openai"
+url = "{url}"
+vocab_size = {VOCAB}
+{f"senders = {senders}" if senders else ""}
+""",
+        encoding="utf-8",
+    )
+    return cfg
+
+
+def one_run(work: Path, server_procs: int, level: float, seconds: float, senders: int, seed: int) -> Json:
+    work.mkdir(parents=True, exist_ok=True)
+    trace = work / "trace.jsonl"
+    times = write_trace(trace, level, seconds, seed)
+    server = Server(server_procs, work / "server")
+    try:
+        cfg = soakd_config(work, server.url, trace, seconds, senders)
+        argv = [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--no-progress", "--json"]
+        argv += ["--log-level", "warning"]
+        split: list[CpuSplit] = []
+        usage = run_child(argv, work / "soakd.log", on_start=lambda pid: split.append(CpuSplit(pid)))
+        by_role = split[0].stop() if split else {}
+    finally:
+        server.stop()
+    verdict = json.loads(next((work / "runs").glob("*/verdict.json")).read_text(encoding="utf-8"))
+    summary_path = next((work / "runs").glob("*/summary.json"), None)
+    loop: Json = {}
+    if summary_path is not None:
+        loop = _find(json.loads(summary_path.read_text(encoding="utf-8")), "loop") or {}
+    m = verdict["metrics"]
+    out: Json = {
+        "level": level,
+        "requests": len(times),
+        "completed": m.get("completed"),
+        "errors": m.get("errors"),
+        "output_tokens": m.get("output_tokens"),
+        "tokens_per_s": m.get("tokens_per_s"),
+        "own_late_p99_ms": m.get("p99(lateness_ms)"),
+        "own_late_max_ms": m.get("max(lateness_ms)"),
+        "cpu_s": round(usage["cpu_s"], 2),
+        "cpu_by_role": by_role,
+        "peak_rss_mb": round(usage["peak_rss_mb"], 1),
+        "machine_busy_pct": round(usage["machine_busy_pct"], 1),
+        "loop": loop,
+    }
+    out.update(server_lateness(server.stamps(), times))
+    return out
+
+
+def _find(doc: Any, key: str) -> Json | None:
+    if isinstance(doc, dict):
+        if isinstance(doc.get(key), dict):
+            return dict(doc[key])
+        values: list[Any] = list(doc.values())
+    elif isinstance(doc, list):
+        values = doc
+    else:
+        return None
+    for v in values:
+        if (hit := _find(v, key)) is not None:
+            return hit
+    return None
+
+
+_RID = re.compile(r"-0-(\d+)$")
+
+
+def server_lateness(stamps: list[Json], times: list[float]) -> Json:
+    """Each trace request's arrival at the server against its trace time, the clock offset removed."""
+    d = []
+    for row in stamps:
+        if row["method"] != "POST" or row["path"] != "/v1/completions":
+            continue
+        hit = _RID.search(row["rid"])
+        if hit is None or int(hit.group(1)) >= len(times):
+            continue
+        d.append(row["t_ns"] / 1e6 - times[int(hit.group(1))])
+    if not d:
+        return {"server_arrivals": 0}
+    a = np.abs(np.array(d) - np.median(d))
+    return {
+        "server_arrivals": len(d),
+        "server_late_p50_ms": round(float(np.percentile(a, 50)), 3),
+        "server_late_p99_ms": round(float(np.percentile(a, 99)), 3),
+        "server_late_max_ms": round(float(a.max()), 3),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--levels", type=float, nargs="+", default=[2000.0, 5000.0, 10000.0])
+    p.add_argument("--seconds", type=float, default=30.0)
+    p.add_argument("--server-procs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--senders", type=int, default=0, help="engine.senders (0: soakd's default)")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--keep", default="")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="soakd-capacity-"))
+    root.mkdir(parents=True, exist_ok=True)
+    # Baseline: start-up, the stop and the collectors' idle cost, which no token pays for.
+    base = one_run(root / "baseline", args.server_procs, MEAN_OUT, args.seconds, args.senders, 1)
+    rows = []
+    for rep in range(args.reps):
+        for level in args.levels:
+            work = root / f"l{level:g}-r{rep}"
+            row = one_run(work, args.server_procs, level, args.seconds, args.senders, 7 + rep)
+            marginal = row["cpu_s"] - base["cpu_s"]
+            tokens = float(row["output_tokens"] or 0) - float(base["output_tokens"] or 0)
+            row["cpu_us_per_token"] = round(1e6 * marginal / tokens, 2) if tokens > 0 else None
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    report = {
+        "seconds": args.seconds,
+        "server_procs": args.server_procs,
+        "senders": args.senders,
+        "cpus": os.cpu_count(),
+        "baseline": base,
+        "rows": rows,
+        "median_cpu_us_per_token": {
+            f"{lv:g}": statistics.median(
+                [r["cpu_us_per_token"] for r in rows if r["level"] == lv and r["cpu_us_per_token"]] or [0]
+            )
+            for lv in args.levels
+        },
+    }
+    print(json.dumps(report, indent=None if args.json else 2))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,447 @@
+"""A lean HTTP/1.1 client for the sender process: streamed responses read inside the transport's callback.
+
+The sender reads thousands of token streams at once, a network chunk per delta. aiohttp wakes a coroutine
+for every chunk (a future, a task step, its stream reader's bookkeeping): measured against a stand-in
+server, 34-39 us of CPU per delta under uvloop, against 18 us for a bare asyncio.Protocol that parses the
+same bytes in `data_received` (benchmarks/RESULTS.md, "Capacity"). So the completion path of the sender
+process runs on this: one request at a time per keep-alive connection, the response's head parsed, its
+body de-chunked and handed to a `Sink` as it arrives, nothing awaited per chunk. What it does not do,
+because soakd's requests never need it: pipelining, redirects, cookies, proxies, compression, `Expect`.
+
+The pool opens connections on demand up to a limit, and keeps `spare` idle connections open ahead of
+demand for the whole run (the replay's bursts find them open: opening one while every stream in flight
+is being read is the sender's worst lateness, measured on an H200). An idle connection is closed before
+the server's own keep-alive timeout would (uvicorn's, which vLLM uses: 5 s), so a request is never written
+onto a connection the server is closing; one that is closed under it anyway before any byte of the answer
+came (a server with a shorter timeout) is sent once more on a fresh connection, as browsers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import socket
+import ssl
+import time
+from collections import deque
+from typing import Protocol, cast
+from urllib.parse import unquote, urlsplit
+
+IDLE_S = 4.0
+"""An idle connection older than this is closed, not reused: under uvicorn's 5 s keep-alive timeout."""
+CONNECT_TIMEOUT_S = 30.0
+_SPARE_TICK_S = 0.5
+_MAX_HEAD = 64 * 1024
+
+
+class ConnectError(Exception):
+    """No connection could be opened; `refused` when nothing listens (the server is gone)."""
+
+    def __init__(self, message: str, *, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class ProtocolError(Exception):
+    """The connection broke or the server's bytes are not HTTP/1.1 (the request failed)."""
+
+
+class Sink(Protocol):
+    """Receives one response; every call comes from the event loop's transport callbacks."""
+
+    def on_head(self, status: int, headers: dict[str, str]) -> None: ...
+
+    def on_body(self, data: bytes) -> None: ...
+
+    def on_end(self) -> None: ...
+
+    def on_error(self, err: Exception) -> None: ...
+
+
+class Target:
+    """Where requests go: scheme, host, port, path prefix, from a base URL."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.tls else 80)
+        self.prefix = parts.path.rstrip("/")
+        default = parts.port is None
+        self.host_header = (f"[{self.host}]" if ":" in self.host else self.host) + (
+            "" if default else f":{self.port}"
+        )
+        self.auth = ""
+        """Basic credentials from the URL (user:password@), as aiohttp sends them; empty without."""
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            self.auth = "Basic " + base64.b64encode(pair.encode()).decode()
+
+
+def request_head(target: Target, method: str, path: str, headers: dict[str, str], body_len: int) -> bytes:
+    lines = [f"{method} {target.prefix}{path} HTTP/1.1", f"Host: {target.host_header}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if target.auth and not any(k.lower() == "authorization" for k in headers):
+        lines.append(f"Authorization: {target.auth}")
+    if method == "POST" or body_len:
+        lines.append(f"Content-Length: {body_len}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+_HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _IDLE = range(8)
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; one request at a time."""
+
+    def __init__(self, pool: Pool | None) -> None:
+        self._pool = pool
+        self.transport: asyncio.Transport | None = None
+        self._sink: Sink | None = None
+        self._state = _IDLE
+        self._buf = b""
+        self._left = 0
+        self._keep = False
+        self._got_bytes = False
+        self.idle_since = time.monotonic()
+        self.closed = False
+        self.made: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # -- the pool's side
+    def send(self, head: bytes, body: bytes, sink: Sink) -> float:
+        """Write a request; its answer goes to `sink`. Returns when its bytes were handed to the socket."""
+        assert self.transport is not None and self._sink is None
+        self._sink, self._state, self._buf, self._got_bytes = sink, _HEAD, b"", False
+        written = time.monotonic()
+        self.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self.transport.write(body)
+        return written
+
+    @property
+    def got_bytes(self) -> bool:
+        """Whether any byte of the current answer arrived (a reused connection closed before one did
+        never served the request)."""
+        return self._got_bytes
+
+    def abort(self) -> None:
+        """Drop the connection now (a cancelled request: the server then aborts it)."""
+        self._sink = None
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- asyncio's side
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, and it calls this a loop step after
+        # create_connection returns: Pool.connect waits for `made`.
+        self.transport = cast(asyncio.Transport, transport)
+        if not self.made.done():
+            self.made.set_result(None)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.made.done():
+            self.made.set_result(None)
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            if self._state == _UNTIL_CLOSE:
+                sink.on_end()
+            else:
+                sink.on_error(ProtocolError(f"connection closed by the server{f': {exc}' if exc else ''}"))
+        if self._pool is not None:
+            self._pool.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._sink is None:
+            # Bytes on an idle connection: nothing to answer, the connection cannot be trusted.
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self._got_bytes = True
+        try:
+            self._feed(data)
+        except (ValueError, ProtocolError) as err:
+            sink, self._sink = self._sink, None
+            if sink is not None:
+                bad = err if isinstance(err, ProtocolError) else ProtocolError(f"malformed answer: {err}")
+                sink.on_error(bad)
+            if self.transport is not None:
+                self.transport.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport: connection_lost follows
+
+    def _feed(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        pos = 0
+        while self._sink is not None:
+            state = self._state
+            if state == _SIZE:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                size = int(buf[pos:end].split(b";", 1)[0], 16)
+                pos = end + 2
+                if size == 0:
+                    self._state = _TRAILER
+                else:
+                    self._left, self._state = size, _DATA
+            elif state == _DATA:
+                take = min(self._left, len(buf) - pos)
+                if take <= 0:
+                    break
+                self._sink.on_body(buf[pos : pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = _DATA_END
+            elif state == _DATA_END:
+                if len(buf) - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise ProtocolError("malformed chunk")
+                pos += 2
+                self._state = _SIZE
+            elif state == _HEAD:
+                end = buf.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    if len(buf) - pos > _MAX_HEAD:
+                        raise ProtocolError("response head too large")
+                    break
+                head = buf[pos:end].decode("latin-1")
+                pos = end + 4
+                self._head(head)
+            elif state == _TRAILER:
+                if buf.startswith(b"\r\n", pos):
+                    pos += 2
+                    self._done()
+                    break
+                end = buf.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    break
+                pos = end + 4
+                self._done()
+                break
+            elif state == _LENGTH:
+                take = min(self._left, len(buf) - pos)
+                if take > 0:
+                    self._sink.on_body(buf[pos : pos + take])
+                    pos += take
+                    self._left -= take
+                if self._left == 0:
+                    self._done()
+                    break
+                break
+            elif state == _UNTIL_CLOSE:
+                if pos < len(buf):
+                    self._sink.on_body(buf[pos:])
+                pos = len(buf)
+                break
+            else:
+                break
+        self._buf = buf[pos:] if pos < len(buf) else b""
+
+    def _head(self, head: str) -> None:
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
+            raise ProtocolError(f"not an HTTP/1.1 answer: {lines[0][:60]!r}")
+        status = int(parts[1])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        if 100 <= status < 200:
+            return  # an interim answer: the real head follows
+        conn = headers.get("connection", "").lower()
+        self._keep = parts[0] == "HTTP/1.1" and "close" not in conn
+        sink = self._sink
+        assert sink is not None
+        sink.on_head(status, headers)
+        if status in (204, 304):
+            self._left, self._state = 0, _LENGTH
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self._state = _SIZE
+        elif "content-length" in headers:
+            self._left, self._state = int(headers["content-length"]), _LENGTH
+        else:
+            self._keep, self._state = False, _UNTIL_CLOSE
+        if self._state == _LENGTH and self._left == 0:
+            self._done()
+
+    def _done(self) -> None:
+        sink, self._sink = self._sink, None
+        self._state = _IDLE
+        if sink is not None:
+            sink.on_end()
+        if self._keep and self._pool is not None and not self.closed:
+            self.idle_since = time.monotonic()
+            self._pool.release(self)
+        elif self.transport is not None:
+            self.transport.close()
+
+
+class Pool:
+    """Connections to one server: reused while fresh, opened on demand up to `limit` (0: no limit), and
+    `spare` kept open idle ahead of demand once `keep_spare` is called."""
+
+    def __init__(self, target: Target, limit: int = 0, idle_s: float = IDLE_S) -> None:
+        self.target = target
+        self._limit = limit
+        self._idle_s = idle_s
+        self._idle: deque[Connection] = deque()
+        self._open = 0
+        self._waiters: deque[asyncio.Future[Connection | None]] = deque()
+        self._ssl = ssl.create_default_context() if target.tls else None
+        self._spare = 0
+        self._keeper: asyncio.Task[None] | None = None
+        self.opened = 0
+        """Connections opened so far (the spare ones included)."""
+
+    async def connect(self, *, pooled: bool = True) -> Connection:
+        """A new connection (counted in the pool's limit when `pooled`). Raises ConnectError."""
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: Connection(self if pooled else None),
+                    self.target.host,
+                    self.target.port,
+                    ssl=self._ssl,
+                ),
+                CONNECT_TIMEOUT_S,
+            )
+        except TimeoutError as err:
+            raise ConnectError(f"connect timed out after {CONNECT_TIMEOUT_S:.0f} s", refused=False) from err
+        except OSError as err:
+            refused = isinstance(err, ConnectionRefusedError)
+            raise ConnectError(f"{type(err).__name__}: {err}", refused=refused) from err
+        await conn.made
+        if conn.closed:
+            raise ConnectError("the connection closed as it opened", refused=False)
+        if pooled:
+            self.opened += 1
+        return conn
+
+    async def acquire(self) -> tuple[Connection, bool]:
+        """A connection for one request, and whether it was opened for it. Raises ConnectError."""
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()  # the most recently used: the freshest
+            if conn.closed or now - conn.idle_since > self._idle_s:
+                self._close(conn)
+                continue
+            return conn, False
+        if self._limit and self._open >= self._limit:
+            fut: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            got = await fut
+            if got is not None:
+                return got, False
+        self._open += 1
+        try:
+            return await self.connect(), True
+        except BaseException:
+            self._open -= 1
+            self._wake()
+            raise
+
+    def release(self, conn: Connection) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(conn)
+                return
+        self._idle.append(conn)
+
+    def discard(self, conn: Connection) -> None:
+        """A connection that closed: it no longer counts, and a waiter may open one instead."""
+        if conn in self._idle:
+            self._idle.remove(conn)
+        self._open = max(0, self._open - 1)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # it may open a connection now
+                return
+
+    def _close(self, conn: Connection) -> None:
+        if conn.transport is not None:
+            conn.transport.close()
+
+    def count(self, conn: Connection) -> Connection:
+        """Count a connection opened outside `acquire` (ahead of demand) as the pool's; call it before
+        the next await, so its closing (which uncounts it) cannot come first."""
+        self._open += 1
+        return conn
+
+    def keep_spare(self, n: int) -> None:
+        """Keep at least `n` idle connections open from now on (replacing those that grew stale)."""
+        self._spare = max(0, n)
+        if self._keeper is None and self._spare:
+            self._keeper = asyncio.create_task(self._keep(), name="soakd-spare-connections")
+
+    async def _keep(self) -> None:
+        while True:
+            now = time.monotonic()
+            fresh = 0
+            for conn in list(self._idle):
+                if conn.closed or now - conn.idle_since > self._idle_s:
+                    self._idle.remove(conn)
+                    self._close(conn)
+                else:
+                    fresh += 1
+            want = min(self._spare - fresh, self._limit - self._open if self._limit else self._spare)
+            if want > 0:
+                await asyncio.gather(*(self._one_spare() for _ in range(want)), return_exceptions=True)
+            await asyncio.sleep(_SPARE_TICK_S)
+
+    async def _one_spare(self) -> None:
+        conn = self.count(await self.connect())
+        conn.idle_since = time.monotonic()
+        self.release(conn)
+
+    async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+        for conn in list(self._idle):
+            self._close(conn)
+        self._idle.clear()
+
+
+class Collect:
+    """A Sink that keeps a whole (short) answer: status and up to `limit` bytes of body."""
+
+    def __init__(self, limit: int = 65536) -> None:
+        self.status = 0
+        self.body = b""
+        self._limit = limit
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def on_head(self, status: int, headers: dict[str, str]) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes) -> None:
+        if len(self.body) < self._limit:
+            self.body += data[: self._limit - len(self.body)]
+
+    def on_end(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def on_error(self, err: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(err)
