@@ -106,7 +106,13 @@ def main() -> None:
     print("| comparison | metric | " + " | ".join(WINDOWS) + " |")
     print("|---|---|---|---|---|")
     pairs = [
-        (f"{s}-control vs {s}-advice", f"{s}-control", f"{s}-advice") for s in ("shared", "pays", "owncap")
+        (f"{s}-control vs {s}-advice", f"{s}-control", f"{s}-advice")
+        for s in ("shared", "pays", "owncap", "payslong")
+    ]
+    pairs += [
+        ("payslong-control2 vs payslong-advice2", "payslong-control2", "payslong-advice2"),
+        ("noise: payslong-advice2 vs payslong-advice", "payslong-advice2", "payslong-advice"),
+        ("noise: payslong-control2 vs payslong-control", "payslong-control2", "payslong-control"),
     ]
     pairs += [
         ("noise: shared-advice2 vs shared-advice", "shared-advice2", "shared-advice"),
