@@ -247,6 +247,9 @@ def make_controller(
         harm_source=gpu_watch.harm_source
         if gpu_watch is not None and ccfg.scope != "host"
         else lambda _k: "",
+        harm_fading=gpu_watch.harm_fading
+        if gpu_watch is not None and ccfg.scope != "host"
+        else lambda _k: False,
         waiting=lambda: live.replayer.waiting_admission if live.replayer is not None else 0,
         head_wait=lambda: live.replayer.head_wait_s() if live.replayer is not None else 0.0,
         draining=lambda: live.replayer.draining if live.replayer is not None else False,

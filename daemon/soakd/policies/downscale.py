@@ -49,6 +49,11 @@ its first 5 s against 53 in advice-only, which moved nothing; the head's wait we
 (advice-only: 4.5 to 6.2 s), and after the load 719 of 720 requests missed the 10 s TTFT limit against
 283 of 813 in advice-only.
 
+No trial starts while the harm is in its tail (the clock loss under the level that starts harm, not yet
+under the level that ends it): its cause may be over. On an H200 a block that ran out 10 s after a shared
+load ended started a trial as the clock came back; the harm ended 0.8 s later and the trial said nothing
+(tests/data/h200/matrix3, payslong-control2).
+
 Harm that ends during the B leg makes the trial inconclusive: the lower level is kept and the upscale
 below needs only `settle_s` of quiet; harm that ends during the A' leg leaves the level before in force,
 nothing blocked. A queue that stops binding during a leg leaves no evidence (the objective follows the
@@ -185,6 +190,9 @@ class Tick:
     """"thermal" or "power" (the reason class of the harm), empty when none."""
     harm_source: str = ""
     """Where the harm is ("GPU 1"), empty when unknown or none."""
+    fading: bool = False
+    """The harm is in its tail: the loss under the level that starts harm, not yet under the level that
+    ends it. No trial starts then (it would measure the harm's end, not the level)."""
     throttled: bool = False
     """The throttle episode state (recorded; the policy acts on harm, not on this)."""
     binding: bool = False
@@ -445,7 +453,7 @@ class BatchPolicy:
             out += self._judge_trial(tick)
             return out
         since_action = math.inf if self._last_action_t is None else t - self._last_action_t
-        if tick.harm and self._harm_since is not None:
+        if tick.harm and not tick.fading and self._harm_since is not None:
             held = t - self._harm_since
             if held >= s.dwell_s and since_action >= s.settle_s + s.eval_s and self.limit > s.floor:
                 act = self._try_downscale(t, held, tick.harm_kind, tick.harm_source)

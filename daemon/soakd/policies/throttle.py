@@ -589,6 +589,9 @@ class HarmJudge:
         self.max_loss = 0.0
         self.limited = 0.0
         """Share of the window's samples with a throttle reason set (the device at a limit)."""
+        self.at_threshold = False
+        """Whether the loss now is at the level that starts harm (False in an episode's tail, between
+        half the threshold and the threshold, or below it, and near the engine's own at-cap clock)."""
 
     @property
     def reference_mhz(self) -> float | None:
@@ -667,7 +670,8 @@ class HarmJudge:
         own = None if worst == 2 or self.kind == "thermal" else self.own_cap_mhz
         clocks = [x[4] for x in self._window if x[4] is not None]
         near_own = own is not None and bool(clocks) and 1 - statistics.median(clocks) / own < threshold / 2
-        if self.loss >= threshold and not near_own:
+        self.at_threshold = self.loss >= threshold and not near_own
+        if self.at_threshold:
             self._under_since = None
             if self._over_since is None:
                 self._over_since = t_s

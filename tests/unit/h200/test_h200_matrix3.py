@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from test_h200_control_ab import replay_ticks
 
+from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.control import Slo
 from soakd.policies.downscale import judge_aba
-from soakd.testing import load_script
+from soakd.testing import load_script, recorded_gpu
 
 DATA = Path(__file__).parents[2] / "data" / "h200" / "matrix3"
 FIG = load_script(
@@ -122,19 +123,28 @@ def test_control_is_within_the_noise_of_advice_only_in_every_window(matrix: dict
                 assert spread(goodput(matrix, c, k), goodput(matrix, a, k)) <= noise + 0.005, (c, a, k)
 
 
-def test_a_trial_can_start_as_the_harm_ends_and_its_verdict_says_so() -> None:
-    """control2: the block on 48 (80 s) ran out 10 s after the load ended, while the clock loss was still
-    over the half threshold that ends harm; a trial began at once, the harm ended 0.8 s later, and the
-    verdict said so (`harm_ended`, 48 kept, upscaled 11 s later). Recorded as it happened: the policy
-    starts a trial on an open episode, not on the loss now (a noticed weakness, not yet changed)."""
+def test_a_trial_begun_as_the_harm_ended_would_not_start_today() -> None:
+    """control2, live: the block on 48 (80 s) ran out 10 s after the load ended, while the clock loss was
+    between half the threshold and the threshold (the episode still open); a trial began at once, the
+    harm ended 0.8 s later, and the verdict said so (`harm_ended`, 48 kept, upscaled 11 s later). The
+    recorded 10 Hz clock replayed through today's watch: at that second the harm is in its tail
+    (`harm_fading`), where no trial starts now; at the first trial's second it was not."""
     _, end = load_times("payslong-control2")
-    moves = [(t - end, k, f) for t, k, f in events("payslong-control2") if k in ("downscale", "upscale")]
-    assert [k for _, k, _ in moves] == ["downscale", "downscale", "upscale"]
-    late = moves[1][0]
-    assert 5.0 < late < 15.0
+    moves = [(t, k) for t, k, f in events("payslong-control2") if k in ("downscale", "upscale")]
+    assert [k for _, k in moves] == ["downscale", "downscale", "upscale"]
+    first, late = moves[0][0], moves[1][0]
+    assert 5.0 < late - end < 15.0
     results = summary("payslong-control2")["control"]["results"]
     assert results[1]["decided_by"] == "harm_ended" and results[1]["kept"]
-    assert 0 < moves[2][0] - late < 20.0
+    watch = GpuThrottleWatch({0: 1980.0}, lambda *_a, **_f: None)
+    seen: dict[str, tuple[str, bool]] = {}
+    for _, wall, fast, slow in recorded_gpu(DATA / "payslong-control2" / "nvml.jsonl.gz"):
+        watch.observe(0, wall, fast, slow)
+        for name, at in (("first", first), ("late", late)):
+            if name not in seen and wall >= at:
+                seen[name] = (watch.harm(), watch.harm_fading("power"))
+    assert seen["first"] == ("power", False)
+    assert seen["late"] == ("power", True)
 
 
 def null_trials(effect: float) -> list[tuple[list[Any], list[Any], list[Any]]]:

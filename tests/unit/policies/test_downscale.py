@@ -636,3 +636,29 @@ def test_the_evidence_names_the_gpu_the_harm_is_on(dry_run: bool) -> None:
         BatchPolicy(BatchSettings(**{**_kw(SETTINGS), "dry_run": dry_run})), world, lambda t: t >= 10, 60
     )
     assert "harm_source" not in actions(plain, "downscale")[0].evidence
+
+
+def test_no_trial_starts_while_the_harm_is_in_its_tail() -> None:
+    """Harm held long enough with the ceiling binding, but its loss in the band (fading): no trial, and
+    no advice in dry run; once the loss is back at the threshold a trial starts."""
+    for dry in (False, True):
+        policy = BatchPolicy(BatchSettings(**{**_kw(SETTINGS), "dry_run": dry}))
+        out: Out = []
+        for i in range(1, 121):
+            fading = i <= 60
+            out += policy.update(
+                Tick(
+                    t_s=float(i),
+                    interval_s=1.0,
+                    harm=True,
+                    harm_kind="power",
+                    fading=fading,
+                    binding=True,
+                    tokens=100.0,
+                    good_tokens=100.0,
+                )
+            )
+            if i == 60:
+                assert actions(out) == [], dry
+        (first,) = actions(out, "downscale")
+        assert first.t_s > 60

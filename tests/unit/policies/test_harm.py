@@ -263,3 +263,24 @@ def test_a_shared_load_that_makes_the_first_queue_is_judged_against_the_load_ser
             ended = t
     assert ended is not None and judge.episodes == 1
     assert judge.reference_kind == "capacity" and judge.reference == pytest.approx(9_500.0, rel=0.1)
+
+
+def test_the_judge_says_when_an_episode_is_in_its_tail() -> None:
+    """`at_threshold` holds while the loss is at the level that starts harm and goes false in the band
+    (between half the threshold and the threshold) while the episode is still open: the watch's
+    `harm_fading` is what stops a new control trial from starting on a harm whose cause may be over."""
+    rng = random.Random(4)
+    judge = HarmJudge(HarmSettings(), max_mhz=MAX_MHZ)
+    feed(judge, phase(rng, 0.0, 30.0, MAX_MHZ, 0))
+    assert not judge.at_threshold
+    feed(judge, phase(rng, 30.0, 30.0, 1600.0, CAP))
+    assert judge.harmful and judge.at_threshold
+    feed(judge, phase(rng, 60.0, 8.0, 1850.0, CAP))  # 6.6 % down: in the band, the episode still open
+    assert judge.harmful and not judge.at_threshold
+    watch = GpuThrottleWatch({0: MAX_MHZ}, lambda *_a, **_f: None)
+    for t, mhz, bits in phase(rng, 0.0, 30.0, 1600.0, CAP):
+        watch.observe(0, t, {"sm_mhz": mhz, "reasons": bits}, {"util_gpu": 100})
+    assert watch.harm() == "power" and not watch.harm_fading("power")
+    for t, mhz, bits in phase(rng, 30.0, 8.0, 1850.0, CAP):
+        watch.observe(0, t, {"sm_mhz": mhz, "reasons": bits}, {"util_gpu": 100})
+    assert watch.harm() == "power" and watch.harm_fading("power") and not watch.harm_fading("thermal")
