@@ -179,6 +179,15 @@ class Connection(asyncio.Protocol):
         return None  # close the transport: connection_lost follows
 
     def _feed(self, data: bytes) -> None:
+        if self._state == _SIZE and not self._buf and (sink := self._sink) is not None:
+            # The common read of a stream: one whole chunk ("<hex>\r\n<payload>\r\n"), handed over
+            # without the state machine's bookkeeping.
+            end = data.find(b"\r\n")
+            if 0 < end <= 8 and data.find(b";", 0, end) < 0:
+                stop = end + 2 + int(data[:end], 16)
+                if stop > end + 2 and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                    sink.on_body(data[end + 2 : stop])
+                    return
         buf = self._buf + data if self._buf else data
         pos = 0
         while self._sink is not None:

@@ -202,6 +202,45 @@ async def test_spare_connections_are_kept_open_and_replaced_when_stale(server: t
     await pool.close()
 
 
+async def test_spare_connections_come_back_after_the_server_restarts() -> None:
+    """A server that goes away (a restart) takes the pool's connections with it; the pool opens its
+    spare ones again once something listens on the port, no request needed."""
+    accepted: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        await reader.read()
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, reuse_address=True)
+    port = srv.sockets[0].getsockname()[1]
+    pool = Pool(Target(f"http://127.0.0.1:{port}"))
+    pool.keep_spare(2)
+    try:
+        for _ in range(500):
+            if len(accepted) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        assert len(accepted) == 2
+        # A restart: the listener goes and every connection drops.
+        srv.close()
+        for w in list(pool._idle):
+            assert w.transport is not None
+            w.transport.abort()
+        await srv.wait_closed()
+        await asyncio.sleep(0.7)  # a tick of the keeper finds nothing listening
+        srv = await asyncio.start_server(handle, "127.0.0.1", port, reuse_address=True)
+        for _ in range(500):
+            if len(accepted) >= 4:
+                break
+            await asyncio.sleep(0.01)
+        assert len(accepted) >= 4
+    finally:
+        await pool.close()
+        srv.close()
+        await srv.wait_closed()
+
+
 async def test_a_closed_port_is_a_refused_connection() -> None:
     srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
