@@ -66,9 +66,10 @@ class ControlInputs:
     """Whether speculative acceptance is below its baseline by the drift threshold now."""
     harm: Callable[[], str] = lambda: ""
     """The harm the batch policy acts on: "thermal", "power" or "" (policies.throttle.HarmJudge)."""
-    harm_fading: Callable[[str], bool] = lambda _kind: False
-    """Whether harm of this kind is in its tail: the loss under the level that starts it, not yet under
-    the level that ends it (GpuThrottleWatch.harm_fading)."""
+    harm_fading: Callable[[], bool] = lambda: False
+    """Whether the harm acted on is in its tail: the loss under the level that starts it, not yet under
+    the level that ends it, on every source that has it (GpuThrottleWatch.harm_fading; a host's CPU
+    throttling is never a tail)."""
     harm_source: Callable[[str], str] = lambda _kind: ""
     """Where harm of this kind is ("GPU 1"): an action's evidence names the GPU that held the engine back."""
     waiting: Callable[[], int] = lambda: 0
@@ -227,7 +228,7 @@ class Controller:
                 harm=bool(harm),
                 harm_kind=harm,
                 harm_source=self.inputs.harm_source(harm) if harm and harm != "throughput" else "",
-                fading=self.inputs.harm_fading(harm) if harm and harm != "throughput" else False,
+                fading=self.inputs.harm_fading() if harm and harm != "throughput" else False,
                 throttled=self.inputs.throttled(),
                 binding=binding,
                 tokens=float(delta),

@@ -229,6 +229,13 @@ def make_controller(
         else None,
     )
 
+    def fading() -> bool:
+        # The GPUs' harm in its tail, and no harm from the host's CPUs now (which has no tail).
+        if gpu_watch is None or ccfg.scope == "host":
+            return False
+        host_now = host_watch is not None and host_watch.state is ThrottleState.THROTTLED
+        return gpu_watch.harm_fading() and not (ccfg.scope != "gpu" and host_now)
+
     def engine_info() -> EngineInfo | None:
         # Alive but between engines (a restart or rebuild under way): none to act on this tick.
         try:
@@ -247,9 +254,7 @@ def make_controller(
         harm_source=gpu_watch.harm_source
         if gpu_watch is not None and ccfg.scope != "host"
         else lambda _k: "",
-        harm_fading=gpu_watch.harm_fading
-        if gpu_watch is not None and ccfg.scope != "host"
-        else lambda _k: False,
+        harm_fading=fading,
         waiting=lambda: live.replayer.waiting_admission if live.replayer is not None else 0,
         head_wait=lambda: live.replayer.head_wait_s() if live.replayer is not None else 0.0,
         draining=lambda: live.replayer.draining if live.replayer is not None else False,

@@ -199,11 +199,12 @@ class GpuThrottleWatch:
         threshold (thermal wins), "" when none: in tensor parallelism one GPU's harm is the engine's."""
         return worst_harm(j.kind for j in self._judges.values() if j.harmful)
 
-    def harm_fading(self, kind: str) -> bool:
-        """Whether harm of this kind is in its tail on every GPU that has it: the loss under the level
-        that starts harm, not yet under the level that ends it (its cause may be over)."""
-        judges = [j for j in self._judges.values() if j.harmful and j.kind == kind]
-        return bool(judges) and not any(j.at_threshold for j in judges)
+    def harm_fading(self) -> bool:
+        """Whether the GPUs' harm is in its tail on every GPU that has any: the loss under the level
+        that starts harm, not yet under the level that ends it (its cause may be over); one GPU at its
+        threshold, of any kind, is harm now."""
+        judges = [j for j in self._judges.values() if j.harmful]
+        return bool(judges) and all(j.in_tail for j in judges)
 
     def harm_source(self, kind: str) -> str:
         """Which GPUs have harm of this kind ("GPU 1", "GPUs 0, 3"), for the evidence of an action; ""

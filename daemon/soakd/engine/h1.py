@@ -108,6 +108,8 @@ class Connection(asyncio.Protocol):
         self._got_bytes = False
         self.idle_since = time.monotonic()
         self.closed = False
+        self.counted = False
+        """Whether the pool counts it against its limit (Pool.count); its closing uncounts it once."""
         self.made: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # -- the pool's side
@@ -127,8 +129,12 @@ class Connection(asyncio.Protocol):
         never served the request)."""
         return self._got_bytes
 
-    def abort(self) -> None:
-        """Drop the connection now (a cancelled request: the server then aborts it)."""
+    def abort(self, sink: Sink | None = None) -> None:
+        """Drop the connection now (a cancelled request: the server then aborts it). With `sink`, only
+        while that answer is still the connection's: one that ended gave the connection back to the
+        pool, and another request may be on it now."""
+        if sink is not None and self._sink is not sink:
+            return
         self._sink = None
         if self.transport is not None:
             self.transport.abort()
@@ -151,7 +157,7 @@ class Connection(asyncio.Protocol):
             self.made.set_result(None)
         sink, self._sink = self._sink, None
         if sink is not None:
-            if self._state == _UNTIL_CLOSE:
+            if self._state == _UNTIL_CLOSE and exc is None:
                 sink.on_end()
             else:
                 sink.on_error(ProtocolError(f"connection closed by the server{f': {exc}' if exc else ''}"))
@@ -197,6 +203,8 @@ class Connection(asyncio.Protocol):
                 if end < 0:
                     break
                 size = int(buf[pos:end].split(b";", 1)[0], 16)
+                if size < 0:
+                    raise ProtocolError("negative chunk size")
                 pos = end + 2
                 if size == 0:
                     self._state = _TRAILER
@@ -281,6 +289,8 @@ class Connection(asyncio.Protocol):
             self._state = _SIZE
         elif "content-length" in headers:
             self._left, self._state = int(headers["content-length"]), _LENGTH
+            if self._left < 0:
+                raise ProtocolError("negative content-length")
         else:
             self._keep, self._state = False, _UNTIL_CLOSE
         if self._state == _LENGTH and self._left == 0:
@@ -333,7 +343,11 @@ class Pool:
         except OSError as err:
             refused = isinstance(err, ConnectionRefusedError)
             raise ConnectError(f"{type(err).__name__}: {err}", refused=refused) from err
-        await conn.made
+        try:
+            await conn.made
+        except BaseException:
+            conn.abort()  # cancelled as it opened (uvloop makes it a loop step later): not left open
+            raise
         if conn.closed:
             raise ConnectError("the connection closed as it opened", refused=False)
         if pooled:
@@ -349,19 +363,31 @@ class Pool:
                 self._close(conn)
                 continue
             return conn, False
-        if self._limit and self._open >= self._limit:
+        while self._limit and self._open >= self._limit:
             fut: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
-            got = await fut
+            try:
+                got = await fut
+            except asyncio.CancelledError:
+                # Handed a connection or a free slot as it was cancelled: pass it on, not lose it.
+                if fut.done() and not fut.cancelled():
+                    handed = fut.result()
+                    if handed is not None:
+                        self.release(handed)
+                    else:
+                        self._wake()
+                raise
             if got is not None:
                 return got, False
-        self._open += 1
+        self._open += 1  # the slot, taken before the connect's await
         try:
-            return await self.connect(), True
+            conn = await self.connect()
         except BaseException:
             self._open -= 1
             self._wake()
             raise
+        conn.counted = True
+        return conn, True
 
     def release(self, conn: Connection) -> None:
         while self._waiters:
@@ -375,7 +401,9 @@ class Pool:
         """A connection that closed: it no longer counts, and a waiter may open one instead."""
         if conn in self._idle:
             self._idle.remove(conn)
-        self._open = max(0, self._open - 1)
+        if conn.counted:
+            conn.counted = False
+            self._open -= 1
         self._wake()
 
     def _wake(self) -> None:
@@ -392,7 +420,9 @@ class Pool:
     def count(self, conn: Connection) -> Connection:
         """Count a connection opened outside `acquire` (ahead of demand) as the pool's; call it before
         the next await, so its closing (which uncounts it) cannot come first."""
-        self._open += 1
+        if not conn.counted and not conn.closed:
+            conn.counted = True
+            self._open += 1
         return conn
 
     def keep_spare(self, n: int) -> None:

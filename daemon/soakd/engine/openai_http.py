@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,10 +34,10 @@ from soakd.engine.completions import (
     send_trace_config,
     stream_completion,
 )
-from soakd.engine.sender import MAX_RESTARTS, RESTART_WINDOW_S, SenderProcess, stream_via, take_final
+from soakd.engine.sender import SenderProcess, Senders, stream_via, take_final
 from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import config_id
-from soakd.errors import EngineError, HarnessError
+from soakd.errors import EngineError
 from soakd.redact import redact_url
 
 log = structlog.get_logger(__name__)
@@ -81,12 +80,7 @@ class OpenAIEngine:
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._headers: dict[str, str] = {}
-        self._senders: list[SenderProcess] = []
-        self._turn = 0  # the next request's sender, in turn
-        self._warm_each = 0  # connections each sender keeps open ahead of demand (0: none asked)
-        self._sender_lock = asyncio.Lock()
-        self._sender_restarts = 0
-        self._restart_times: deque[float] = deque()
+        self._senders: Senders | None = None
         self._sends = SendFigures()
         self._probes = 0  # completions sent to find the vocabulary (not the trace's)
         self._info: EngineInfo | None = None
@@ -125,8 +119,10 @@ class OpenAIEngine:
             await self._wait_healthy(shown, t0 + self._cfg.start_timeout)
             self._info = await self._discover(shown, time.monotonic() - t0)
             if self._cfg.sender == "process":
-                self._senders = [self._new_sender() for _ in range(self._cfg.senders)]
-                await asyncio.gather(*(s.start(self._cfg.api_key_env) for s in self._senders))
+                self._senders = Senders(
+                    self._url, self._headers, self._max_connections, self._cfg.senders, self._cfg.api_key_env
+                )
+                await self._senders.start()
         except BaseException:
             await self.stop()
             raise
@@ -340,8 +336,8 @@ class OpenAIEngine:
         if self.on_send is not None:
             self.on_send(request)
         try:
-            if self._senders:
-                async for n in self._through_sender(request, body):
+            if self._senders is not None:
+                async for n in self._through_sender(self._senders, request, body):
                     yield n
                 return
             if request.send_at is not None:
@@ -358,9 +354,10 @@ class OpenAIEngine:
             self._dead = True
             raise
 
-    async def _through_sender(self, request: GenerationRequest, body: bytes) -> AsyncIterator[int]:
-        slot, self._turn = self._turn % len(self._senders), self._turn + 1
-        sender = await self._live_sender(slot)
+    async def _through_sender(
+        self, senders: Senders, request: GenerationRequest, body: bytes
+    ) -> AsyncIterator[int]:
+        sender = await senders.next()
         if request.stamps is not None:
             request.stamps.handed = time.monotonic()
         async for header in stream_via(sender, request, body):
@@ -374,35 +371,6 @@ class OpenAIEngine:
                 error = header.get("error")
                 if isinstance(error, dict):
                     raise error_of(error)
-
-    async def _live_sender(self, slot: int) -> SenderProcess:
-        """Sender `slot`, started again when it exited (each restart logged and counted, its spare
-        connections opened again). One that cannot be kept running is soakd's failure, not the
-        engine's (HarnessError)."""
-        async with self._sender_lock:
-            if slot >= len(self._senders):
-                raise EngineError("engine stopped")
-            sender = self._senders[slot]
-            if sender.running:
-                return sender
-            now = time.monotonic()
-            while self._restart_times and now - self._restart_times[0] > RESTART_WINDOW_S:
-                self._restart_times.popleft()
-            if len(self._restart_times) >= MAX_RESTARTS:
-                raise HarnessError(
-                    f"the sender process exited {MAX_RESTARTS + 1} times within {RESTART_WINDOW_S:.0f} s"
-                )
-            self._restart_times.append(now)
-            self._sender_restarts += 1
-            await sender.stop()
-            fresh = self._senders[slot] = self._new_sender()
-            try:
-                await fresh.start(self._cfg.api_key_env)
-            except EngineError as err:
-                raise HarnessError(str(err)) from err
-            warmed = await fresh.warm(self._warm_each) if self._warm_each else 0
-            log.warning("sender_restarted", restarts=self._sender_restarts, pid=fresh.pid, warmed=warmed)
-            return fresh
 
     def process_ids(self) -> list[int]:
         return []  # the server is not a process of ours
@@ -441,20 +409,15 @@ class OpenAIEngine:
         except (aiohttp.ClientError, TimeoutError, ValueError) as err:
             raise EngineError(f"POST {path}: {type(err).__name__}: {err}"[:200]) from err
 
-    def _new_sender(self) -> SenderProcess:
-        # The pool's limit (when there is one) shared out: each sender holds its part.
-        limit = -(-self._max_connections // self._cfg.senders) if self._max_connections else 0
-        return SenderProcess(self._url, self._headers, limit)
-
     @property
     def senders(self) -> list[SenderProcess]:
         """The sender processes now (a restarted one replaces its slot)."""
-        return list(self._senders)
+        return list(self._senders.slots) if self._senders is not None else []
 
     @property
     def sender_pid(self) -> int | None:
         """The first sender process's pid (soakd's own process, not the engine's); None without one."""
-        return self._senders[0].pid if self._senders else None
+        return self.senders[0].pid if self.senders else None
 
     async def prepare_replay(self, concurrency: int) -> None:
         # The figures are the replay's: warm-up requests (before this) opened connections of their own.
@@ -463,12 +426,8 @@ class OpenAIEngine:
         if n == 0:
             return
         try:
-            if self._senders:
-                # Each sender keeps its share open ahead of demand for the whole run.
-                self._warm_each = -(-n // len(self._senders))
-                slots = range(len(self._senders))
-                live = [await self._live_sender(i) for i in slots]
-                opened = sum(await asyncio.gather(*(s.warm(self._warm_each) for s in live)))
+            if self._senders is not None:
+                opened = await self._senders.warm(n)
             else:
                 opened = await open_connections(self._require_session(), self._url, n)
         # Opening connections ahead is an optimisation: its failure (a session closed by a restart, a
@@ -480,10 +439,11 @@ class OpenAIEngine:
         log.info("connections_warmed", wanted=n, opened=opened)
 
     def telemetry_summary(self) -> dict[str, object]:
-        out: dict[str, object] = {"sender_restarts": self._sender_restarts} if self._sender_restarts else {}
-        if self._senders and self._senders[0].loop_kind:
-            out["sender_loop"] = self._senders[0].loop_kind
-            out["senders"] = len(self._senders)
+        restarts = self._senders.restarts if self._senders is not None else 0
+        out: dict[str, object] = {"sender_restarts": restarts} if restarts else {}
+        if self.senders and self.senders[0].loop_kind:
+            out["sender_loop"] = self.senders[0].loop_kind
+            out["senders"] = len(self.senders)
         if self._sends.requests or self._sends.warmed:
             out["sends"] = self._sends.summary()
         if self._probes:
@@ -491,9 +451,8 @@ class OpenAIEngine:
         return out
 
     async def stop(self) -> None:
-        async with self._sender_lock:  # not while a restart is under way: it would outlive the engine
-            senders, self._senders = self._senders, []
-        await asyncio.gather(*(s.stop() for s in senders))
+        if self._senders is not None:
+            await self._senders.stop()
         if self._session is not None:
             session, self._session = self._session, None
             await session.close()

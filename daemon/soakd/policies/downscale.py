@@ -498,7 +498,9 @@ class BatchPolicy:
         since = max(t - s.eval_s, self._last_action_t or -math.inf)
         window = self._window(t, since)
         covered = sum(tk.interval_s for tk in window)
-        if covered < 0.8 * s.eval_s or not all(tk.harm for tk in window):
+        # The A leg is harm now throughout: none of it in a tail (a trial after a tail measures the
+        # harm's return against its ebb).
+        if covered < 0.8 * s.eval_s or not all(tk.harm and not tk.fading for tk in window):
             return None
         binding = sum(tk.interval_s for tk in window if tk.binding) / covered
         if binding < s.min_binding:

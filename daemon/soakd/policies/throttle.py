@@ -592,6 +592,10 @@ class HarmJudge:
         self.at_threshold = False
         """Whether the loss now is at the level that starts harm (False in an episode's tail, between
         half the threshold and the threshold, or below it, and near the engine's own at-cap clock)."""
+        self.in_tail = False
+        """An open episode whose loss has not been at the threshold for under `stale_s`: its cause may
+        be over. Past `stale_s` in the band the loss is the device's level now, not a tail (a power
+        episode ends there; a thermal one stays open, and is harm to act on again)."""
 
     @property
     def reference_mhz(self) -> float | None:
@@ -662,6 +666,16 @@ class HarmJudge:
         return change
 
     def _judge(self, t_s: float, worst: int) -> HarmChange | None:
+        change = self._judge_episode(t_s, worst)
+        self.in_tail = (
+            self.harmful
+            and not self.at_threshold
+            and self._last_over is not None
+            and t_s - self._last_over < self.settings.stale_s
+        )
+        return change
+
+    def _judge_episode(self, t_s: float, worst: int) -> HarmChange | None:
         s = self.settings
         threshold = s.thermal_loss if worst == 2 else s.power_loss
         kind = "thermal" if worst == 2 else "power"

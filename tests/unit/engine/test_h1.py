@@ -241,6 +241,54 @@ async def test_spare_connections_come_back_after_the_server_restarts() -> None:
         await srv.wait_closed()
 
 
+async def test_an_abort_for_an_answer_that_ended_leaves_the_next_request_alone(
+    server: tuple[Script, str],
+) -> None:
+    """A request cancelled just after its answer ended must not drop the connection it gave back: the
+    next request may already be on it."""
+    script, url = server
+    pool = Pool(Target(url))
+    first, _ = await fetch(pool)
+    conn, new = await pool.acquire()
+    assert not new
+    second = Collect()
+    conn.send(request_head(pool.target, "GET", "/x", {}, 0), b"", second)
+    conn.abort(first)  # the first request's late cancel
+    await asyncio.wait_for(second.done, 5)
+    assert second.status == 200 and not conn.closed and script.connections == 1
+    await pool.close()
+
+
+async def test_a_negative_size_is_a_protocol_error_not_a_hang(server: tuple[Script, str]) -> None:
+    script, url = server
+    script.answer = lambda c, r: [HEAD + b"-5\r\nxxxxx\r\n0\r\n\r\n"]
+    pool = Pool(Target(url))
+    with pytest.raises(ProtocolError):
+        await asyncio.wait_for(fetch(pool), 5)
+    script.answer = lambda c, r: [b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n"]
+    with pytest.raises(ProtocolError):
+        await asyncio.wait_for(fetch(pool), 5)
+    await pool.close()
+
+
+async def test_a_waiter_cancelled_as_it_is_handed_a_connection_passes_it_on(
+    server: tuple[Script, str],
+) -> None:
+    """At the limit: the connection handed to a waiter that is cancelled in the same step goes to the
+    next waiter, not lost (the pool would otherwise stall with a slot free)."""
+    _, url = server
+    pool = Pool(Target(url), limit=1)
+    conn, _ = await pool.acquire()
+    first = asyncio.create_task(pool.acquire())
+    second = asyncio.create_task(pool.acquire())
+    await asyncio.sleep(0.02)
+    pool.release(conn)  # handed to the first waiter...
+    first.cancel()  # ...which is cancelled before it runs
+    got, new = await asyncio.wait_for(second, 5)
+    assert got is conn and not new
+    await pool.close()
+
+
 async def test_a_closed_port_is_a_refused_connection() -> None:
     srv = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]

@@ -142,7 +142,7 @@ def test_a_trial_begun_as_the_harm_ended_would_not_start_today() -> None:
         watch.observe(0, wall, fast, slow)
         for name, at in (("first", first), ("late", late)):
             if name not in seen and wall >= at:
-                seen[name] = (watch.harm(), watch.harm_fading("power"))
+                seen[name] = (watch.harm(), watch.harm_fading())
     assert seen["first"] == ("power", False)
     assert seen["late"] == ("power", True)
 

@@ -661,4 +661,5 @@ def test_no_trial_starts_while_the_harm_is_in_its_tail() -> None:
             if i == 60:
                 assert actions(out) == [], dry
         (first,) = actions(out, "downscale")
-        assert first.t_s > 60
+        # Its A leg (eval_s) is harm now throughout: none of it from the tail.
+        assert first.t_s >= 60 + SETTINGS.eval_s

@@ -276,11 +276,26 @@ def test_the_judge_says_when_an_episode_is_in_its_tail() -> None:
     feed(judge, phase(rng, 30.0, 30.0, 1600.0, CAP))
     assert judge.harmful and judge.at_threshold
     feed(judge, phase(rng, 60.0, 8.0, 1850.0, CAP))  # 6.6 % down: in the band, the episode still open
-    assert judge.harmful and not judge.at_threshold
+    assert judge.harmful and not judge.at_threshold and judge.in_tail
     watch = GpuThrottleWatch({0: MAX_MHZ}, lambda *_a, **_f: None)
     for t, mhz, bits in phase(rng, 0.0, 30.0, 1600.0, CAP):
         watch.observe(0, t, {"sm_mhz": mhz, "reasons": bits}, {"util_gpu": 100})
-    assert watch.harm() == "power" and not watch.harm_fading("power")
+    assert watch.harm() == "power" and not watch.harm_fading()
     for t, mhz, bits in phase(rng, 30.0, 8.0, 1850.0, CAP):
         watch.observe(0, t, {"sm_mhz": mhz, "reasons": bits}, {"util_gpu": 100})
-    assert watch.harm() == "power" and watch.harm_fading("power") and not watch.harm_fading("thermal")
+    assert watch.harm() == "power" and watch.harm_fading()
+
+
+def test_a_thermal_episode_in_the_band_is_a_tail_only_for_stale_s() -> None:
+    """A thermal episode never ends on the bound: its loss settled in the band is the device's level,
+    and after `stale_s` no longer a tail (a trial may start on it again)."""
+    rng = random.Random(5)
+    s = HarmSettings()
+    judge = HarmJudge(s, max_mhz=MAX_MHZ)
+    feed(judge, phase(rng, 0.0, 30.0, MAX_MHZ, 0))
+    feed(judge, phase(rng, 30.0, 30.0, 1600.0, SW_THERMAL))
+    assert judge.harmful and judge.kind == "thermal" and not judge.in_tail
+    feed(judge, phase(rng, 60.0, 8.0, 1935.0, SW_THERMAL))  # 2.3 % down: in the thermal band (3 %)
+    assert judge.harmful and judge.in_tail
+    feed(judge, phase(rng, 68.0, s.stale_s + 5.0, 1935.0, SW_THERMAL))
+    assert judge.harmful and not judge.at_threshold and not judge.in_tail

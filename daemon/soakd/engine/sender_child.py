@@ -1,0 +1,355 @@
+"""The sender process's side (run as `python -m soakd.engine.sender_child`): requests sent at their due
+time, their streams read, stamps and token counts reported to soakd over its pipe.
+
+One event loop (uvloop where installed) with one connection pool (engine/h1.py); the frames both ways and
+the parent's side are engine/sender.py. Each answer is read in its connection's callbacks (`_Stream`):
+events split, the running token count read without a JSON parse where the event allows, every delta
+stamped, progress reported at most every PROGRESS_S; frames to the parent gathered for FLUSH_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import structlog
+
+from soakd.engine.base import SpecSteps, Stamps
+from soakd.engine.completions import (
+    BODY_CHARS,
+    KIND_ENGINE,
+    KIND_GONE,
+    KIND_REQUEST,
+    RequestError,
+    ServerGone,
+    error_message,
+    new_tokens,
+    usage_tokens,
+)
+from soakd.engine.h1 import Collect, ConnectError, Connection, Pool, ProtocolError, Target, request_head
+from soakd.engine.sender import FLUSH_S, PROGRESS_S, frame, read_frame
+from soakd.errors import EngineError
+from soakd.sse import DataSplitter
+
+_HEALTH_TIMEOUT_S = 10.0
+
+
+class _Stream:
+    """One completion's answer, read in the connection's callbacks (engine/h1.py): tokens counted from
+    each event, deltas stamped, progress reported, nothing awaited per chunk."""
+
+    def __init__(
+        self,
+        child: _Child,
+        key: int,
+        stamps: Stamps,
+        output_ids: list[int] | None,
+        spec: SpecSteps | None,
+    ) -> None:
+        self._child, self._key, self.stamps = child, key, stamps
+        self._ids, self._spec = output_ids, spec
+        self._lean = output_ids is None
+        self._splitter = DataSplitter()
+        self._seen = 0
+        self.pending = 0
+        self._reported_at = stamps.sent or time.monotonic()
+        self._status = 0
+        self._error_body = b""
+        self.conn: Connection | None = None
+        self.written: float | None = None
+        self.new_conn = False
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def again(self) -> None:
+        """Ready to be sent once more (nothing of the first answer arrived)."""
+        self._status, self._error_body, self._splitter = 0, b"", DataSplitter()
+        self.done = asyncio.get_running_loop().create_future()
+
+    def on_head(self, status: int, headers: dict[str, str]) -> None:
+        self._status = status
+
+    def on_body(self, data: bytes) -> None:
+        if self._status != 200:
+            if len(self._error_body) < BODY_CHARS:
+                self._error_body += data[: BODY_CHARS - len(self._error_body)]
+            return
+        for event in self._splitter.feed(data):
+            if event == b"[DONE]" or self.done.done():
+                continue
+            total = usage_tokens(event) if self._lean else None
+            try:
+                if total is not None:
+                    n, self._seen = max(0, total - self._seen), max(self._seen, total)
+                else:
+                    n, self._seen = new_tokens(event, self._seen, self._ids, self._spec)
+            except RequestError as err:
+                # A stream's error event: the request failed; dropping the connection aborts it.
+                self._fail(err)
+                if self.conn is not None:
+                    self.conn.abort(self)
+                return
+            if n:
+                self._tokens(n)
+
+    def _tokens(self, n: int) -> None:
+        now = time.monotonic()
+        stamps = self.stamps
+        first = stamps.first is None
+        if first:
+            stamps.first = now
+        else:
+            stamps.gaps += now - (stamps.last or now)
+            stamps.deltas += 1
+        stamps.last = now
+        self.pending += n
+        # The first token at once (the consumer learns the stream began), then at most every PROGRESS_S.
+        if first or now - self._reported_at >= PROGRESS_S:
+            self._child.write({"key": self._key, "n": self.pending})
+            self.pending = 0
+            self._reported_at = now
+
+    def on_end(self) -> None:
+        if self._status != 200:
+            text = self._error_body.decode("utf-8", errors="replace")
+            self._fail(RequestError(error_message(self._status, text)))
+        elif not self.done.done():
+            self.done.set_result(None)
+
+    def on_error(self, err: Exception) -> None:
+        self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(err)
+
+
+class _Child:
+    """Sends each request at its time and reports on it; one connection pool, one event loop."""
+
+    def __init__(self, init: dict[str, Any], out: asyncio.StreamWriter) -> None:
+        from soakd.clock import SystemClock
+
+        self._target = Target(str(init["url"]))
+        self._out = out
+        self._clock = SystemClock()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._outbox: list[bytes] = []
+        self._headers = {str(k): str(v) for k, v in dict(init.get("headers", {})).items()}
+        self.pool = Pool(self._target, max(0, int(init.get("max_connections", 0))))
+
+    async def warm(self) -> None:
+        """Pay the first request's one-time costs before any request is due: the pool's first
+        connection, the first request's code paths, the alarm thread's start."""
+        await self._open_healthy(1, limit_s=5.0)
+        await self._clock.sleep_until(time.monotonic() + 0.001)
+
+    async def _open_healthy(self, n: int, limit_s: float = _HEALTH_TIMEOUT_S) -> int:
+        """Open `n` connections at once, each proven with GET /health; those answered 200 join the pool."""
+        head = request_head(self._target, "GET", "/health", self._headers, 0)
+
+        async def one() -> bool:
+            try:
+                conn = self.pool.count(await self.pool.connect())
+            except ConnectError:
+                return False
+            sink = Collect(BODY_CHARS)
+            conn.send(head, b"", sink)
+            try:
+                await asyncio.wait_for(asyncio.shield(sink.done), limit_s)
+            except (TimeoutError, ProtocolError):
+                conn.abort(sink)
+                return False
+            # Not healthy: counted out. Its connection stays the pool's (a keep-alive answer ended and
+            # gave it back; another request may be on it already).
+            return sink.status == 200 and not conn.closed
+
+        return sum(await asyncio.gather(*(one() for _ in range(max(0, n)))))
+
+    def handle(self, header: dict[str, Any], body: bytes) -> None:
+        op = header.get("op")
+        key = int(header.get("key", 0))
+        if op == "send":
+            self._spawn(key, self._one(key, header, body))
+        elif op == "cancel" and (running := self._tasks.get(key)) is not None:
+            running.cancel()
+        elif op == "warm":
+            self._spawn(key, self._warm(key, int(header.get("n", 0))))
+
+    def _spawn(self, key: int, work: Coroutine[Any, Any, None]) -> None:
+        """Run one keyed piece of work (a request, a warm); it is cancelled by key or at close."""
+        task = asyncio.create_task(work)
+        self._tasks[key] = task
+        task.add_done_callback(lambda _: self._tasks.pop(key, None))
+
+    async def _warm(self, key: int, n: int) -> None:
+        opened = await self._open_healthy(n)
+        # From now on the pool keeps that many open ahead of demand, replacing stale ones.
+        self.pool.keep_spare(n)
+        self.write({"key": key, "final": True, "opened": opened})
+
+    def write(self, header: dict[str, Any]) -> None:
+        """Queue a frame for the parent; the frames of FLUSH_S leave in one write (a pipe write per
+        frame, each waking the parent, was the largest single cost of the sender at 10,000 tokens/s).
+        What the frames carry was stamped when it happened: the wait delays only its bookkeeping."""
+        self._outbox.append(frame(header))
+        if len(self._outbox) == 1:
+            asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        if self._outbox:
+            data, self._outbox = b"".join(self._outbox), []
+            self._out.write(data)
+
+    async def _one(self, key: int, header: dict[str, Any], body: bytes) -> None:
+        at = header.get("at")
+        if isinstance(at, (int, float)):
+            await self._clock.sleep_until(float(at))
+        output_ids: list[int] | None = [] if header.get("ids") else None
+        spec = SpecSteps() if header.get("spec") else None
+        stamps = Stamps(sent=time.monotonic())
+        head = request_head(
+            self._target,
+            "POST",
+            "/v1/completions",
+            {**self._headers, "X-Request-Id": str(header.get("rid", "")), "Content-Type": "application/json"},
+            len(body),
+        )
+        final: dict[str, Any] = {"key": key, "final": True}
+        stream = _Stream(self, key, stamps, output_ids, spec)
+        try:
+            await self._exchange(stream, head, body)
+        except ServerGone as err:
+            final["error"] = {"kind": KIND_GONE, "message": str(err)}
+        except EngineError as err:
+            final["error"] = {"kind": KIND_ENGINE, "message": str(err)}
+        except RequestError as err:
+            final["error"] = {"kind": KIND_REQUEST, "message": str(err)}
+        # One request's failure is reported, never the sender's end: the boundary per request.
+        except Exception as err:  # noqa: BLE001
+            final["error"] = {"kind": KIND_REQUEST, "message": f"{type(err).__name__}: {err}"[:200]}
+        final["n"] = stream.pending
+        final["stamps"] = {
+            "sent": stamps.sent,
+            "written": stream.written,
+            "new_conn": stream.new_conn,
+            "first": stamps.first,
+            "last": stamps.last,
+            "gaps": stamps.gaps,
+            "deltas": stamps.deltas,
+        }
+        if output_ids is not None:
+            final["ids"] = output_ids
+        if spec is not None:
+            final["spec"] = {"accepted": spec.accepted, "drafted": spec.drafted}
+        self.write(final)
+
+    async def _exchange(self, stream: _Stream, head: bytes, body: bytes) -> None:
+        """Send on a pooled connection and wait for the answer's end. A reused connection closed before
+        any byte of its answer came never served the request: it is sent once more on a fresh one."""
+        for attempt in range(2):
+            try:
+                if attempt == 0:
+                    conn, new = await self.pool.acquire()
+                else:  # not another idle one: after a server restart it may be dead too
+                    conn, new = self.pool.count(await self.pool.connect()), True
+            except ConnectError as err:
+                gone = ServerGone if err.refused else EngineError
+                raise gone(f"server unreachable: {err}"[:200]) from err
+            stream.conn = conn
+            stream.new_conn = stream.new_conn or new
+            stream.written = conn.send(head, body, stream)
+            try:
+                await stream.done
+            except asyncio.CancelledError:
+                # Dropping the connection is what makes the server abort the request; one whose answer
+                # ended is the pool's again, and is left alone.
+                conn.abort(stream)
+                raise
+            except ProtocolError as err:
+                if attempt == 0 and not new and not conn.got_bytes:
+                    stream.again()
+                    continue
+                raise await self._broken(err) from err
+            return
+
+    async def _broken(self, err: Exception) -> Exception:
+        """What a broken connection means: a server that died (ServerGone) or one failed request. A
+        dropped keep-alive connection or a cut stream says nothing by itself; a fresh connection being
+        refused does."""
+        message = f"{type(err).__name__}: {err}"[:200]
+        try:
+            conn = await self.pool.connect(pooled=False)
+        except ConnectError as refused:
+            gone = ServerGone if refused.refused else EngineError
+            return gone(f"server unreachable after {message}"[:200])
+        try:
+            sink = Collect(BODY_CHARS)
+            conn.send(request_head(self._target, "GET", "/health", self._headers, 0), b"", sink)
+            with contextlib.suppress(Exception):  # there, but slow or odd: judge this request alone
+                await asyncio.wait_for(sink.done, _HEALTH_TIMEOUT_S)
+        finally:
+            conn.abort()  # a probe's connection, never the pool's
+        return RequestError(message)
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self.flush()
+        await self.pool.close()
+
+
+async def _serve() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin.buffer)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, sys.stdout.buffer)
+    out = asyncio.StreamWriter(transport, protocol, None, loop)
+    got = await read_frame(reader)
+    if got is None or got[0].get("op") != "init":
+        return
+    child = _Child(got[0], out)
+    await child.warm()
+    loop_kind = type(loop).__module__.split(".")[0]
+    out.write(frame({"op": "ready", "pid": os.getpid(), "loop": loop_kind}))
+    try:
+        while (got := await read_frame(reader)) is not None:
+            child.handle(*got)
+    finally:
+        await child.close()
+        with contextlib.suppress(ConnectionError):
+            await out.drain()
+
+
+def main() -> None:
+    import gc
+
+    # What the imports made is frozen, so a full collection walks only what requests allocate (little):
+    # its pauses would be send jitter.
+    gc.freeze()
+    structlog.configure(
+        processors=[structlog.processors.TimeStamper(fmt="iso"), structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
+    with contextlib.suppress(KeyboardInterrupt, BrokenPipeError):
+        loop_runner()(_serve())
+
+
+def loop_runner() -> Callable[[Coroutine[Any, Any, None]], None]:
+    """uvloop's runner where it is installed, else asyncio's. Reading thousands of streams is mostly
+    event-loop work per network chunk, which uvloop does in C: it halves the sender's CPU per delta
+    (benchmarks/RESULTS.md, "Capacity")."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
+if __name__ == "__main__":
+    main()
