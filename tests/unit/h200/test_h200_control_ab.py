@@ -395,17 +395,24 @@ def null_trials(effect: float = 1.0) -> list[Legs]:
             t0, t1 = ticks[k].t_s, ticks[k + 79].t_s
             if t1 - t0 > 85 or any(t0 - 5 <= b <= t1 for b in bounds):
                 continue
-            b = [
-                replace(
-                    t,
-                    tokens=t.tokens * effect,
-                    good_tokens=t.good_tokens * effect,
-                    finished_tokens=t.finished_tokens * effect,
-                )
-                for t in ticks[k + 30 : k + 50]
-            ]
-            out.append((ticks[k : k + 20], b, ticks[k + 60 : k + 80]))
+            out.append(aba_legs(ticks, k, effect))
     return out
+
+
+def aba_legs(ticks: list[RecordedTick], k: int, effect: float) -> Legs:
+    """The A-B-A legs of 80 seconds of ticks from `k`: A (20 s), settle (10 s), B (20 s), settle (10 s),
+    A' (20 s); `effect` scales B's tokens, goodput and finished tokens (a level's own effect:
+    throughput changes, the SLO-met share does not)."""
+    b = [
+        replace(
+            t,
+            tokens=t.tokens * effect,
+            good_tokens=t.good_tokens * effect,
+            finished_tokens=t.finished_tokens * effect,
+        )
+        for t in ticks[k + 30 : k + 50]
+    ]
+    return ticks[k : k + 20], b, ticks[k + 60 : k + 80]
 
 
 def test_null_trials_cut_from_advice_only_runs_rarely_read_as_a_gain() -> None:

@@ -41,19 +41,19 @@ def round1() -> dict[str, Any]:
     return arms
 
 
-def events(arm: str) -> list[tuple[float, str, dict[str, Any]]]:
+def events(arm: str, data: Path = DATA) -> list[tuple[float, str, dict[str, Any]]]:
     """(wall s, kind, fields) of every event in the arm's spool."""
-    lines = FIG.FIG.lines(DATA / arm / "spool.lp.gz")
+    lines = FIG.FIG.lines(data / arm / "spool.lp.gz")
     return [(ts / 1e9, tags.get("kind", ""), fields) for name, tags, fields, ts in lines if name == "events"]
 
 
-def summary(arm: str) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads((DATA / arm / "summary.json").read_text())
+def summary(arm: str, data: Path = DATA) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads((data / arm / "summary.json").read_text())
     return out
 
 
-def load_times(arm: str) -> tuple[float, float]:
-    times = json.loads((DATA / arm / "times.json").read_text())
+def load_times(arm: str, data: Path = DATA) -> tuple[float, float]:
+    times = json.loads((data / arm / "times.json").read_text())
     return float(times["load_start"]), float(times["load_end"])
 
 

@@ -8,13 +8,12 @@ by less than the noise) become a smaller batch kept where it pays?"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_h200_control_ab import replay_ticks
+import test_h200_matrix2 as m2
+from test_h200_control_ab import aba_legs, replay_ticks
 
 from soakd.collectors.gpu_throttle import GpuThrottleWatch
 from soakd.control import Slo
@@ -37,18 +36,15 @@ def matrix() -> dict[str, Any]:
 
 
 def events(arm: str) -> list[tuple[float, str, dict[str, Any]]]:
-    lines = FIG.FIG.lines(DATA / arm / "spool.lp.gz")
-    return [(ts / 1e9, tags.get("kind", ""), fields) for name, tags, fields, ts in lines if name == "events"]
+    return m2.events(arm, DATA)
 
 
 def summary(arm: str) -> dict[str, Any]:
-    out: dict[str, Any] = json.loads((DATA / arm / "summary.json").read_text())
-    return out
+    return m2.summary(arm, DATA)
 
 
 def load_times(arm: str) -> tuple[float, float]:
-    times = json.loads((DATA / arm / "times.json").read_text())
-    return float(times["load_start"]), float(times["load_end"])
+    return m2.load_times(arm, DATA)
 
 
 def goodput(matrix: dict[str, Any], arm: str, k: int) -> float:
@@ -147,7 +143,7 @@ def test_a_trial_begun_as_the_harm_ended_would_not_start_today() -> None:
     assert seen["late"] == ("power", True)
 
 
-def null_trials(effect: float) -> list[tuple[list[Any], list[Any], list[Any]]]:
+def null_trials(effect: float) -> list[Any]:
     """A-B-A legs at the policy's default times (A 20 s, settle 10 s, B 20 s, settle 10 s, A' 20 s) cut
     from the two advice-only arms inside the load, where nothing moved; `effect` scales B's tokens."""
     out = []
@@ -158,16 +154,7 @@ def null_trials(effect: float) -> list[tuple[list[Any], list[Any], list[Any]]]:
             t0, t1 = ticks[k].t_s, ticks[k + 79].t_s
             if t1 - t0 > 85 or not start + 5 <= t0 < t1 <= end:
                 continue
-            b = [
-                replace(
-                    t,
-                    tokens=t.tokens * effect,
-                    good_tokens=t.good_tokens * effect,
-                    finished_tokens=t.finished_tokens * effect,
-                )
-                for t in ticks[k + 30 : k + 50]
-            ]
-            out.append((ticks[k : k + 20], b, ticks[k + 60 : k + 80]))
+            out.append(aba_legs(ticks, k, effect))
     return out
 
 
