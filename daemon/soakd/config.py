@@ -203,8 +203,8 @@ class EngineConfig(_Section):
     does nothing else, so no collector or sink delays a send) or soakd's main event loop."""
     senders: int = Field(default=1, ge=1, le=64)
     """Sender processes (with `sender = "process"`): requests are spread over them in turn, each with
-    its own connections. One reads ~10,000 output tokens/s in well under a core (benchmarks/RESULTS.md,
-    "Capacity"); a node's tens of thousands want a few."""
+    its own connections. One read 50,000 output tokens/s on an H200 host in under half a core
+    (benchmarks/RESULTS.md, "Capacity"); a second bought nothing there."""
     warm_connections: int = Field(default=32, ge=0, le=1024)
     """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency) and
     kept open, idle, ahead of demand for the whole run (stale ones replaced before the server's
