@@ -185,17 +185,12 @@ async def stream_completion(
             raise RequestError(error_message(resp.status, text))
         splitter = DataSplitter()
         seen = 0
-        lean = output_ids is None
         async for chunk in resp.content.iter_any():
             for data in splitter.feed(chunk):
                 if data == b"[DONE]":
                     finished = True
                     return
-                total = usage_tokens(data) if lean else None
-                if total is not None:
-                    n, seen = max(0, total - seen), max(seen, total)
-                else:
-                    n, seen = new_tokens(data, seen, output_ids, spec)
+                n, seen = new_tokens(data, seen, output_ids, spec)
                 if n:
                     yield n
         finished = True
@@ -252,7 +247,7 @@ def usage_tokens(data: bytes) -> int | None:
     "Capacity"). The keys' bytes cannot occur inside a JSON string (a quote there is always escaped, and
     these end in a letter before the quote), so a match is the key itself; an event holding `"error"`
     anywhere (even in its text) is left to the full parse, which raises only for a real one. Token ids
-    (`return_token_ids`) need the parse: callers that want them do not come here."""
+    (`return_token_ids`) need the parse: new_tokens comes here only when none are wanted."""
     at = data.rfind(_USAGE_KEY)
     if at < 0 or b'"error"' in data or b'"speculative_decoding"' in data:
         return None
@@ -265,7 +260,10 @@ def new_tokens(
 ) -> tuple[int, int]:
     """(new completion tokens in this chunk, completion tokens so far) from one stream event's data;
     the chunk's token ids are appended to `output_ids` when it is a list and the server sends them,
-    and the final chunk's per-request speculative metrics (vLLM, when enabled) go into `spec`."""
+    and the final chunk's per-request speculative metrics (vLLM, when enabled) go into `spec`. Without
+    token ids wanted, an event whose count can be read without a parse (usage_tokens) is not parsed."""
+    if output_ids is None and (total := usage_tokens(data)) is not None:
+        return max(0, total - seen), max(seen, total)
     try:
         chunk = json.loads(data)
     except ValueError as err:

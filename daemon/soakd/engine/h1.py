@@ -181,9 +181,6 @@ class Connection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.abort()
 
-    def eof_received(self) -> bool | None:
-        return None  # close the transport: connection_lost follows
-
     def _feed(self, data: bytes) -> None:
         if self._state == _SIZE and not self._buf and (sink := self._sink) is not None:
             # The common read of a stream: one whole chunk ("<hex>\r\n<payload>\r\n"), handed over
@@ -322,11 +319,10 @@ class Pool:
         self._ssl = ssl.create_default_context() if target.tls else None
         self._spare = 0
         self._keeper: asyncio.Task[None] | None = None
-        self.opened = 0
-        """Connections opened so far (the spare ones included)."""
 
     async def connect(self, *, pooled: bool = True) -> Connection:
-        """A new connection (counted in the pool's limit when `pooled`). Raises ConnectError."""
+        """A new connection, given back to the pool after each answer when `pooled` (counted against the
+        limit by `acquire` or `count`). Raises ConnectError."""
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
@@ -350,8 +346,6 @@ class Pool:
             raise
         if conn.closed:
             raise ConnectError("the connection closed as it opened", refused=False)
-        if pooled:
-            self.opened += 1
         return conn
 
     async def acquire(self) -> tuple[Connection, bool]:
@@ -359,7 +353,7 @@ class Pool:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: the freshest
-            if conn.closed or now - conn.idle_since > self._idle_s:
+            if self._stale(conn, now):
                 self._close(conn)
                 continue
             return conn, False
@@ -413,6 +407,10 @@ class Pool:
                 fut.set_result(None)  # it may open a connection now
                 return
 
+    def _stale(self, conn: Connection, now: float) -> bool:
+        """Closed, or idle long enough that the server may be closing it: not to be reused."""
+        return conn.closed or now - conn.idle_since > self._idle_s
+
     def _close(self, conn: Connection) -> None:
         if conn.transport is not None:
             conn.transport.close()
@@ -436,7 +434,7 @@ class Pool:
             now = time.monotonic()
             fresh = 0
             for conn in list(self._idle):
-                if conn.closed or now - conn.idle_since > self._idle_s:
+                if self._stale(conn, now):
                     self._idle.remove(conn)
                     self._close(conn)
                 else:

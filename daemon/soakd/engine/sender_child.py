@@ -29,7 +29,6 @@ from soakd.engine.completions import (
     ServerGone,
     error_message,
     new_tokens,
-    usage_tokens,
 )
 from soakd.engine.h1 import Collect, ConnectError, Connection, Pool, ProtocolError, Target, request_head
 from soakd.engine.sender import FLUSH_S, PROGRESS_S, frame, read_frame
@@ -53,7 +52,6 @@ class _Stream:
     ) -> None:
         self._child, self._key, self.stamps = child, key, stamps
         self._ids, self._spec = output_ids, spec
-        self._lean = output_ids is None
         self._splitter = DataSplitter()
         self._seen = 0
         self.pending = 0
@@ -81,12 +79,8 @@ class _Stream:
         for event in self._splitter.feed(data):
             if event == b"[DONE]" or self.done.done():
                 continue
-            total = usage_tokens(event) if self._lean else None
             try:
-                if total is not None:
-                    n, self._seen = max(0, total - self._seen), max(self._seen, total)
-                else:
-                    n, self._seen = new_tokens(event, self._seen, self._ids, self._spec)
+                n, self._seen = new_tokens(event, self._seen, self._ids, self._spec)
             except RequestError as err:
                 # A stream's error event: the request failed; dropping the connection aborts it.
                 self._fail(err)
@@ -141,6 +135,7 @@ class _Child:
         self._outbox: list[bytes] = []
         self._headers = {str(k): str(v) for k, v in dict(init.get("headers", {})).items()}
         self.pool = Pool(self._target, max(0, int(init.get("max_connections", 0))))
+        self._health_head = request_head(self._target, "GET", "/health", self._headers, 0)
 
     async def warm(self) -> None:
         """Pay the first request's one-time costs before any request is due: the pool's first
@@ -148,25 +143,29 @@ class _Child:
         await self._open_healthy(1, limit_s=5.0)
         await self._clock.sleep_until(time.monotonic() + 0.001)
 
+    async def _health(self, conn: Connection, limit_s: float) -> int | None:
+        """GET /health on `conn`: the answer's status, None when none came in time (then the request
+        is dropped with its connection)."""
+        sink = Collect(BODY_CHARS)
+        conn.send(self._health_head, b"", sink)
+        try:
+            await asyncio.wait_for(asyncio.shield(sink.done), limit_s)
+        except (TimeoutError, ProtocolError):
+            conn.abort(sink)
+            return None
+        return sink.status
+
     async def _open_healthy(self, n: int, limit_s: float = _HEALTH_TIMEOUT_S) -> int:
         """Open `n` connections at once, each proven with GET /health; those answered 200 join the pool."""
-        head = request_head(self._target, "GET", "/health", self._headers, 0)
 
         async def one() -> bool:
             try:
                 conn = self.pool.count(await self.pool.connect())
             except ConnectError:
                 return False
-            sink = Collect(BODY_CHARS)
-            conn.send(head, b"", sink)
-            try:
-                await asyncio.wait_for(asyncio.shield(sink.done), limit_s)
-            except (TimeoutError, ProtocolError):
-                conn.abort(sink)
-                return False
             # Not healthy: counted out. Its connection stays the pool's (a keep-alive answer ended and
             # gave it back; another request may be on it already).
-            return sink.status == 200 and not conn.closed
+            return await self._health(conn, limit_s) == 200 and not conn.closed
 
         return sum(await asyncio.gather(*(one() for _ in range(max(0, n)))))
 
@@ -288,10 +287,7 @@ class _Child:
             gone = ServerGone if refused.refused else EngineError
             return gone(f"server unreachable after {message}"[:200])
         try:
-            sink = Collect(BODY_CHARS)
-            conn.send(request_head(self._target, "GET", "/health", self._headers, 0), b"", sink)
-            with contextlib.suppress(Exception):  # there, but slow or odd: judge this request alone
-                await asyncio.wait_for(sink.done, _HEALTH_TIMEOUT_S)
+            await self._health(conn, _HEALTH_TIMEOUT_S)  # there, but slow or odd: judge this request alone
         finally:
             conn.abort()  # a probe's connection, never the pool's
         return RequestError(message)
