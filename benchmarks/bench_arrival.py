@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -72,6 +73,7 @@ from bench_fidelity import (
     start_server,
     stop_server,
     warm_up,
+    write_trace,
 )
 
 Json = dict[str, Any]
@@ -193,29 +195,6 @@ def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
 # --------------------------------------------------------------------------------------- the trace
 
 
-def write_trace(path: Path, requests: int, rate: float, seed: int) -> list[int]:
-    """Mooncake rows: Poisson arrivals at `rate` (ms timestamps), short prompts and answers, so the CPU
-    server's backlog stays small; returns the timestamps in ms."""
-    rng = np.random.default_rng(seed)
-    t = 0.0
-    rows, times = [], []
-    for i in range(requests):
-        inp = int(rng.integers(64, 513))
-        ms = round(t * 1000)
-        rows.append(
-            {
-                "timestamp": ms,
-                "input_length": inp,
-                "output_length": int(rng.integers(4, 17)),
-                "hash_ids": list(range(i * 2 + 10, i * 2 + 10 + (inp + 511) // 512)),
-            }
-        )
-        times.append(ms)
-        t += float(rng.exponential(1 / rate))
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return times
-
-
 @dataclass(frozen=True)
 class Replayed:
     """One rate's trace as each client gets it: soakd's file and [replay] keys, vllm bench's file, and
@@ -233,7 +212,11 @@ class Replayed:
 
 
 def generated(path: Path, requests: int, rate: float, seed: int) -> Replayed:
-    times = [float(t) for t in write_trace(path, requests, rate, seed)]
+    # Short prompts and answers, so the CPU server's backlog stays small; no shared prefixes.
+    rows = write_trace(
+        path, math.inf, rate, seed, requests=requests, inputs=(64, 512), outputs=(4, 16), shared=0
+    )
+    times = [float(r["timestamp"]) for r in rows]
     return Replayed(path, "", times, path, times)
 
 

@@ -16,7 +16,7 @@ Figures per level:
 - cost: soakd's CPU (every soakd process: the daemon and its sender children, from getrusage of the
   waited child) minus a baseline run's (the same daemon replaying 10 requests: imports, start-up and
   the stop, which no token pays for), per output token in microseconds; and by process (main vs
-  sender(s), polled with psutil every 0.5 s: the split, not the total);
+  sender(s), polled with psutil every 0.2 s: the split, not the total);
 - lateness at the server: each POST's arrival (the stand-in stamps its first bytes) minus its trace
   time, minus the median of those (the clock offset), absolute: p50 / p99 / max ms; soakd's own
   lateness p99 / max beside it;
@@ -37,45 +37,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fidelity import free_port, run_child
+from bench_fidelity import free_port, run_child, write_trace
 
 Json = dict[str, Any]
 HERE = Path(__file__).resolve().parent
 MEAN_OUT = 200
 VOCAB = 32000
-
-
-def write_trace(path: Path, level: float, seconds: float, seed: int) -> list[float]:
-    """Mooncake rows at `level` output tok/s for `seconds`; returns each request's trace time (ms)."""
-    rng = np.random.default_rng(seed)
-    rate = level / MEAN_OUT
-    t, rows, times = 0.0, [], []
-    i = 0
-    while t < seconds:
-        inp = int(rng.integers(200, 2001))
-        ms = round(t * 1000, 3)
-        rows.append(
-            {
-                "timestamp": ms,
-                "input_length": inp,
-                "output_length": int(rng.integers(100, 301)),
-                "hash_ids": list(range(i * 4 + 10, i * 4 + 10 + (inp + 511) // 512)),
-            }
-        )
-        times.append(ms)
-        t += float(rng.exponential(1 / rate))
-        i += 1
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return times
 
 
 class Server:
@@ -120,37 +94,8 @@ class Server:
         return rows
 
 
-class CpuSplit:
-    """Per-process CPU seconds of a process tree, by role (main or sender), polled."""
-
-    def __init__(self, pid: int) -> None:
-        self.root = psutil.Process(pid)
-        self.last: dict[int, tuple[str, float]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            try:
-                procs = [self.root, *self.root.children(recursive=True)]
-            except psutil.Error:
-                return
-            for p in procs:
-                try:
-                    role = "sender" if "soakd.engine.sender" in " ".join(p.cmdline()) else "main"
-                    t = p.cpu_times()
-                    self.last[p.pid] = (role, t.user + t.system)
-                except psutil.Error:
-                    pass
-
-    def stop(self) -> Json:
-        self._stop.set()
-        self._thread.join()
-        out: dict[str, float] = {}
-        for role, cpu in self.last.values():
-            out[role] = out.get(role, 0.0) + cpu
-        return {k: round(v, 2) for k, v in out.items()}
+def role_of(cmdline: str) -> str:
+    return "sender" if "soakd.engine.sender" in cmdline else "main"
 
 
 def soakd_config(work: Path, url: str, trace: Path, seconds: float, senders: int) -> Path:
@@ -190,15 +135,17 @@ vocab_size = {VOCAB}
 def one_run(work: Path, server_procs: int, level: float, seconds: float, senders: int, seed: int) -> Json:
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace.jsonl"
-    times = write_trace(trace, level, seconds, seed)
+    # Unique prompts (every block synthesized: the pacer's worst case), answers of 100-300 tokens.
+    rows = write_trace(
+        trace, seconds, level / MEAN_OUT, seed, inputs=(200, 2000), outputs=(100, 300), shared=0
+    )
+    times = [float(r["timestamp"]) for r in rows]
     server = Server(server_procs, work / "server")
     try:
         cfg = soakd_config(work, server.url, trace, seconds, senders)
         argv = [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--no-progress", "--json"]
         argv += ["--log-level", "warning"]
-        split: list[CpuSplit] = []
-        usage = run_child(argv, work / "soakd.log", on_start=lambda pid: split.append(CpuSplit(pid)))
-        by_role = split[0].stop() if split else {}
+        usage = run_child(argv, work / "soakd.log", role_of=role_of)
     finally:
         server.stop()
     verdict = json.loads(next((work / "runs").glob("*/verdict.json")).read_text(encoding="utf-8"))
@@ -217,7 +164,7 @@ def one_run(work: Path, server_procs: int, level: float, seconds: float, senders
         "own_late_p99_ms": m.get("p99(lateness_ms)"),
         "own_late_max_ms": m.get("max(lateness_ms)"),
         "cpu_s": round(usage["cpu_s"], 2),
-        "cpu_by_role": by_role,
+        "cpu_by_role": usage["cpu_by_role"],
         "peak_rss_mb": round(usage["peak_rss_mb"], 1),
         "machine_busy_pct": round(usage["machine_busy_pct"], 1),
         "loop": loop,

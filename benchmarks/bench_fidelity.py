@@ -67,24 +67,36 @@ LAG_REPORT_S = 0.05
 # ---------------------------------------------------------------------------------------------- trace
 
 
-def write_trace(path: Path, duration_s: float, rate: float, seed: int) -> list[Json]:
-    """A Mooncake trace: Poisson arrivals, ms timestamps from 0, inputs 200-1500, outputs 16-64."""
+def write_trace(
+    path: Path,
+    duration_s: float,
+    rate: float,
+    seed: int,
+    *,
+    requests: int | None = None,
+    inputs: tuple[int, int] = (200, 1500),
+    outputs: tuple[int, int] = (16, 64),
+    shared: float = 1 / 3,
+) -> list[Json]:
+    """A Mooncake trace: Poisson arrivals, ms timestamps from 0, for `duration_s` (and at most `requests`
+    rows), inputs and outputs uniform within their bounds; a `shared` share of the prompts begins with
+    one of SHARED_BLOCKS "system prompt" blocks, the rest of every prompt is blocks of its own."""
     rng = np.random.default_rng(seed)
     rows: list[Json] = []
     t = 0.0
     next_id = SHARED_BLOCKS
-    while t < duration_s:
-        inp = int(rng.integers(200, 1501))
+    while t < duration_s and (requests is None or len(rows) < requests):
+        inp = int(rng.integers(inputs[0], inputs[1] + 1))
         blocks = math.ceil(inp / BLOCK)
         ids = list(range(next_id, next_id + blocks))
         next_id += blocks
-        if rng.random() < 1 / 3:
+        if shared and rng.random() < shared:
             ids[0] = int(rng.integers(SHARED_BLOCKS))  # a shared "system prompt" block
         rows.append(
             {
                 "timestamp": round(t * 1000),
                 "input_length": inp,
-                "output_length": int(rng.integers(16, 65)),
+                "output_length": int(rng.integers(outputs[0], outputs[1] + 1)),
                 "hash_ids": ids,
             }
         )
@@ -292,10 +304,14 @@ def soakd_child(url: str, trace_path: Path, out: Path, seed: int) -> None:
 
 
 class PeakRss:
-    """Polls a process tree's RSS (a child's own peak is not visible to getrusage once a sibling ran)."""
+    """Polls a process tree's RSS (a child's own peak is not visible to getrusage once a sibling ran);
+    with `role_of` (a process's command line -> a name), also each process's CPU seconds, summed by
+    role (the split, not the total: a process's last half second may be missed)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, role_of: Callable[[str], str] | None = None) -> None:
         self._proc = psutil.Process(pid)
+        self._role_of = role_of
+        self._cpu: dict[int, tuple[str, float]] = {}
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -308,29 +324,40 @@ class PeakRss:
                 self.peak = max(self.peak, sum(p.memory_info().rss for p in procs))
             except psutil.Error:
                 return
+            if self._role_of is not None:
+                for p in procs:
+                    try:
+                        t = p.cpu_times()
+                        self._cpu[p.pid] = (self._role_of(" ".join(p.cmdline())), t.user + t.system)
+                    except psutil.Error:
+                        pass
 
     def stop(self) -> float:
         self._stop.set()
         self._thread.join()
         return self.peak / 2**20
 
+    def cpu_by_role(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for role, cpu in self._cpu.values():
+            out[role] = round(out.get(role, 0.0) + cpu, 2)
+        return out
+
 
 def run_child(
     argv: list[str],
     log_path: Path,
     env: dict[str, str] | None = None,
-    on_start: Callable[[int], object] | None = None,
+    role_of: Callable[[str], str] | None = None,
 ) -> Json:
-    """Run a client to its end; its CPU seconds (from getrusage of waited children), wall, peak RSS.
-    `on_start` is called with the child's pid once it runs."""
+    """Run a client to its end; its CPU seconds (from getrusage of waited children), wall, peak RSS;
+    with `role_of`, its processes' CPU seconds by role (PeakRss)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     machine0 = psutil.cpu_times()
     t0 = time.monotonic()
     with log_path.open("ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        peak = PeakRss(proc.pid)
-        if on_start is not None:
-            on_start(proc.pid)
+        peak = PeakRss(proc.pid, role_of)
         try:
             rc = proc.wait(timeout=CLIENT_TIMEOUT_S)
         finally:
@@ -354,6 +381,7 @@ def run_child(
         # The whole machine meanwhile: the server shares the cores with the client.
         "machine_busy_pct": 100 * (1 - idle / (wall * cpus)),
         "machine_steal_s": steal,
+        **({"cpu_by_role": peak.cpu_by_role()} if role_of is not None else {}),
     }
 
 
