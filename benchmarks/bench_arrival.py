@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,19 +296,22 @@ def run_soakd(
     vocab_size: int = 0,
     *,
     replay_extra: str = "",
+    engine_extra: str = "",
     engine: str | None = None,
     model: Path = Path(),
     gpu: bool = False,
+    name: str = "arrival",
+    role_of: Callable[[str], str] | None = None,
 ) -> Json:
     """`soakd run` over `trace`: attach mode (see engine_section) unless `engine`; `vocab_size`:
-    engine.vocab_size (0: soakd probes the server); `replay_extra`: more [replay] keys (a window,
-    rate_scale)."""
-    engine_text = engine_section(url, sender, vocab_size, engine, model, gpu)
+    engine.vocab_size (0: soakd probes the server); `replay_extra`, `engine_extra`: more [replay] and
+    [engine] keys (a window, rate_scale; senders); `role_of`: CPU by role in the usage (run_child)."""
+    engine_text = engine_section(url, sender, vocab_size, engine, model, gpu) + engine_extra
     cfg = workdir / "soakd.toml"
     cfg.write_text(
         f"""
 [run]
-name = "arrival"
+name = "{name}"
 duration = "{span_s + 5:.0f}s"
 output_dir = "{workdir / "runs"}"
 report = false
@@ -331,31 +335,32 @@ min_completed_ratio = 0.0
     )
     argv = [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--no-progress", "--json"]
     argv += ["--log-level", os.environ.get("BENCH_SOAKD_LOG_LEVEL", "warning")]
-    usage = run_child(argv, workdir / "soakd.log")
+    usage = run_child(argv, workdir / "soakd.log", role_of=role_of)
     return {"usage": usage, "own": own_lateness(workdir / "runs") | sends_of(workdir / "runs")}
+
+
+def find_key(doc: Any, key: str) -> Json | None:
+    """The first object under `key` anywhere in a JSON document (depth first), None when there is none."""
+    if isinstance(doc, dict):
+        if isinstance(doc.get(key), dict):
+            return dict(doc[key])
+        values: list[Any] = list(doc.values())
+    elif isinstance(doc, list):
+        values = doc
+    else:
+        return None
+    for value in values:
+        if (hit := find_key(value, key)) is not None:
+            return hit
+    return None
 
 
 def sends_of(runs: Path) -> Json:
     """How the run's HTTP requests left soakd (the engine summary's `sends`: connections warmed and
     opened, the slowest send to headers written); {} when the run had none."""
     found = sorted(runs.glob("*/summary.json"))
-
-    def find(doc: Any) -> Json | None:
-        if isinstance(doc, dict):
-            if isinstance(doc.get("sends"), dict):
-                return dict(doc["sends"])
-            values: list[Any] = list(doc.values())
-        elif isinstance(doc, list):
-            values = doc
-        else:
-            return None
-        for value in values:
-            if (hit := find(value)) is not None:
-                return hit
-        return None
-
     try:
-        sends = find(json.loads(found[-1].read_text(encoding="utf-8"))) if found else None
+        sends = find_key(json.loads(found[-1].read_text(encoding="utf-8")), "sends") if found else None
     except (OSError, ValueError):
         sends = None
     if not sends:

@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fidelity import free_port, run_child, write_trace
+from bench_arrival import find_key, run_soakd
+from bench_fidelity import free_port, write_trace
 
 Json = dict[str, Any]
 HERE = Path(__file__).resolve().parent
@@ -98,40 +99,6 @@ def role_of(cmdline: str) -> str:
     return "sender" if "soakd.engine.sender" in cmdline else "main"
 
 
-def soakd_config(work: Path, url: str, trace: Path, seconds: float, senders: int) -> Path:
-    cfg = work / "soakd.toml"
-    cfg.write_text(
-        f"""
-[run]
-name = "capacity"
-duration = "{seconds + 10:.0f}s"
-output_dir = "{work / "runs"}"
-report = false
-[trace]
-path = "{trace}"
-format = "mooncake"
-block_size = 512
-[replay]
-warmup_requests = 0
-loop = false
-drain_timeout = "60s"
-max_concurrency = 100000
-[criteria]
-ttft_p99_ms = false
-tpot_p99_ms = false
-max_error_rate = 1.0
-min_completed_ratio = 0.0
-[engine]
-kind = "openai"
-url = "{url}"
-vocab_size = {VOCAB}
-{f"senders = {senders}" if senders else ""}
-""",
-        encoding="utf-8",
-    )
-    return cfg
-
-
 def one_run(work: Path, server_procs: int, level: float, seconds: float, senders: int, seed: int) -> Json:
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace.jsonl"
@@ -142,17 +109,24 @@ def one_run(work: Path, server_procs: int, level: float, seconds: float, senders
     times = [float(r["timestamp"]) for r in rows]
     server = Server(server_procs, work / "server")
     try:
-        cfg = soakd_config(work, server.url, trace, seconds, senders)
-        argv = [sys.executable, "-m", "soakd", "run", "--config", str(cfg), "--no-progress", "--json"]
-        argv += ["--log-level", "warning"]
-        usage = run_child(argv, work / "soakd.log", role_of=role_of)
+        extra = f"senders = {senders}\n" if senders else ""
+        usage = run_soakd(
+            server.url,
+            trace,
+            work,
+            seconds,
+            vocab_size=VOCAB,
+            engine_extra=extra,
+            name="capacity",
+            role_of=role_of,
+        )["usage"]
     finally:
         server.stop()
     verdict = json.loads(next((work / "runs").glob("*/verdict.json")).read_text(encoding="utf-8"))
     summary_path = next((work / "runs").glob("*/summary.json"), None)
     loop: Json = {}
     if summary_path is not None:
-        loop = _find(json.loads(summary_path.read_text(encoding="utf-8")), "loop") or {}
+        loop = find_key(json.loads(summary_path.read_text(encoding="utf-8")), "loop") or {}
     m = verdict["metrics"]
     out: Json = {
         "level": level,
@@ -171,21 +145,6 @@ def one_run(work: Path, server_procs: int, level: float, seconds: float, senders
     }
     out.update(server_lateness(server.stamps(), times))
     return out
-
-
-def _find(doc: Any, key: str) -> Json | None:
-    if isinstance(doc, dict):
-        if isinstance(doc.get(key), dict):
-            return dict(doc[key])
-        values: list[Any] = list(doc.values())
-    elif isinstance(doc, list):
-        values = doc
-    else:
-        return None
-    for v in values:
-        if (hit := _find(v, key)) is not None:
-            return hit
-    return None
 
 
 _RID = re.compile(r"-0-(\d+)$")
