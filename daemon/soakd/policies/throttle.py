@@ -818,6 +818,9 @@ class ThroughputJudge:
         self._rebased = False
         """The reference restarted from a recovery's figures (few, but measured at this workload)."""
         self.harmful = False
+        self.at_threshold = False
+        """The last interval was harm's own (at a limit with the loss), not one of an episode's quiet ones:
+        harm now, whose cause is present, not its tail."""
         self.loss = 0.0
         self.episodes = 0
 
@@ -871,7 +874,9 @@ class ThroughputJudge:
         # and then while its tokens/s wander with the workload.
         held = full and all(lim for _, lim in self._recent)
         recovered = self._recovered(float(median)) if full else False
+        self.at_threshold = False
         if held and self.loss >= s.loss and not recovered and (self.harmful or self._stepped(float(median))):
+            self.at_threshold = True
             began = not self.harmful
             if began:
                 self.harmful, self._began = True, t_s

@@ -441,6 +441,29 @@ def test_throughput_harm_is_recorded_and_acted_on_only_when_asked(tmp_path: Path
         assert ("downscale" in kinds) is acts
 
 
+def test_a_clock_harm_in_its_tail_is_harm_now_while_the_throughput_judge_reads_it(tmp_path: Path) -> None:
+    """On an H200 a shared load held the clock loss at 7-13 % against the 10 % threshold for 150 s (a
+    tail every few seconds) while tokens/s stayed half down: no trial ever started. The clock harm in its
+    tail is a tail only when the throughput judge (acted on) does not read harm now; without it acted
+    on, or with tokens/s back, the tail stands and no trial starts."""
+    outcomes = {}
+    for acts, drop in ((True, True), (False, True), (True, False)):
+        d = tmp_path / f"{acts}-{drop}"
+        d.mkdir()
+        ctrl, world, events, _, clock = make(
+            d, BATCH + f"[control.harm]\nact_on_throughput = {str(acts).lower()}\n"
+        )
+        limited = [False]
+        ctrl.inputs.limited = lambda limited=limited: limited[0]
+        ctrl.inputs.harm_fading = lambda: True  # the clock loss under its threshold, over its end level
+        run_for(ctrl, world, clock, 15)  # the reference: 100 tok/s with a queue
+        limited[0] = True
+        run_for(ctrl, world, clock, 20, harm="power", rate=50 if drop else 100)
+        outcomes[(acts, drop)] = [e[0] for e in events if e[0] in ("downscale", "revert")]
+    assert outcomes[(True, True)][:1] == ["downscale"]
+    assert outcomes[(False, True)] == [] and outcomes[(True, False)] == []
+
+
 def test_the_summary_says_when_the_throughput_judge_had_no_reference(tmp_path: Path) -> None:
     """An idle engine (nothing in flight, no queue) gives no reference: the throughput loss of 0 judges
     nothing, and the summary and the control point say so rather than showing a plain 0. Served load
