@@ -105,17 +105,17 @@ def main() -> None:
     print()
     print("| comparison | metric | " + " | ".join(WINDOWS) + " |")
     print("|---|---|---|---|---|")
-    pairs = [
-        (f"{s}-control vs {s}-advice", f"{s}-control", f"{s}-advice")
-        for s in ("shared", "pays", "owncap", "payslong")
-    ]
+    pairs: list[tuple[str, str, str]] = []
+    for s in ("shared", "pays", "owncap", "payslong", "longctx"):
+        pairs += [
+            (f"{s}-control vs {s}-advice", f"{s}-control", f"{s}-advice"),
+            (f"{s}-control2 vs {s}-advice2", f"{s}-control2", f"{s}-advice2"),
+            (f"noise: {s}-advice2 vs {s}-advice", f"{s}-advice2", f"{s}-advice"),
+            (f"noise: {s}-control2 vs {s}-control", f"{s}-control2", f"{s}-control"),
+        ]
+    # The long-context calibration: a ceiling of 48 held against 64, both under the load all along.
+    pairs.append(("fixed 48 (longctx-cal48) vs fixed 64 (longctx-cal64)", "longctx-cal48", "longctx-cal64"))
     pairs += [
-        ("payslong-control2 vs payslong-advice2", "payslong-control2", "payslong-advice2"),
-        ("noise: payslong-advice2 vs payslong-advice", "payslong-advice2", "payslong-advice"),
-        ("noise: payslong-control2 vs payslong-control", "payslong-control2", "payslong-control"),
-    ]
-    pairs += [
-        ("noise: shared-advice2 vs shared-advice", "shared-advice2", "shared-advice"),
         ("A/A: class (shared-free) vs no class (shared-noclass)", "shared-free", "shared-noclass"),
         ("noise: shared-noclass2 vs shared-noclass", "shared-noclass2", "shared-noclass"),
         ("A/A: class (shared-free2) vs no class (shared-noclass2)", "shared-free2", "shared-noclass2"),

@@ -13,6 +13,8 @@ HERE=benchmarks/h200_matrix
 LOAD=benchmarks/h200_control/gpu_load.py
 ARM_S=${ARM_S:-190}   # one arm: engine start (~45 s from the compile cache) + 95 s replay + drain, report
 DURATION=${DURATION:-}  # a shorter replay for load-free arms (the A/A of the scheduler class), e.g. 60s
+LOAD_SECONDS=${LOAD_SECONDS:-}  # the outside load's length instead of the scenario's (with DURATION)
+RUN_TIMEOUT=${RUN_TIMEOUT:-0}  # stop soakd (SIGTERM: it drains and writes its verdict) after this many s
 mkdir -p "$OUT"
 exec >>"$OUT/run.log" 2>&1
 source benchmarks/gpu_env.sh || exit 1
@@ -32,16 +34,33 @@ declare -A SCEN=(
   # pays with room for the policy's default times (dwell 10 s, legs of settle 10 s + eval 20 s): a 150 s
   # load, a 200 s replay, so an A-B-A trial's legs are twice as long as the 45 s load allows.
   [payslong]="--set criteria.ttft_p99_ms=false --set criteria.tpot_p99_ms=12.79 --set control.harm.act_on_throughput=true --set control.batch.dwell=10s --set control.batch.settle=10s --set control.batch.eval=20s --duration 200s"
+  # The long-context case (longctx_trace.py): ~6k-token contexts, so a decode step's time grows with the
+  # batch; goodput on a TPOT limit set between the full batch's and a 48-batch's TPOT under the load
+  # (measured by the cal64 and cal48 arms first, or LONGCTX_TPOT), payslong's times and load.
+  [longctx]="--set trace.path=/tmp/longctx.jsonl --set replay.rate_scale=1.0 --set engine.max_model_len=8192 --set criteria.ttft_p99_ms=false --set control.harm.act_on_throughput=true --set control.batch.dwell=10s --set control.batch.settle=10s --set control.batch.eval=20s --duration 200s"
 )
 # The outside load's length (s, from 20 s into the replay) and the arm's time for the deadline, per scenario.
-declare -A LOAD_S=([payslong]=150)
-declare -A SCEN_ARM_S=([payslong]=300)
+declare -A LOAD_S=([payslong]=150 [longctx]=150)
+declare -A SCEN_ARM_S=([payslong]=300 [longctx]=330)
 declare -A POLICY=(
   [control]=""
   [advice]="--set control.dry_run=true"
   [free]=""
   [noclass]="--set control.enabled=false"
+  # Calibration: one fixed ceiling, no control, the load over the whole (shorter) replay.
+  [cal64]="--set control.enabled=false --duration 60s"
+  [cal48]="--set control.enabled=false --set replay.max_concurrency=48 --duration 60s"
 )
+[[ -s /tmp/longctx.jsonl ]] || python3 $HERE/longctx_trace.py /tmp/longctx.jsonl || exit 1
+
+longctx_tpot() {  # the TPOT limit halfway between the calibration arms' medians (ms), or LONGCTX_TPOT
+  [[ -n ${LONGCTX_TPOT:-} ]] && { echo "$LONGCTX_TPOT"; return; }
+  python3 - "$OUT" <<'PY'
+import json, sys
+p50 = [json.load(open(f"{sys.argv[1]}/longctx-{c}/summary.json"))["requests"]["tpot"]["p50_ms"] for c in ("cal64", "cal48")]
+print(round(sum(p50) / 2, 2))
+PY
+}
 ARMS=("$@")
 if (( ${#ARMS[@]} == 0 )); then
   ARMS=(shared:control:load shared:advice:load shared:free: shared:noclass: pays:control:load
@@ -51,14 +70,19 @@ fi
 arm() {  # scenario policy load
   local scen=$1 policy=$2 load=$3 name="$1-$2"
   local pol=${POLICY[${policy%2}]}
-  local need=${SCEN_ARM_S[$scen]:-$ARM_S} load_s=${LOAD_S[$scen]:-45}
+  local need=${SCEN_ARM_S[$scen]:-$ARM_S} load_s=${LOAD_SECONDS:-${LOAD_S[$scen]:-45}} after=20 extra=""
+  if [[ $policy == cal* ]]; then need=170 load_s=70 after=0; fi
+  if [[ $scen == longctx && $policy != cal* ]]; then
+    local tpot; tpot=$(longctx_tpot) || { echo "skip $name: no TPOT limit"; return; }
+    extra="--set criteria.tpot_p99_ms=$tpot"; echo "$name: TPOT limit $tpot ms"
+  fi
   if (( DEADLINE > 0 && $(date +%s) + need > DEADLINE )); then echo "skip $name: past the deadline"; return; fi
   echo "== $name $(date -u +%T)"
   mkdir -p "$OUT/$name"
   printf '{"scenario": "%s", "policy": "%s", "load": %s}\n' "$scen" "${policy%2}" \
     "$([[ $load == load ]] && echo true || echo false)" > "$OUT/$name/arm.json"
   if [[ $load == load ]]; then
-    python3 $LOAD --runs /tmp/runs/$name --after 20 --seconds "$load_s" --out "$OUT/$name/times.json" \
+    python3 $LOAD --runs /tmp/runs/$name --after "$after" --seconds "$load_s" --out "$OUT/$name/times.json" \
       > "$OUT/$name/load.txt" 2>&1 &
   fi
   # Raw NVML at 10 Hz from the replay's first request, for replaying the harm judge in tests.
@@ -68,8 +92,8 @@ arm() {  # scenario policy load
     done
     python3 -m soakd telemetry record --duration "$(( load_s + 55 ))s" "$OUT/$name/nvml.jsonl.gz" > /dev/null 2>&1 ) &
   # shellcheck disable=SC2086
-  python3 -m soakd run --config $HERE/matrix.toml --json --no-progress \
-    --set run.name="$name" --set run.output_dir="/tmp/runs/$name" ${SCEN[$scen]} $pol \
+  timeout -s TERM "$RUN_TIMEOUT" python3 -m soakd run --config $HERE/matrix.toml --json --no-progress \
+    --set run.name="$name" --set run.output_dir="/tmp/runs/$name" ${SCEN[$scen]} $pol $extra \
     ${DURATION:+--duration $DURATION} \
     > "$OUT/$name/summary.json" 2> "$OUT/$name/stderr.log"
   echo "rc $name $? $(date -u +%T)"

@@ -52,7 +52,9 @@ its first 5 s against 53 in advice-only, which moved nothing; the head's wait we
 No trial starts while the harm is in its tail (the clock loss under the level that starts harm, not yet
 under the level that ends it): its cause may be over. On an H200 a block that ran out 10 s after a shared
 load ended started a trial as the clock came back; the harm ended 0.8 s later and the trial said nothing
-(tests/data/h200/matrix3, payslong-control2).
+(tests/data/h200/matrix3, payslong-control2). A throughput judge acted on that reads harm now makes the
+tick no tail (the controller's `fading`): a clock loss sitting at its threshold under a shared load was
+in its tail two seconds in three, and no trial started in 150 s (tests/data/h200/matrix4).
 
 Harm that ends during the B leg makes the trial inconclusive: the lower level is kept and the upscale
 below needs only `settle_s` of quiet; harm that ends during the A' leg leaves the level before in force,
