@@ -233,7 +233,10 @@ class Controller:
                 harm=bool(harm),
                 harm_kind=harm,
                 harm_source=self.inputs.harm_source(harm) if harm and harm != "throughput" else "",
-                fading=bool(harm) and harm != "throughput" and not throughput_now and self.inputs.harm_fading(),
+                fading=bool(harm)
+                and harm != "throughput"
+                and not throughput_now
+                and self.inputs.harm_fading(),
                 throttled=self.inputs.throttled(),
                 binding=binding,
                 tokens=float(delta),
