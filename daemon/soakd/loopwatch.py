@@ -7,7 +7,9 @@ numbers. A 4 Hz timer measures how late the loop runs it; the `loop` series carr
 interval, and lag over `limit` for `enter_after` seconds is a `harness_saturated` event (cleared by
 `harness_ok` after `leave_after` clean seconds). Judged only while `active()` says so: an in-process
 engine start holds the loop on purpose. `late_s` (each point's judged seconds over the limit, summed by
-the run metric `harness_saturated_s`) counts the late time itself, not the episode's state.
+the run metric `harness_saturated_s`) counts the late time itself, not the episode's state. The ticker
+is also the heartbeat of soakd.loopblame: stall seconds by whose code held the loop (soakd's, the
+in-process engine's, other) on each point (`stall_<owner>_s`) and in the summary.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from soakd.loopblame import OWNERS, StallBlame
 from soakd.metric import FieldValue, Sample
 from soakd.ticker import Ticker
 
@@ -38,6 +41,7 @@ class LoopWatch:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ticker = Ticker("loop", period_s, self._tick)
+        self.blame = StallBlame(period_s)  # real time: its watchdog thread waits in it
         self._event = on_event
         self._active = active
         self._limit_s = limit_s
@@ -58,6 +62,7 @@ class LoopWatch:
         self.worst_lag_s = 0.0
 
     def _tick(self) -> None:
+        self.blame.beat()
         lag = self.ticker.lag_s
         self._max = max(self._max, lag)
         self._sum += lag
@@ -78,6 +83,8 @@ class LoopWatch:
             "missed": missed,
         }
         self._max, self._sum, self._n = 0.0, 0.0, 0
+        for owner, seconds in self.blame.take().items():
+            fields[f"stall_{owner}_s"] = round(seconds, 3)
         active = self._active()
         late = 0.0
         if active and interval > 0:
@@ -117,6 +124,7 @@ class LoopWatch:
                 "latencies and pacing measured meanwhile include soakd's own delay",
                 lag_ms_max=1000.0 * worst,
                 missed_ticks=missed,
+                **{f"stall_{owner}_s": round(self.blame.total_s[owner], 3) for owner in OWNERS},
             )
         return late
 
@@ -126,7 +134,9 @@ class LoopWatch:
             "episodes": self.episodes,
             "worst_lag_ms": round(1000.0 * self.worst_lag_s, 1),
             "state": "saturated" if self.saturated else "ok",
+            # Whose code held the loop while it was stalled, over the run (soakd.loopblame).
+            "stall_s": {owner: round(self.blame.total_s[owner], 3) for owner in OWNERS},
         }
 
     def close(self) -> None:
-        return None
+        self.blame.close()

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
         "soakd", "soakd.errors", "soakd.units", "soakd.rundir", "soakd.nvml_fields", "soakd.redact",
         "soakd.files", "soakd.logs", "soakd.metric", "soakd.ticker", "soakd.sse", "soakd.notify",
         "soakd.loopwatch", "soakd.lifecycle", "soakd.checkpoint", "soakd.console", "soakd.clock",
-        "soakd.stopsignals",
+        "soakd.stopsignals", "soakd.loopblame",
     ),
     ("soakd.lang",),  # the criteria language: the config validates expressions with it
     ("soakd.config",),

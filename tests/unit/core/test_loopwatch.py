@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
+import soakd
+from soakd.loopblame import StallBlame, owner_of
 from soakd.loopwatch import LoopWatch
 from soakd.ticker import Ticker
 
@@ -90,7 +93,11 @@ def test_a_loop_held_up_is_saturated_then_ok_and_only_while_active() -> None:
     assert "latencies and pacing measured meanwhile include soakd's own delay" in saturated[1]
     assert saturated[2]["lag_ms_max"] >= 200 * scale
     s = watch.summary()
+    stalls = s.pop("stall_s")
     assert s == {"late_s": 0.75, "episodes": 1, "worst_lag_ms": s["worst_lag_ms"], "state": "ok"}
+    # The holds were this test's own code: neither soakd's nor the engine's.
+    assert isinstance(stalls, dict) and stalls["other"] > 0 and stalls["soakd"] == stalls["engine"] == 0
+    assert abs(sum(p["stall_other_s"] for p in points) - stalls["other"]) < 0.01  # rounded per point
 
 
 def test_saturated_is_not_said_while_not_judged_and_the_metric_sums_late_time() -> None:
@@ -120,3 +127,45 @@ def test_saturated_is_not_said_while_not_judged_and_the_metric_sums_late_time() 
     assert events == ["harness_saturated"]
     assert flags == [0, 1, 1, 0, 0, 0]  # still saturated inside, but not judged: not said
     assert metrics.scalar("harness_saturated_s") == 2.0  # the judged late seconds (the first is priming)
+
+
+def _held_in(path: str) -> Any:
+    """A function that holds the loop, as if defined in the file at `path` (whose owner it takes)."""
+    scope: dict[str, Any] = {"time": time}
+    exec(compile("def hold(s):\n    time.sleep(s)\n", path, "exec"), scope)
+    return scope["hold"]
+
+
+def test_a_stall_is_charged_to_the_code_that_held_the_loop() -> None:
+    """Who held the loop while it was stalled: a frame of vLLM's (or torch's) is the engine's, one of
+    soakd's package is soakd's, anything else (this test) other; the innermost owned frame decides. A
+    free loop is charged nothing."""
+    root = Path(soakd.__file__).resolve().parent
+    engine = _held_in("/opt/venv/lib/python3.11/site-packages/vllm/v1/engine/output_processor.py")
+    ours = _held_in(str(root / "replay" / "runner.py"))
+    blame = StallBlame(0.02, limit_s=0.02, sample_s=0.01)
+
+    async def scenario() -> list[dict[str, float]]:
+        beats = Ticker("beat", 0.02, blame.beat)
+        beats.start()
+        taken = []
+        await asyncio.sleep(0.2)
+        taken.append(blame.take())  # free
+        for hold in (engine, ours, hold_the_loop):
+            hold(0.4)
+            await asyncio.sleep(0.05)
+            taken.append(blame.take())
+        beats.stop()
+        return taken
+
+    try:
+        free, by_engine, by_soakd, by_other = asyncio.run(scenario())
+    finally:
+        blame.close()
+    assert sum(free.values()) == 0
+    for taken, owner in ((by_engine, "engine"), (by_soakd, "soakd"), (by_other, "other")):
+        # Most of each 0.4 s hold is charged, all of it to its owner (a busy machine may add a little
+        # "other" around it: the loop waiting to be scheduled).
+        assert taken[owner] > 0.2 and taken[owner] == max(taken.values()), (owner, taken)
+        assert all(v == 0 for k, v in taken.items() if k not in (owner, "other")), (owner, taken)
+    assert owner_of(None) == "other"
