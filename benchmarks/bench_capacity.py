@@ -125,8 +125,11 @@ def one_run(work: Path, server_procs: int, level: float, seconds: float, senders
     verdict = json.loads(next((work / "runs").glob("*/verdict.json")).read_text(encoding="utf-8"))
     summary_path = next((work / "runs").glob("*/summary.json"), None)
     loop: Json = {}
+    sends: Json = {}
     if summary_path is not None:
-        loop = find_key(json.loads(summary_path.read_text(encoding="utf-8")), "loop") or {}
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        loop = find_key(summary, "loop") or {}
+        sends = find_key(summary, "sends") or {}  # connections warmed and opened in the replay
     m = verdict["metrics"]
     out: Json = {
         "level": level,
@@ -142,6 +145,7 @@ def one_run(work: Path, server_procs: int, level: float, seconds: float, senders
         "peak_rss_mb": round(usage["peak_rss_mb"], 1),
         "machine_busy_pct": round(usage["machine_busy_pct"], 1),
         "loop": loop,
+        "sends": sends,
     }
     out.update(server_lateness(server.stamps(), times))
     return out

@@ -209,7 +209,7 @@ class EngineConfig(_Section):
     """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency) and
     kept open, idle, ahead of demand for the whole run (stale ones replaced before the server's
     keep-alive timeout closes them): a connection opened while a request is due delays it. More are
-    opened as the traffic needs them."""
+    kept when the traffic's bursts need them (engine/h1.py), and opened on demand beyond those."""
     served_model: str = ""
     vocab_size: int = Field(default=0, ge=0, le=MAX_VOCAB)
     model: str = "models/tiny"

@@ -8,12 +8,19 @@ process runs on this: one request at a time per keep-alive connection, the respo
 body de-chunked and handed to a `Sink` as it arrives, nothing awaited per chunk. What it does not do,
 because soakd's requests never need it: pipelining, redirects, cookies, proxies, compression, `Expect`.
 
-The pool opens connections on demand up to a limit, and keeps `spare` idle connections open ahead of
+The pool opens connections on demand up to a limit, and keeps spare idle connections open ahead of
 demand for the whole run (the replay's bursts find them open: opening one while every stream in flight
-is being read is the sender's worst lateness, measured on an H200). An idle connection is closed before
-the server's own keep-alive timeout would (uvicorn's, which vLLM uses: 5 s), so a request is never written
-onto a connection the server is closing; one that is closed under it anyway before any byte of the answer
-came (a server with a shorter timeout) is sent once more on a fresh connection, as browsers do.
+is being read is the sender's worst lateness, measured on an H200): at least the `spare` it was asked
+for, and more when the traffic's bursts need them: 1.5x the largest rise in connections in use between
+two of the keeper's looks (half a second apart) over the last minute, within the pool's limit. A fixed
+count is either too few at a high arrival rate or a waste at a low one; the rise is what the keeper
+must have ready before its next look. An idle connection is closed before the server's own keep-alive
+timeout would (uvicorn's, which vLLM uses: 5 s), so a request is never written onto a connection the
+server is closing; one that is closed under it anyway before any byte of the answer came (a server with
+a shorter timeout) is sent once more on a fresh connection, as browsers do.
+
+Over 500 lines because the response parser, the connection that feeds it and the pool that keeps
+connections are one protocol's three parts, each small.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import math
 import socket
 import ssl
 import time
@@ -32,6 +40,8 @@ IDLE_S = 4.0
 """An idle connection older than this is closed, not reused: under uvicorn's 5 s keep-alive timeout."""
 CONNECT_TIMEOUT_S = 30.0
 _SPARE_TICK_S = 0.5
+_RISE_TICKS = 120  # the keeper's looks the burst is remembered for: a minute
+_BURST_MARGIN = 1.5
 _MAX_HEAD = 64 * 1024
 
 
@@ -319,6 +329,11 @@ class Pool:
         self._ssl = ssl.create_default_context() if target.tls else None
         self._spare = 0
         self._keeper: asyncio.Task[None] | None = None
+        self._peak = 0  # connections in use, the most since the keeper's last look
+        self._at_look = 0  # connections in use at the keeper's last look
+        self._rises: deque[int] = deque(maxlen=_RISE_TICKS)
+        self.spare_target = 0
+        """Idle connections the keeper holds open now (the asked-for spare, or the bursts' need)."""
 
     async def connect(self, *, pooled: bool = True) -> Connection:
         """A new connection, given back to the pool after each answer when `pooled` (counted against the
@@ -356,6 +371,7 @@ class Pool:
             if self._stale(conn, now):
                 self._close(conn)
                 continue
+            self._note_use()
             return conn, False
         while self._limit and self._open >= self._limit:
             fut: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
@@ -372,6 +388,7 @@ class Pool:
                         self._wake()
                 raise
             if got is not None:
+                self._note_use()
                 return got, False
         self._open += 1  # the slot, taken before the connect's await
         try:
@@ -381,7 +398,11 @@ class Pool:
             self._wake()
             raise
         conn.counted = True
+        self._note_use()
         return conn, True
+
+    def _note_use(self) -> None:
+        self._peak = max(self._peak, self._open - len(self._idle))
 
     def release(self, conn: Connection) -> None:
         while self._waiters:
@@ -424,7 +445,8 @@ class Pool:
         return conn
 
     def keep_spare(self, n: int) -> None:
-        """Keep at least `n` idle connections open from now on (replacing those that grew stale)."""
+        """Keep at least `n` idle connections open from now on (replacing those that grew stale), more
+        when the bursts need them (see the module)."""
         self._spare = max(0, n)
         if self._keeper is None and self._spare:
             self._keeper = asyncio.create_task(self._keep(), name="soakd-spare-connections")
@@ -439,10 +461,22 @@ class Pool:
                     self._close(conn)
                 else:
                     fresh += 1
-            want = min(self._spare - fresh, self._limit - self._open if self._limit else self._spare)
+            self.spare_target = self._target_spare()
+            want = self.spare_target - fresh
+            if self._limit:
+                want = min(want, self._limit - self._open)
             if want > 0:
                 await asyncio.gather(*(self._one_spare() for _ in range(want)), return_exceptions=True)
             await asyncio.sleep(_SPARE_TICK_S)
+
+    def _target_spare(self) -> int:
+        """The idle connections to hold until the next look: the asked-for spare, or 1.5x the largest
+        rise in connections in use between two looks over the last minute."""
+        in_use = self._open - len(self._idle)
+        self._rises.append(max(0, self._peak - self._at_look))
+        self._at_look = self._peak = in_use
+        burst = math.ceil(_BURST_MARGIN * max(self._rises))
+        return max(self._spare, burst)
 
     async def _one_spare(self) -> None:
         conn = self.count(await self.connect())

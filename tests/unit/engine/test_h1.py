@@ -202,6 +202,34 @@ async def test_spare_connections_are_kept_open_and_replaced_when_stale(server: t
     await pool.close()
 
 
+async def test_the_spare_pool_grows_to_the_bursts_the_traffic_brings(server: tuple[Script, str]) -> None:
+    """Asked for 2 spare connections, the pool holds 1.5x the largest rise in connections in use
+    between two of the keeper's looks: after a burst of 10 requests at once it keeps 15 open, and the
+    next burst of 10 opens none."""
+    script, url = server
+    pool = Pool(Target(url))
+    pool.keep_spare(2)
+
+    async def until(done: Callable[[], bool]) -> None:
+        for _ in range(1000):
+            if done():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("not reached")
+
+    await until(lambda: script.connections >= 2)
+    held = [await pool.acquire() for _ in range(10)]  # a burst: 10 in use at once
+    assert sum(new for _, new in held) == 8  # the 2 spares served first
+    for conn, _ in held:
+        pool.release(conn)
+    await until(lambda: pool.spare_target == 15 and script.connections >= 15)
+    again = [await pool.acquire() for _ in range(10)]
+    assert not any(new for _, new in again)
+    for conn, _ in again:
+        pool.release(conn)
+    await pool.close()
+
+
 async def test_spare_connections_come_back_after_the_server_restarts() -> None:
     """A server that goes away (a restart) takes the pool's connections with it; the pool opens its
     spare ones again once something listens on the port, no request needed."""
