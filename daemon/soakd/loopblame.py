@@ -40,17 +40,20 @@ def owner_of(frame: FrameType | None, soakd_dir: str = _SOAKD) -> str:
 
 class StallBlame:
     """Charges a loop thread's stalls to their owners; `beat()` is called on the loop at least every
-    `beat_s`, and a beat later than `beat_s + limit_s` is a stall."""
+    `beat_s` while `beating()` says so, and a beat later than `beat_s + limit_s` is a stall (a stopped
+    heartbeat is none)."""
 
     def __init__(
         self,
         beat_s: float,
         *,
+        beating: Callable[[], bool] = lambda: True,
         limit_s: float = 0.1,
         sample_s: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._beat_s = beat_s
+        self._beating = beating
         self._late_after = beat_s + limit_s
         self._sample_s = sample_s
         self._clock = clock
@@ -75,7 +78,7 @@ class StallBlame:
         while not self._stop.wait(self._sample_s):
             now = self._clock()
             beat = self._beat
-            if beat is not None and now - beat > self._late_after:
+            if beat is not None and now - beat > self._late_after and self._beating():
                 # Late from when the next beat was due (the lag's own origin), charged once per look.
                 frame = sys._current_frames().get(self._loop_thread or 0)
                 self.charge(owner_of(frame), now - max(last, beat + self._beat_s))

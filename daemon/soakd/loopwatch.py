@@ -41,7 +41,8 @@ class LoopWatch:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ticker = Ticker("loop", period_s, self._tick)
-        self.blame = StallBlame(period_s)  # real time: its watchdog thread waits in it
+        # Real time (its watchdog thread waits in it); no stall once the ticker stopped (the run's end).
+        self.blame = StallBlame(period_s, beating=lambda: self.ticker.running)
         self._event = on_event
         self._active = active
         self._limit_s = limit_s

@@ -63,6 +63,11 @@ class Ticker:
             self._slot += behind
         self._handle = loop.call_at(self._t0 + self._slot * self.period_s, self._tick)
 
+    @property
+    def running(self) -> bool:
+        """Started and not stopped."""
+        return self._handle is not None
+
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()

@@ -162,6 +162,12 @@ def test_a_stall_is_charged_to_the_code_that_held_the_loop() -> None:
         free, by_engine, by_soakd, by_other = asyncio.run(scenario())
     finally:
         blame.close()
+    # A heartbeat that stopped (the ticker at the run's end) is no stall, however long ago it beat.
+    stopped = StallBlame(0.01, beating=lambda: False, sample_s=0.01)
+    stopped.beat()
+    time.sleep(0.2)
+    stopped.close()
+    assert sum(stopped.total_s.values()) == 0
     assert sum(free.values()) == 0
     for taken, owner in ((by_engine, "engine"), (by_soakd, "soakd"), (by_other, "other")):
         # Most of each 0.4 s hold is charged, all of it to its owner (a busy machine may add a little
