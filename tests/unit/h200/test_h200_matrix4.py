@@ -35,10 +35,6 @@ def matrix() -> dict[str, Any]:
     return arms
 
 
-def events(arm: str) -> list[tuple[float, str, dict[str, Any]]]:
-    return m2.events(arm, DATA)
-
-
 def tpot(arm: str) -> dict[str, float]:
     out: dict[str, float] = m2.summary(arm, DATA)["requests"]["tpot"]
     return out
@@ -69,7 +65,7 @@ def test_yesterdays_policy_never_tried_because_the_clock_loss_sat_at_its_thresho
     36-64 % with requests waiting (harm now, its cause present): counted, as today's rule counts it,
     the first clean A leg ends 32 s into the load (the clock harm began 14 s in here; in the arm run
     with today's rule, 4 s in, and its trial began at 24 s)."""
-    assert not [k for _, k, _ in events("longctx-control0") if k in ("downscale", "revert")]
+    assert not [k for _, k, _ in m2.events("longctx-control0", DATA) if k in ("downscale", "revert")]
     start, end = m2.load_times("longctx-control0", DATA)
     watch = GpuThrottleWatch({0: 1980.0}, lambda *_a, **_f: None)
     fading: dict[int, bool] = {}
@@ -109,7 +105,9 @@ def test_todays_trial_keeps_48_where_it_pays() -> None:
     margin; 48 kept 58 s after the trial began, until the replay's end."""
     start, _ = m2.load_times("longctx-control", DATA)
     moves = [
-        (t - start, k, f) for t, k, f in events("longctx-control") if k in ("downscale", "upscale", "revert")
+        (t - start, k, f)
+        for t, k, f in m2.events("longctx-control", DATA)
+        if k in ("downscale", "upscale", "revert")
     ]
     assert [k for _, k, _ in moves] == ["downscale", "revert", "downscale"]
     assert 15 < moves[0][0] < 35 and moves[0][2]["to_limit"] == 48
@@ -120,10 +118,6 @@ def test_todays_trial_keeps_48_where_it_pays() -> None:
     assert m2.summary("longctx-control", DATA)["control"]["ceiling"] == 48
 
 
-def spread(x: float, y: float) -> float:
-    return abs(x - y) / max(x, y)
-
-
 def test_control_beats_advice_only_under_the_load_far_beyond_the_noise(matrix: dict[str, Any]) -> None:
     """20-115 s of each replay, under the load in every arm: goodput 1,035 good tok/s with control
     against 184 advice-only and 139 with yesterday's policy, which moved nothing (5.6x; the noise of two
@@ -131,14 +125,16 @@ def test_control_beats_advice_only_under_the_load_far_beyond_the_noise(matrix: d
     unmoved arms 0.2 % apart, the windows before the load, where nothing moved anywhere, 11 %)."""
     under = {arm: window(matrix, arm, UNDER) for arm in LOADED}
     before = {arm: window(matrix, arm, (0.0, 20.0)) for arm in LOADED}
-    noise = spread(under["longctx-advice"]["goodput_tps"], under["longctx-control0"]["goodput_tps"])
+    noise = m2.spread(under["longctx-advice"]["goodput_tps"], under["longctx-control0"]["goodput_tps"])
     assert noise < 0.3
     for other in ("longctx-advice", "longctx-control0"):
         assert under["longctx-control"]["goodput_tps"] > 5 * under[other]["goodput_tps"]
-        assert spread(under["longctx-control"]["tokens_per_s"], under[other]["tokens_per_s"]) < 0.05
-    assert spread(under["longctx-advice"]["tokens_per_s"], under["longctx-control0"]["tokens_per_s"]) < 0.01
+        assert m2.spread(under["longctx-control"]["tokens_per_s"], under[other]["tokens_per_s"]) < 0.05
+    assert (
+        m2.spread(under["longctx-advice"]["tokens_per_s"], under["longctx-control0"]["tokens_per_s"]) < 0.01
+    )
     tokens_before = [w["tokens_per_s"] for w in before.values()]
-    assert spread(max(tokens_before), min(tokens_before)) < 0.15
+    assert m2.spread(max(tokens_before), min(tokens_before)) < 0.15
     # TPOT under the load: the kept 48 below the limit, 64 above it.
     assert under["longctx-control"]["tpot_p50_ms"] < LIMIT_MS < under["longctx-advice"]["tpot_p50_ms"]
 
@@ -150,7 +146,7 @@ def test_both_judges_follow_the_load_in(arm: str) -> None:
     throughput judge inside its 5 s in two of three arms (5.5 s in the last)."""
     start, end = m2.load_times(arm, DATA)
     by_kind: dict[str, list[tuple[float, str]]] = {"clock": [], "throughput": []}
-    for t, k, f in events(arm):
+    for t, k, f in m2.events(arm, DATA):
         if k.startswith("harm_"):
             by_kind["throughput" if f.get("harm_kind") == "throughput" else "clock"].append((t, k))
     for kind, episode in by_kind.items():
