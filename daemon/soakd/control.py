@@ -223,7 +223,7 @@ class Controller:
             if not harm and self.throughput.harmful and cfg.harm.act_on_throughput:
                 harm = "throughput"
             # A clock harm in its tail is no tail while the throughput judge (when acted on) reads harm
-            # now: its cause is present. On an H200 a shared load held the clock loss at 7-13 % against
+            # now: its cause is present. On an H200 a shared load held the clock loss at 7-14 % against
             # the 10 % threshold for 150 s, a tail every few seconds, while tokens/s stayed 36-64 % down:
             # no trial could start.
             throughput_now = cfg.harm.act_on_throughput and self.throughput.at_threshold

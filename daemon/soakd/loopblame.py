@@ -50,13 +50,11 @@ class StallBlame:
         beating: Callable[[], bool] = lambda: True,
         limit_s: float = 0.1,
         sample_s: float = 0.05,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._beat_s = beat_s
         self._beating = beating
         self._late_after = beat_s + limit_s
         self._sample_s = sample_s
-        self._clock = clock
         self._beat: float | None = None
         self._loop_thread: int | None = None
         self._stop = threading.Event()
@@ -67,16 +65,16 @@ class StallBlame:
 
     def beat(self) -> None:
         """On the loop: it ran. The first beat starts the watchdog."""
-        self._beat = self._clock()
+        self._beat = time.monotonic()
         if self._thread is None:
             self._loop_thread = threading.get_ident()
             self._thread = threading.Thread(target=self._watch, name="soakd-loop-blame", daemon=True)
             self._thread.start()
 
     def _watch(self) -> None:
-        last = self._clock()
+        last = time.monotonic()
         while not self._stop.wait(self._sample_s):
-            now = self._clock()
+            now = time.monotonic()
             beat = self._beat
             if beat is not None and now - beat > self._late_after and self._beating():
                 # Late from when the next beat was due (the lag's own origin), charged once per look.

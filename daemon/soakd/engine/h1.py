@@ -401,8 +401,11 @@ class Pool:
         self._note_use()
         return conn, True
 
+    def _in_use(self) -> int:
+        return self._open - len(self._idle)
+
     def _note_use(self) -> None:
-        self._peak = max(self._peak, self._open - len(self._idle))
+        self._peak = max(self._peak, self._in_use())
 
     def release(self, conn: Connection) -> None:
         while self._waiters:
@@ -461,7 +464,7 @@ class Pool:
                     self._close(conn)
                 else:
                     fresh += 1
-            self.spare_target = self._target_spare()
+            self.spare_target = self._look()
             want = self.spare_target - fresh
             if self._limit:
                 want = min(want, self._limit - self._open)
@@ -469,12 +472,11 @@ class Pool:
                 await asyncio.gather(*(self._one_spare() for _ in range(want)), return_exceptions=True)
             await asyncio.sleep(_SPARE_TICK_S)
 
-    def _target_spare(self) -> int:
-        """The idle connections to hold until the next look: the asked-for spare, or 1.5x the largest
-        rise in connections in use between two looks over the last minute."""
-        in_use = self._open - len(self._idle)
+    def _look(self) -> int:
+        """Record the rise in connections in use since the last look; the idle connections to hold until
+        the next: the asked-for spare, or 1.5x the largest rise over the last minute."""
         self._rises.append(max(0, self._peak - self._at_look))
-        self._at_look = self._peak = in_use
+        self._at_look = self._peak = self._in_use()
         burst = math.ceil(_BURST_MARGIN * max(self._rises))
         return max(self._spare, burst)
 

@@ -80,6 +80,7 @@ def test_a_loop_held_up_is_saturated_then_ok_and_only_while_active() -> None:
         return watch
 
     watch = asyncio.run(scenario())
+    watch.close()  # its stall watchdog's thread
     (scale,) = scales
     assert points[1]["lag_ms_max"] < 100 * scale and points[1]["saturated"] == 0, (scale, points)
     assert all(p["lag_ms_max"] >= 200 * scale for p in points[2:8]), points
@@ -124,6 +125,7 @@ def test_saturated_is_not_said_while_not_judged_and_the_metric_sums_late_time() 
         (sample,) = watch.collect(step * 10**9)
         metrics.add(sample)
         flags.append(sample.fields["saturated"])
+    watch.close()
     assert events == ["harness_saturated"]
     assert flags == [0, 1, 1, 0, 0, 0]  # still saturated inside, but not judged: not said
     assert metrics.scalar("harness_saturated_s") == 2.0  # the judged late seconds (the first is priming)
