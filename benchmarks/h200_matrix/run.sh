@@ -21,6 +21,10 @@ source benchmarks/gpu_env.sh || exit 1
 [[ -d /tmp/qwen3-8b ]] || python3 -m soakd model shape qwen3-8b /tmp/qwen3-8b || exit 1
 nvidia-smi -q -d PERFORMANCE,POWER,CLOCK > "$OUT/smi_before.txt"
 
+# Goodput on TPOT alone with throughput harm acted on (the SLO-bound cases), and the policy's default
+# times (dwell 10 s, legs of settle 10 s + eval 20 s) with a 200 s replay around a 150 s load.
+TPOT_ONLY="--set criteria.ttft_p99_ms=false --set control.harm.act_on_throughput=true"
+DEFAULT_TIMES="--set control.batch.dwell=10s --set control.batch.settle=10s --set control.batch.eval=20s --duration 200s"
 # name scenario policy load: the scenario's settings, the policy's, and the outside load (20-65 s).
 declare -A SCEN=(
   # The shared GPU: goodput with admission wait + TTFT <= 10 s and TPOT <= 25 ms; a backlog grows under
@@ -28,16 +32,16 @@ declare -A SCEN=(
   [shared]=""
   # The SLO-bound case (pays.toml): goodput on TPOT <= 12.79 ms only (the limit the first matrix measured
   # as the full batch's p25 under the load), throughput harm acted on.
-  [pays]="--set criteria.ttft_p99_ms=false --set criteria.tpot_p99_ms=12.79 --set control.harm.act_on_throughput=true"
+  [pays]="$TPOT_ONLY --set criteria.tpot_p99_ms=12.79"
   # The engine's own batch at the power cap: twice the trace's rate, no second process.
   [owncap]="--set replay.rate_scale=2.0"
   # pays with room for the policy's default times (dwell 10 s, legs of settle 10 s + eval 20 s): a 150 s
   # load, a 200 s replay, so an A-B-A trial's legs are twice as long as the 45 s load allows.
-  [payslong]="--set criteria.ttft_p99_ms=false --set criteria.tpot_p99_ms=12.79 --set control.harm.act_on_throughput=true --set control.batch.dwell=10s --set control.batch.settle=10s --set control.batch.eval=20s --duration 200s"
+  [payslong]="$TPOT_ONLY --set criteria.tpot_p99_ms=12.79 $DEFAULT_TIMES"
   # The long-context case (longctx_trace.py): ~6k-token contexts, so a decode step's time grows with the
   # batch; goodput on a TPOT limit set between the full batch's and a 48-batch's TPOT under the load
   # (measured by the cal64 and cal48 arms first, or LONGCTX_TPOT), payslong's times and load.
-  [longctx]="--set trace.path=/tmp/longctx.jsonl --set replay.rate_scale=1.0 --set engine.max_model_len=8192 --set criteria.ttft_p99_ms=false --set control.harm.act_on_throughput=true --set control.batch.dwell=10s --set control.batch.settle=10s --set control.batch.eval=20s --duration 200s"
+  [longctx]="--set trace.path=/tmp/longctx.jsonl --set replay.rate_scale=1.0 --set engine.max_model_len=8192 $TPOT_ONLY $DEFAULT_TIMES"
 )
 # The outside load's length (s, from 20 s into the replay) and the arm's time for the deadline, per scenario.
 declare -A LOAD_S=([payslong]=150 [longctx]=150)
