@@ -265,7 +265,10 @@ class Controller:
         if interval <= 0:
             return
         tp = self.throughput
-        change = tp.update(now, delta / interval, binding=binding, limited=self.inputs.limited())
+        flight = None if self.inputs.draining() else self.inputs.in_flight()
+        change = tp.update(
+            now, delta / interval, binding=binding, limited=self.inputs.limited(), in_flight=flight
+        )
         if change is None:
             return
         ref = tp.reference or 0.0

@@ -778,8 +778,9 @@ class ThroughputSettings:
 
 class ThroughputJudge:
     """Feed each control interval: tokens/s, whether requests waited for admission (only then is tokens/s
-    the engine's capacity, not the offered load) and whether the device was at a limit (a throttle reason
-    in most samples). Harm: at a limit in each recent interval, with a queue, tokens/s below (1 - loss) x
+    the engine's capacity, not the offered load; a backlog growing inside the engine counts too, see
+    `_backlog`), the requests in the engine, and whether the device was at a limit (a throttle reason in
+    most samples). Harm: at a limit in each recent interval, with a queue, tokens/s below (1 - loss) x
     the reference and as far below the intervals just before (a step).
 
     The reference is the engine's own steady level: intervals with a queue whether at a limit or not,
@@ -810,6 +811,10 @@ class ThroughputJudge:
         self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
         self._history: deque[float] = deque(maxlen=self.settings.recent + self.settings.step)
+        self._flight: deque[tuple[float, float]] = deque(maxlen=self.settings.step)
+        """(requests in the engine, tokens/s) of the last `step` intervals: what a backlog is seen against."""
+        self.backlogs = 0
+        """Intervals read as the engine's capacity from a backlog in it (no queue for admission yet)."""
         self._episode: deque[float] = deque(maxlen=self.settings.reference)
         """tokens/s with a queue during the episode: its level, which a recovery is measured from."""
         self._lately: deque[tuple[float, bool, float | None]] = deque()
@@ -841,9 +846,17 @@ class ThroughputJudge:
             return "capacity"
         return "served" if len(self._served) == self._served.maxlen else ""
 
-    def update(self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool) -> bool | None:
-        """The new harm state when it changed (True: began, False: ended), else None."""
+    def update(
+        self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool, in_flight: int | None = None
+    ) -> bool | None:
+        """The new harm state when it changed (True: began, False: ended), else None. `in_flight`: requests
+        in the engine now (None while the replay drains: no arrivals, so no backlog can show)."""
         s = self.settings
+        if not binding and in_flight is not None and self._backlog(tokens_per_s, in_flight):
+            binding = True
+            self.backlogs += 1
+        if in_flight is not None:
+            self._flight.append((float(in_flight), tokens_per_s))
         self._history.append(tokens_per_s)
         if binding:
             self._recent.append((tokens_per_s, limited))
@@ -922,6 +935,7 @@ class ThroughputJudge:
             "loss": round(self.loss, 4),
             "reference_tps": None if ref is None else round(ref, 3),
             "reference_kind": self.reference_kind,
+            "backlog_intervals": self.backlogs,
         }
         if ref is None:
             out["reference_note"] = (
@@ -933,6 +947,20 @@ class ThroughputJudge:
                 "count)"
             )
         return out
+
+    def _backlog(self, tokens_per_s: float, in_flight: int) -> bool:
+        """The engine falls behind with no queue yet: requests in it up by half the loss's share over the
+        `step` intervals before, tokens/s down by the whole loss. Arrivals outpace completions (Little's
+        law), so tokens/s are no longer the offered load served in full but what the engine could do: on
+        an H200 a shared load cut tokens/s by 80-90 % at once while the batch filled (30 -> 64 requests)
+        for 3.5 s before anyone waited for admission. A trace's lull moves both down; a burst of
+        arrivals raises tokens/s with the requests."""
+        if len(self._flight) < self.settings.step:
+            return False
+        loss = self.settings.loss
+        flight = statistics.median(f for f, _ in self._flight)
+        level = statistics.median(x for _, x in self._flight)
+        return flight > 0 and in_flight >= (1 + loss / 2) * flight and tokens_per_s <= (1 - loss) * level
 
     def _stepped(self, median: float) -> bool:
         """The recent median is the loss's share below the intervals just before (queue or not: without

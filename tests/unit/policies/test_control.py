@@ -517,3 +517,25 @@ def test_the_downscale_names_the_gpu_the_harm_is_on(tmp_path: Path) -> None:
     run_for(ctrl, world, clock, 6, harm="thermal")
     (kind, msg, fields) = events[0]
     assert "harm (thermal) for 5 s" in msg and "ev_harm_source" not in fields
+
+
+def test_the_throughput_judge_sees_a_backlog_in_the_engine_before_anyone_waits(tmp_path: Path) -> None:
+    """A shared load with no queue for admission yet: tokens/s fall and the requests in the engine climb.
+    The controller hands the judge the requests in flight, so harm is recorded within the judge's three
+    intervals; while the replay drains (no arrivals) it hands none, and the same seconds are not judged."""
+    outcomes = {}
+    for draining in (False, True):
+        d = tmp_path / str(draining)
+        d.mkdir()
+        ctrl, world, events, _, clock = make(d, BATCH)
+        limited = [False]
+        ctrl.inputs.limited = lambda limited=limited: limited[0]
+        run_for(ctrl, world, clock, 15, waiting=0, in_flight=10, draining=draining)  # served: 100 tok/s
+        limited[0] = True
+        for n in (13, 16, 19, 22):  # a third of the tokens, the engine filling up, no one waiting
+            run_for(ctrl, world, clock, 1, rate=30, in_flight=n)
+        outcomes[draining] = [(e[0], e[2].get("harm_kind")) for e in events]
+        if not draining:
+            assert ctrl.throughput.backlogs >= 3
+    assert outcomes[False] == [("harm_enter", "throughput")]
+    assert outcomes[True] == []

@@ -330,3 +330,34 @@ def test_throughput_settings_bound_the_step_window() -> None:
         ThroughputSettings(step=0)
     with pytest.raises(ValueError, match="step"):
         ThroughputSettings(step=10**6)
+
+
+def test_throughput_judge_reads_a_backlog_in_the_engine_as_capacity() -> None:
+    """No one waits for admission yet, but the requests in the engine climb while tokens/s fall: the
+    engine no longer serves the offered load, so tokens/s are its capacity and a held limit with the loss
+    is harm. The same seconds without the requests in the engine are not judged (tokens/s could be a
+    lull of the trace); a lull (requests and tokens down together) is not a backlog."""
+    from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
+
+    def run(flight: list[int] | None, tokens: list[float]) -> tuple[ThroughputJudge, list[bool | None]]:
+        judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, step=10))
+        t = 0.0
+        for i in range(20):  # the offered load, served in full: 1,000 tok/s, 30 requests in the engine
+            t += 1
+            judge.update(t, 1000.0 + (50 if i % 2 else -50), binding=False, limited=False, in_flight=30)
+        changes = []
+        for k, tps in enumerate(tokens):
+            t += 1
+            n = flight[k] if flight is not None else None
+            changes.append(judge.update(t, tps, binding=False, limited=True, in_flight=n))
+        return judge, changes
+
+    judge, changes = run([36, 45, 55, 63], [300.0, 450.0, 500.0, 500.0])
+    assert changes == [None, None, True, None] and judge.harmful and judge.backlogs == 4
+    assert judge.summary()["backlog_intervals"] == 4
+    judge, changes = run(None, [300.0, 450.0, 500.0, 500.0])
+    assert changes == [None] * 4 and judge.backlogs == 0
+    judge, changes = run([20, 15, 12, 12], [300.0, 450.0, 500.0, 500.0])  # a lull: fewer requests
+    assert changes == [None] * 4 and judge.backlogs == 0
+    judge, changes = run([32, 32, 32, 32], [300.0, 450.0, 500.0, 500.0])  # within half the loss's share
+    assert changes == [None] * 4 and judge.backlogs == 0
