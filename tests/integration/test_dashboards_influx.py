@@ -457,6 +457,7 @@ H200_SOAK_EMPTY = {
     # Recorded before soakd watched its own event loop (the run that showed why it should).
     "Event-loop lag A": "recorded before the loop watch",
     "Event-loop lag B": "recorded before the loop watch",
+    **{f"Event-loop lag {r}": "recorded before the loop watch" for r in "CDE"},
 }
 
 
