@@ -3,7 +3,8 @@
 # Three scenarios x {control, advice-only} with a load-free arm, an A/A of soakd's scheduler class and
 # repeats for noise, in priority order; an arm starts only when it can end before the deadline.
 # From the repository root of a checkout with the GPU bundle in .gpu_bundle/ and soakd's dependency
-# wheels in .gpu_wheels/; results under $1, packed into $1.tgz after every arm.
+# wheels in .gpu_wheels/; results under $1, packed into $1.tgz after every arm. Copy back the archive,
+# not the folder: a copy of many small files can be cut short, and the spools are what the tests replay.
 #   bash benchmarks/h200_matrix/run.sh /tmp/matrix [deadline, Unix s] [arm ...]
 set -uo pipefail
 OUT=${1:?results folder}
