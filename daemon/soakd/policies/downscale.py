@@ -62,11 +62,16 @@ nothing blocked. A queue that stops binding during a leg leaves no evidence (the
 offered load): the level before, not blocked. Every verdict (ActionResult) says which comparison decided
 it (`decided_by`) with A, B, A' and the noise margin.
 
-When the harm has been gone for `recover_s`, the ceiling goes back up the way it came, a level per
-`settle_s + eval_s` (upscales are measured, not verified). A level that brought harm back within
-`recover_s + dwell_s` of an upscale is blocked for `retry_s`, so the ceiling does not saw between two
-levels all night. In `dry_run` nothing is applied, so nothing can be verified: the policy says once per
-harm episode what it would try, and every figure stays with the level actually in force.
+When the harm has been gone for `recover_s`, the ceiling goes back in one step to the level in force
+before the downscales (or the highest level under it that is not blocked; upscales are measured, not
+verified): every level below it was kept for a harm that is over. On an H200 (tests/data/h200/matrix6)
+the old way back, a level per `settle_s + eval_s`, held 36 and then 48 for 41-42 s after a shared load's
+harm ended while a backlog waited, and control served 10-16 % fewer tokens than advice-only after the
+load. A level that brought harm back within `recover_s + dwell_s` of an upscale is blocked for
+`retry_s`, so the ceiling does not saw between two levels all night; under it, the next way back stops
+at the highest level not blocked. In `dry_run` nothing is applied, so nothing can be verified: the
+policy says once per harm episode what it would try, and every figure stays with the level actually in
+force.
 
 Objectives: `goodput` (output tokens/s of requests that met the TTFT and TPOT limits of [criteria],
 DistServe's goodput in tokens), `tokens` (output tokens/s), `tokens_per_joule` (output tokens per joule of
@@ -576,20 +581,29 @@ class BatchPolicy:
 
     def _try_upscale(self, t: float, quiet: float) -> BatchAction | None:
         s = self.settings
-        target = self._path[-1] if self._path else min(s.start, self.limit + self._step(self.limit))
+        # Every level on the path was kept for a harm that is over now: back to the first of them (the
+        # level before the downscales) at once, or the highest one below it that is not blocked.
+        target = self._path[0] if self._path else min(s.start, self.limit + self._step(self.limit))
         while target > self.limit and self._blocked.get(target, -math.inf) > t:
             target -= 1
         if target <= self.limit:
             return None
-        if self._path and target == self._path[-1]:
-            self._path.pop()
+        on_path = bool(self._path)
+        skipped = [level for level in self._path if self.limit < level < target]
+        self._path = [level for level in self._path if level > target]
         before = self._objective(self._window(t, t - s.eval_s))
         evidence: dict[str, Any] = {"quiet_for_s": round(quiet, 3), "objective": s.objective}
         if before is not None:
             evidence["objective_before"] = round(before, 6)
+        if skipped:
+            evidence["levels_skipped"] = ",".join(str(level) for level in sorted(skipped))
         need = s.settle_s if self._quick_return else s.recover_s
         self._quick_return = False
         reason = f"no harm for {quiet:.0f} s (>= {need:g} s): ceiling {self.limit} -> {target}"
+        if self._path:
+            reason += f" ({self._path[0]}, the level before the harm, is blocked)"
+        elif on_path:
+            reason += " (the level before the harm)"
         action = self._act(t, "upscale", target, reason, evidence)
         self._last_upscale = (t, target)
         self._trial = _Trial(action, before, verify=False)

@@ -166,30 +166,41 @@ def test_no_action_without_harm_or_when_the_ceiling_does_not_bind() -> None:
     assert out == []
 
 
-def test_the_ceiling_comes_back_up_the_way_it_came_once_the_harm_is_gone() -> None:
+def test_the_ceiling_goes_back_to_the_level_before_the_harm_in_one_step_once_it_is_gone() -> None:
     world = World(tps=lambda limit, harm: (3000.0 - 100.0 * limit) if harm else 100.0 * limit)
     policy = BatchPolicy(SETTINGS)
     # Each A-B-A trial takes 60 s (B and A' legs) and the next one 30 s after it: two kept trials by
     # 179 s, the third (9 -> 7) begins at 209 s and the harm ends 6 s into it (at 215 s).
     out, limits = drive(policy, world, lambda t: 10 <= t < 215, 500)
     downs = [(a.from_limit, a.to_limit) for a in trials(out)]
-    ups = actions(out, "upscale")
     assert downs == [(16, 12), (12, 9), (9, 7)]
-    assert [(a.from_limit, a.to_limit) for a in ups][-1][1] == 16
-    # The harm ended during the last trial's B leg: that level is kept, the way up starts 10 s later.
-    assert ups[0].t_s == 215 + SETTINGS.settle_s and ups[0].from_limit == limits[213] == 7
-    # Each upscale returns to the level the matching downscale came from, in reverse order.
-    moves = [(a.from_limit, a.to_limit) for a in actions(out) if a.kind in ("downscale", "revert")]
-    path: list[int] = []
-    for frm, to in moves:
-        if to < frm:
-            path.append(frm)
-        elif path and path[-1] == to:
-            path.pop()
-    assert path == [16, 12, 9] and [a.to_limit for a in ups] == list(reversed(path))
-    assert limits[-1] == 16
-    # Upscales are measured, never reverted.
-    assert all(r.kept for r in results(out) if r.kind == "upscale")
+    # The harm ended during the last trial's B leg: that level is kept, and 10 s later the ceiling is
+    # back at 16 in one step (12 and 9 were kept for the harm that is over), measured, nothing blocked.
+    (up,) = actions(out, "upscale")
+    assert (up.from_limit, up.to_limit) == (7, 16) and up.t_s == 215 + SETTINGS.settle_s
+    assert up.evidence["levels_skipped"] == "9,12" and "the level before the harm" in up.reason
+    assert limits[int(up.t_s) - 1 :] == [16] * (500 - int(up.t_s) + 1)
+    (measured,) = [r for r in results(out) if r.kind == "upscale"]
+    assert measured.kept and measured.after is not None and measured.before is not None
+    assert measured.after > measured.before and policy._path == [] and policy._blocked == {}
+
+
+def test_the_way_back_stops_under_a_blocked_level_and_takes_it_once_its_block_runs_out() -> None:
+    world = World(tps=lambda limit, harm: (3000.0 - 100.0 * limit) if harm else 100.0 * limit)
+    policy = BatchPolicy(SETTINGS)
+    # Two trials kept by 179 s; the harm ends at 185 s, before a third begins.
+    out, _ = drive(policy, world, lambda t: 10 <= t < 185, 190)
+    assert [(a.from_limit, a.to_limit) for a in trials(out)] == [(16, 12), (12, 9)]
+    assert policy.limit == 9 and policy._path == [16, 12] and not policy.trial
+    policy._blocked[16] = 400.0  # as if 16 had brought harm back earlier
+    more, limits = drive(policy, world, lambda _t: False, 400, t0=190)
+    ups = [(a.from_limit, a.to_limit) for a in actions(more, "upscale")]
+    # 15, the highest level under the blocked 16, in one step (12 skipped); 16 once its block ran out.
+    assert ups == [(9, 15), (15, 16)]
+    first, second = actions(more, "upscale")
+    assert "16, the level before the harm, is blocked" in first.reason
+    assert first.evidence["levels_skipped"] == "12" and second.t_s >= 400.0
+    assert limits[-1] == 16 and policy._path == []
 
 
 def test_harm_that_ends_during_the_trial_is_inconclusive_and_the_ceiling_returns_after_the_settle() -> None:
