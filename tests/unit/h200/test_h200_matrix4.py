@@ -145,12 +145,6 @@ def test_both_judges_follow_the_load_in(arm: str) -> None:
     3.4-5.5 s; both over 6.3-10.7 s after the load ended: inside the issue's 30 s everywhere, and the
     throughput judge inside its 5 s in two of three arms (5.5 s in the last)."""
     start, end = m2.load_times(arm, DATA)
-    by_kind: dict[str, list[tuple[float, str]]] = {"clock": [], "throughput": []}
-    for t, k, f in m2.events(arm, DATA):
-        if k.startswith("harm_"):
-            by_kind["throughput" if f.get("harm_kind") == "throughput" else "clock"].append((t, k))
-    for kind, episode in by_kind.items():
-        assert [k for _, k in episode] == ["harm_enter", "harm_leave"], (arm, kind)
-        (t_in, _), (t_out, _) = episode
+    for kind, (t_in, t_out) in m2.one_episode_per_judge(arm, DATA).items():
         assert 0 < t_in - start <= (15.0 if kind == "clock" else 6.0), (arm, kind)
         assert 0 < t_out - end < 30.0, (arm, kind)
