@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import test_h200_matrix2 as m2
+from test_h200_matrix4 import window
 
 from soakd.testing import load_script
 
@@ -34,11 +35,6 @@ MOVES = {"downscale", "upscale", "revert"}
 def matrix() -> dict[str, Any]:
     arms: dict[str, Any] = FIG.load(DATA)
     return arms
-
-
-def window(matrix: dict[str, Any], arm: str, span: tuple[float, float]) -> dict[str, float]:
-    out: dict[str, float] = matrix[arm]["arm"].window(*span)
-    return out
 
 
 def deficit(matrix: dict[str, Any], span: tuple[float, float], key: str = "tokens_per_s") -> list[float]:

@@ -12,17 +12,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import test_h200_matrix6 as m6
+
 DATA = Path(__file__).parents[2] / "data" / "h200"
 ARM = DATA / "matrix7" / "longctx-control"
 ROUND6 = ("longctx-control", "longctx-control2")
 
 
-def results(folder: Path) -> list[dict[str, Any]]:
-    """The batch verdicts, from the control state (this arm) or the summary (round 6's)."""
-    if (folder / "summary.json").exists():
-        out: list[dict[str, Any]] = json.loads((folder / "summary.json").read_text())["control"]["results"]
-    else:
-        out = json.loads((folder / "control-state.json").read_text())["batch"]["results"]
+def results() -> list[dict[str, Any]]:
+    """This arm's batch verdicts, from its control state (its summary did not come back)."""
+    out: list[dict[str, Any]] = json.loads((ARM / "control-state.json").read_text())["batch"]["results"]
     return out
 
 
@@ -40,19 +39,19 @@ def test_the_same_trials_as_round_6_then_64_in_one_step_30_s_sooner() -> None:
     48 -> 36 cut short by the harm's end (36 kept); then 36 -> 64 in one step 11 s after the harm ended,
     measured (goodput 3,882 -> 4,788), where round 6's arms climbed 36 -> 48 -> 64 and had 64 back
     41-42 s after it: 30 s sooner at the full batch, with a backlog waiting."""
-    steps = [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in results(ARM)]
+    steps = [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in results()]
     assert steps == [
         ("downscale", 64, 48, "aba_bracket", True),
         ("downscale", 48, 36, "harm_ended", True),
         ("upscale", 36, 64, "measured", True),
     ]
-    first, ended, up = results(ARM)
+    first, ended, up = results()
     assert first["verdict"] == "gain"
     assert first["after"] - max(first["before"], first["again"]) > 4 * first["noise"]
     assert up["after"] > 1.1 * up["before"]
     back = up["action_t_s"] - ended["t_s"]
     for arm in ROUND6:
-        old = results(DATA / "matrix6" / arm)
+        old = m6.results(arm)
         assert [(r["from"], r["to"]) for r in old[2:]] == [(36, 48), (48, 64)]
         old_back = old[3]["action_t_s"] - old[1]["t_s"]
         assert back < 15.0 and old_back - back > 25.0, (arm, back, old_back)
@@ -66,6 +65,6 @@ def test_64_holds_after_the_way_back_and_nothing_is_blocked() -> None:
     batch = state["batch"]
     assert batch["limit"] == 64 and batch["path"] == [] and batch["blocked"] == {}
     assert batch["reverted"] == 0 and batch["kept"] == 2
-    up = results(ARM)[-1]
+    up = results()[-1]
     started = datetime.fromisoformat(meta["started_utc"]).timestamp()
     assert state["saved_at"] - started > up["t_s"] - started > up["action_t_s"] - started + 30.0
