@@ -362,6 +362,7 @@ class Jobs:
         notify(
             f"STATUS=replaying {pct:.0f}% ({elapsed:.0f}/{planned:.0f} s): "
             f"{st.completed} done, {st.failed} failed, {st.shed} shed, {replayer.pending} in flight"
+            + (f", {st.incomplete} left at the end" if st.incomplete else "")
             + (f", ceiling {self._controller.batch.limit}" if self._controller is not None else "")
         )
 

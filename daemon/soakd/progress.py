@@ -102,13 +102,16 @@ class Progress:
         return (
             f"done {stats.completed} failed {stats.failed + stats.shed} "
             f"in-flight {stats.dispatched - stats.completed - stats.failed}"
+            + (f" left {stats.incomplete}" if stats.incomplete else "")
         )
 
     def finish(self, summary: dict[str, Any]) -> None:
         """The bar's last state: the run's average tokens/s, the figure the summary prints, then closed."""
         if self._bar is not None:
             req = summary_requests(summary)
-            counts = f"done {req['completed']} failed {req['failed'] + req['shed']}"
+            counts = f"done {req['completed']} failed {req['failed'] + req['shed']}" + (
+                f" left {req['incomplete']}" if req.get("incomplete") else ""
+            )
             self._bar.set_postfix_str(
                 f"{counts} run average {summary_tokens_per_s(summary):.1f} tok/s", refresh=False
             )

@@ -77,6 +77,7 @@ def end_event(writer: SampleWriter, live: LiveRun, ran_s: float, stats: ReplaySt
         ran_s=ran_s,
         completed=stats.completed,
         failed=stats.failed,
+        incomplete=stats.incomplete,
     )
 
 
@@ -92,6 +93,7 @@ def run_point(
         "requests": verdict.requests.scheduled,
         "completed": verdict.requests.completed,
         "failed": verdict.requests.failed,
+        "incomplete": verdict.requests.incomplete,
         "verdict_written": int(written),
         # Stopped on purpose (a signal): judged on the work done; an alert on it is a warning (its
         # PASS is of a shorter run), not a page.

@@ -82,6 +82,7 @@ ALLOWED_EMPTY = {
     # tests/unit/test_dashboards.py runs these queries on InfluxDB against them).
     "Requests error A": "no failed requests",
     "Requests shed A": "no shed requests",
+    "Requests left at the end A": "the drain finished every request",
     # soakd's default drafts 3 tokens (engine.speculative.num_speculative_tokens): the panel's fourth
     # position is for k >= 4.
     "Acceptance rate: overall and per draft position E": "k = 3: no position 3",
@@ -433,6 +434,7 @@ H200_SOAK_DB = "h200_soak"
 H200_SOAK_EMPTY = {
     "Requests error A": "no failed requests",
     "Requests shed A": "no shed requests",
+    "Requests left at the end A": "the drain finished every request",
     "Acceptance rate: overall and per draft position E": "k = 3: no position 3",
     "Max temperature A": "psutil sees no host temperature sensor on that machine",
     **{f"Spread across the engine's GPUs {r}": "one H200: no spread" for r in "AB"},

@@ -108,7 +108,9 @@ def print_summary(summary: dict[str, Any], run_dir: Path, report: Path | None = 
     lost_note = f" ({lost} lost in flight at restarts)" if lost else ""
     print(
         f"  requests: {req['scheduled']} scheduled, {req['completed']} completed, "
-        f"{req['failed']} failed{lost_note}, {req['shed']} shed; "
+        f"{req['failed']} failed{lost_note}, {req['shed']} shed"
+        + (f", {req['incomplete']} left at the end" if req.get("incomplete") else "")
+        + "; "
         f"{req['output_tokens']} output tokens ({summary_tokens_per_s(summary):.1f} tok/s)"
     )
     for line in _latency_lines(req):

@@ -82,7 +82,16 @@ def evaluate(
         results.append(CriterionResult(name, op, float(threshold), value, OPS[op](value, threshold), detail))
 
     results.append(_duration(ran_s, planned_s, ending or Ending()))
-    check("error_rate", "<=", criteria.max_error_rate, summary.error_rate)
+    check(
+        "error_rate",
+        "<=",
+        criteria.max_error_rate,
+        summary.error_rate,
+        f"{summary.failed} of {summary.completed + summary.failed} finished; "
+        f"{summary.incomplete} left at the run's end not counted"
+        if summary.incomplete
+        else "",
+    )
     check(
         "ttft_p99_ms",
         "<=",
@@ -96,7 +105,8 @@ def evaluate(
         ">=",
         criteria.min_completed_ratio,
         summary.completed_ratio,
-        f"{summary.completed} of {summary.scheduled} scheduled",
+        f"{summary.completed} of {summary.scheduled} scheduled"
+        + (_incomplete_detail(summary) if summary.incomplete else ""),
     )
     if criteria.max_interruptions is not False:
         check(
@@ -114,6 +124,11 @@ def evaluate(
         detail = note if value is not None else ("no data" + (f": {note}" if note else ""))
         results.append(CriterionResult(parsed.name, parsed.op, parsed.threshold, value, passed, detail, text))
     return results
+
+
+def _incomplete_detail(summary: RequestSummary) -> str:
+    unsent = f", {summary.incomplete_unsent} never sent" if summary.incomplete_unsent else ""
+    return f"; {summary.incomplete} left at the run's end{unsent}"
 
 
 def _ttft_detail(summary: RequestSummary) -> str:

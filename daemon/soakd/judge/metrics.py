@@ -228,9 +228,10 @@ class RunMetrics:
         if status == "shed":
             return
         b = self._bucket(t)
-        b.finished += 1
-        if status != "ok":
-            b.failed += 1
+        # A request the run's end cut short is neither done nor failed; its tokens were served.
+        if status != "incomplete":
+            b.finished += 1
+            b.failed += int(status != "ok")
         out = s.fields.get("output_tokens")
         if isinstance(out, int) and not isinstance(out, bool):
             b.out_tokens += out
@@ -441,6 +442,7 @@ class RunMetrics:
             "requests": float(s.scheduled),
             "completed": float(s.completed),
             "errors": float(s.failed),
+            "incomplete": float(s.incomplete),
             "shed": float(s.shed),
             "error_rate": s.error_rate,
             "completed_ratio": s.completed_ratio,

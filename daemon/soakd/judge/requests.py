@@ -183,6 +183,11 @@ class RequestSummary:
     waited: int = 0
     """Answered requests that waited at the admission gate (over QUEUE_WAITED_S): the ceiling bound."""
     errors: dict[str, int] = field(default_factory=dict)
+    incomplete: int = 0
+    """Requests the replay's end left unfinished (status `incomplete`): the unserved backlog at the end,
+    apart from the failures. In `completed_ratio`'s denominator, not in `error_rate`."""
+    incomplete_unsent: int = 0
+    """Of `incomplete`, those still waiting at soakd's admission gate (never sent to the engine)."""
     lost_in_flight: int = 0
     """Requests in flight when the daemon died (a resumed run): scheduled, never completed, counted as
     failed; the spool has no record of them, the due-journal does."""
@@ -254,7 +259,10 @@ class RequestFolder:
         if status == "shed":
             s.shed += 1
             return
-        if status == "ok":
+        if status == "incomplete":
+            s.incomplete += 1
+            s.incomplete_unsent += int(str(f.get("error", "")).endswith("before admission"))
+        elif status == "ok":
             s.completed += 1
             # Of requests that were sent and answered, as the other latencies: a shed or unsent
             # request's 0 would thin the tail.

@@ -69,6 +69,7 @@ SCALARS = (
     "requests",
     "completed",
     "errors",
+    "incomplete",
     "shed",
     "error_rate",
     "completed_ratio",

@@ -34,6 +34,10 @@ from soakd.replay.prompts import PromptSynth
 
 log = structlog.get_logger(__name__)
 
+INCOMPLETE = "aborted: replay ended"
+"""The error of a request the replay's end left unfinished (its status `incomplete`); with " before
+admission" when it never left soakd's admission gate."""
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -91,8 +95,17 @@ class RequestRecord:
     def ok(self) -> bool:
         return not self.error
 
+    @property
+    def status(self) -> str:
+        """The record's `status` tag: ok, shed, incomplete (the run's end cut it: not a failure) or error."""
+        if self.ok:
+            return "ok"
+        if self.error == "shed":
+            return "shed"
+        return "incomplete" if self.error.startswith(INCOMPLETE) else "error"
+
     def to_sample(self, time_ns: int) -> Sample:
-        status = "ok" if self.ok else ("shed" if self.error == "shed" else "error")
+        status = self.status
         fields: dict[str, float | int | str] = {
             "index": self.index,
             "loop": self.loop,
@@ -133,7 +146,10 @@ class ReplayStats:
     completed: int = 0
     """Requests that finished with every token."""
     failed: int = 0
-    """Requests that errored, were cut short, or were aborted at the end."""
+    """Requests that errored, came back short, or were aborted mid-run (an engine rebuild)."""
+    incomplete: int = 0
+    """Requests the replay's end left unfinished (waiting for admission, or in flight when the drain
+    ran out or a second stop signal came): the run's unserved backlog, not failures."""
     shed: int = 0
     """Requests dropped because too many were already waiting for admission."""
     output_tokens: int = 0
@@ -153,7 +169,7 @@ class ReplayStats:
 
     @property
     def finished(self) -> int:
-        return self.completed + self.failed + self.shed
+        return self.completed + self.failed + self.shed + self.incomplete
 
 
 RecordSink = Callable[[RequestRecord], None]
@@ -303,6 +319,7 @@ class Replayer:
             "scheduled": st.scheduled,
             "completed": st.completed,
             "failed": st.failed,
+            "incomplete": st.incomplete,
             "shed": st.shed,
             "output_tokens": st.output_tokens,
             "pending": len(self._tasks),
@@ -485,7 +502,7 @@ class Replayer:
             if not self._ahead:
                 await self._clock.sleep_until(deadline)
         except asyncio.CancelledError:
-            self._finish(self._record(item, deadline, due_wall_ns), "aborted: replay ended before admission")
+            self._finish(self._record(item, deadline, due_wall_ns), f"{INCOMPLETE} before admission")
             raise
         except ValueError as err:
             self._finish(self._record(item, deadline, due_wall_ns), f"prompt: {err}"[:200])
@@ -560,7 +577,7 @@ class Replayer:
         try:
             await self._gate.acquire()
         except asyncio.CancelledError:
-            self._finish(record, "aborted: replay ended before admission")
+            self._finish(record, f"{INCOMPLETE} before admission")
             raise
         finally:
             del self._queued[id(record)]
@@ -569,7 +586,7 @@ class Replayer:
             record.queue_s = max(0.0, clock.monotonic() - max(t_wait, deadline))
             await self._send(item, record, ids, tail, deadline)
         except asyncio.CancelledError:
-            self._finish(record, "aborted: replay ended")
+            self._finish(record, INCOMPLETE)
             raise
         except RequestAborted as err:
             self._finish(record, f"aborted: {err}"[:200])
@@ -737,6 +754,8 @@ class Replayer:
             stats.completed += 1
         elif error == "shed":
             stats.shed += 1
+        elif error.startswith(INCOMPLETE):
+            stats.incomplete += 1
         else:
             stats.failed += 1
             kind = error.split(":", 1)[0]

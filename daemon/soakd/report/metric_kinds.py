@@ -42,6 +42,7 @@ _TOTALS_LISTED = (
     "requests",
     "completed",
     "errors",
+    "incomplete",
     "shed",
     "output_tokens",
     "input_tokens",

@@ -516,6 +516,7 @@ def _panels(f: _Fold, cfg: Mapping[str, Any]) -> dict[str, Any]:
     failed = (
         f.count("requests", "error", "lateness_s", "failed requests"),
         f.count("requests", "shed", "lateness_s", "shed requests"),
+        f.count("requests", "incomplete", "lateness_s", "incomplete at the end"),
     )
     return {
         "sm_clock": panels["sm_clock"],

@@ -343,3 +343,43 @@ def test_the_writer_check_sees_a_second_writer() -> None:
         "    (run_dir / 'verdict.json').unlink()\n"
     )
     assert _verdict_writers(source, "m") == {"m.Soak._judge", "m.drop"}
+
+
+def test_requests_the_run_s_end_left_count_as_unserved_not_as_failures() -> None:
+    """A backlog left at the end (status `incomplete`: still at the admission gate, or in flight when the
+    drain ran out) is not an engine failure: out of `error_rate` and `errors`, in `completed_ratio`'s
+    denominator and named in its detail, and its own run scalar for a check."""
+    from soakd.judge.metrics import RunMetrics
+    from soakd.judge.verdict import verdict_of
+
+    samples = [req("ok") for _ in range(16)] + [req("error", error="engine: boom")]
+    samples += [req("incomplete", error="aborted: replay ended before admission") for _ in range(2)]
+    samples += [req("incomplete", error="aborted: replay ended")]
+    s = summarize(samples)
+    assert (s.scheduled, s.completed, s.failed, s.incomplete, s.incomplete_unsent) == (20, 16, 1, 3, 2)
+    assert s.errors == {"engine": 1} and s.error_rate == pytest.approx(1 / 17)
+    assert s.completed_ratio == pytest.approx(16 / 20)
+    assert s.output_tokens == 5 * 20  # what the cut requests streamed was served
+
+    cfg = load(None, {"criteria.max_error_rate": 0.1, "criteria.checks": ["incomplete <= 2"]}).criteria
+    metrics = RunMetrics().add_all(samples)
+    verdict = verdict_of("r", cfg, metrics, ran_s=120, planned_s=120, interruptions=[])
+    m = verdict.metrics
+    assert (m["errors"], m["incomplete"]) == (1.0, 3.0) and m["error_rate"] == pytest.approx(1 / 17)
+    named = {r.name: r for r in verdict.criteria if not r.expr}
+    assert named["error_rate"].passed and "3 left at the run's end not counted" in named["error_rate"].detail
+    assert named["completed_ratio"].detail == "16 of 20 scheduled; 3 left at the run's end, 2 never sent"
+    (check,) = [r for r in verdict.criteria if r.expr]
+    assert check.value == 3.0 and not check.passed
+    # Before the status existed the same requests were `error`s: that accounting is what a failure is.
+    old = summarize([req("ok") for _ in range(16)] + [req("error", error="aborted: replay ended")] * 4)
+    assert (old.failed, old.incomplete) == (4, 0)
+
+
+def test_the_window_error_rate_leaves_out_requests_the_end_cut_short() -> None:
+    from soakd.judge.metrics import RunMetrics
+
+    samples = [req("ok") for _ in range(3)] + [req("error", error="engine: boom")]
+    samples += [req("incomplete", error="aborted: replay ended") for _ in range(4)]
+    metrics = RunMetrics().add_all(samples)
+    assert metrics.over("error_rate_window") == pytest.approx(1 / 4)

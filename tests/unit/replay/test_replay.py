@@ -182,6 +182,10 @@ async def test_stop_ends_dispatch_and_drain_timeout_aborts_in_flight() -> None:
     assert stats.scheduled == 1  # the request due at 30 s was never dispatched
     assert len(records) == 1
     assert records[0].error.startswith("aborted")
+    # Cut by the run's end, not failed: its own status, in its own counter, out of the failures.
+    assert records[0].status == "incomplete" and records[0].to_sample(0).tags["status"] == "incomplete"
+    assert (stats.incomplete, stats.failed, stats.errors) == (1, 0, {})
+    assert stats.finished == 1
 
 
 class StopInTheExactWait(FakeClock):
