@@ -101,7 +101,7 @@ class Progress:
     def _counts(stats: ReplayStats) -> str:
         return (
             f"done {stats.completed} failed {stats.failed + stats.shed} "
-            f"in-flight {stats.dispatched - stats.completed - stats.failed}"
+            f"in-flight {stats.dispatched - stats.completed - stats.failed - stats.incomplete}"
             + (f" left {stats.incomplete}" if stats.incomplete else "")
         )
 

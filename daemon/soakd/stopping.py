@@ -6,7 +6,8 @@ one to the run, `Soak._on_signal`, on the run's loop). The first stops the run: 
 requests in flight drain (up to replay.drain_timeout), the verdict of the work done is written, with the
 phase (`stopped_in`). A stop during the warm-up aborts its requests (they are not the soak's); a stop
 during the engine's start cuts it short; a further signal during the drain aborts the requests still in
-flight (each recorded once, failed as aborted) and the run goes on to its verdict.
+flight (each recorded once, as left unfinished: `incomplete`, not failed) and the run goes on to its
+verdict.
 """
 
 from __future__ import annotations

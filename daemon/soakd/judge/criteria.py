@@ -73,11 +73,18 @@ def evaluate(
     measured fails: no data is no evidence."""
     results: list[CriterionResult] = []
 
-    def check(name: str, op: str, threshold: float | bool, value: float | None, detail: str = "") -> None:
+    def check(
+        name: str,
+        op: str,
+        threshold: float | bool,
+        value: float | None,
+        detail: str = "",
+        no_data: str = "no data",
+    ) -> None:
         if threshold is False:
             return
         if value is None:
-            results.append(CriterionResult(name, op, float(threshold), None, False, "no data"))
+            results.append(CriterionResult(name, op, float(threshold), None, False, no_data))
             return
         results.append(CriterionResult(name, op, float(threshold), value, OPS[op](value, threshold), detail))
 
@@ -91,6 +98,10 @@ def evaluate(
         f"{summary.incomplete} left at the run's end not counted"
         if summary.incomplete
         else "",
+        # Nothing finished: every request the replay sent was cut by its end.
+        f"no data: none finished; {summary.incomplete} left at the run's end"
+        if summary.incomplete
+        else "no data",
     )
     check(
         "ttft_p99_ms",

@@ -278,7 +278,7 @@ class Replayer:
 
     def abort(self) -> None:
         """Stop dispatching and abort the requests in flight now, without waiting for the drain (a second
-        stop signal, a stop during the warm-up): each is recorded once, failed as aborted."""
+        stop signal, a stop during the warm-up): each is recorded once, as left unfinished (`incomplete`)."""
         self._stop.set()
         if self._tasks:
             log.warning("replay_aborted", aborting=len(self._tasks))
@@ -577,6 +577,8 @@ class Replayer:
         try:
             await self._gate.acquire()
         except asyncio.CancelledError:
+            # Its wait at the gate until the end is the backlog's: kept, not zeroed.
+            record.queue_s = max(0.0, clock.monotonic() - max(t_wait, deadline))
             self._finish(record, f"{INCOMPLETE} before admission")
             raise
         finally:

@@ -51,6 +51,12 @@ async def warm_up(
     t0 = time.monotonic()
     stats = await warm.run()
     took = time.monotonic() - t0
-    fields: dict[str, FieldValue] = {"requests": len(records), "failed": stats.failed, "warmup_s": took}
+    fields: dict[str, FieldValue] = {
+        "requests": len(records),
+        "failed": stats.failed,
+        # Cut by its timeout or a stop: a warm-up that hung shows here, not as failures.
+        "incomplete": stats.incomplete,
+        "warmup_s": took,
+    }
     on_event("warmup", f"{stats.completed} warm-up requests in {took:.1f} s", **fields)
     return len(records)

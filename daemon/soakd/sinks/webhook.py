@@ -308,6 +308,7 @@ class AlertBook:
             f"{' (the disk refused verdict.json)' if not written else ''} after "
             f"{num('ran_s'):.0f} of {num('planned_s'):.0f} s; "
             f"{num('completed'):.0f} of {num('requests'):.0f} requests completed, {num('failed'):.0f} failed"
+            + (f", {num('incomplete'):.0f} left at the end" if num("incomplete") else "")
         )
         annotations = {
             "summary": f"soak {word} on {labels['host']} (soak {labels['run_id']})",

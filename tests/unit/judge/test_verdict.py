@@ -371,6 +371,15 @@ def test_requests_the_run_s_end_left_count_as_unserved_not_as_failures() -> None
     assert named["completed_ratio"].detail == "16 of 20 scheduled; 3 left at the run's end, 2 never sent"
     (check,) = [r for r in verdict.criteria if r.expr]
     assert check.value == 3.0 and not check.passed
+    # Nothing finished at all: no error rate, and the detail says why.
+    (cut,) = [
+        r for r in evaluate(cfg, summarize(samples[-3:]), ran_s=9, planned_s=9) if r.name == "error_rate"
+    ]
+    assert (
+        cut.value is None
+        and not cut.passed
+        and cut.detail == "no data: none finished; 3 left at the run's end"
+    )
     # Before the status existed the same requests were `error`s: that accounting is what a failure is.
     old = summarize([req("ok") for _ in range(16)] + [req("error", error="aborted: replay ended")] * 4)
     assert (old.failed, old.incomplete) == (4, 0)
