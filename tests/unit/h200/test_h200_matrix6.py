@@ -47,16 +47,23 @@ def results(arm: str) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("arm", [*LOADED, "longctx-free"])
-def test_the_arms_differ_only_in_the_policy_and_the_load(arm: str) -> None:
-    cfg = json.loads((DATA / arm / "meta.json").read_text())["config"]
+def arm_config(data: Path, arm: str, *, advice: bool, loaded: bool) -> dict[str, Any]:
+    """An arm of this round's shape (the whole 230 s trace, the TPOT limit, throughput harm acted on, a
+    120 s load when loaded), asserted; its config returned."""
+    cfg: dict[str, Any] = json.loads((data / arm / "meta.json").read_text())["config"]
     assert cfg["run"]["duration"] == 230.0 and cfg["criteria"]["tpot_p99_ms"] == LIMIT_MS
     assert cfg["control"]["harm"]["act_on_throughput"] is True
-    assert cfg["control"]["dry_run"] is (arm in ADVICE)
-    assert (DATA / arm / "times.json").exists() is (arm in LOADED)
-    if arm in LOADED:
-        start, end = m2.load_times(arm, DATA)
+    assert cfg["control"]["dry_run"] is advice
+    assert (data / arm / "times.json").exists() is loaded
+    if loaded:
+        start, end = m2.load_times(arm, data)
         assert abs(end - start - 120.0) < 1.0
+    return cfg
+
+
+@pytest.mark.parametrize("arm", [*LOADED, "longctx-free"])
+def test_the_arms_differ_only_in_the_policy_and_the_load(arm: str) -> None:
+    arm_config(DATA, arm, advice=arm in ADVICE, loaded=arm in LOADED)
 
 
 @pytest.mark.parametrize("arm", LOADED)
