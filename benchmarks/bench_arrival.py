@@ -80,8 +80,9 @@ from bench_fidelity import (
 Json = dict[str, Any]
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_BENCH = "vllm bench"
-# "process-cold": the sender process with no connections opened before the replay (warm_connections 0).
-SENDERS = ("process", "loop", "process-cold")
+# "process-cold": the sender process with no connections opened before the replay (warm_connections 0);
+# "process-nice": the sender process at nice -10 (engine.sender_nice).
+SENDERS = ("process", "loop", "process-cold", "process-nice")
 ENGINES = ("vllm-local", "vllm-server")
 # A client run's cost beyond the trace's span before one was measured (imports, probing, the end).
 FIRST_OVERHEAD_S = 20.0
@@ -262,9 +263,11 @@ def engine_section(
     if engine is None:
         lines = ['kind = "openai"', f'url = "{url}"']
         if sender:
-            lines.append(f'sender = "{sender.removesuffix("-cold")}"')
+            lines.append(f'sender = "{sender.split("-")[0]}"')
         if sender and sender.endswith("-cold"):
             lines.append("warm_connections = 0")
+        if sender and sender.endswith("-nice"):
+            lines.append("sender_nice = -10")
         if vocab_size:
             lines.append(f"vocab_size = {vocab_size}")
         return "\n".join(lines) + "\n"

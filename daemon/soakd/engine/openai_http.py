@@ -120,9 +120,18 @@ class OpenAIEngine:
             self._info = await self._discover(shown, time.monotonic() - t0)
             if self._cfg.sender == "process":
                 self._senders = Senders(
-                    self._url, self._headers, self._max_connections, self._cfg.senders, self._cfg.api_key_env
+                    self._url,
+                    self._headers,
+                    self._max_connections,
+                    self._cfg.senders,
+                    self._cfg.api_key_env,
+                    nice=self._cfg.sender_nice,
                 )
                 await self._senders.start()
+                refused = self._senders.slots[0].nice_error
+                if refused:
+                    # Not a failure: the sender runs at soakd's own priority, and the summary says so.
+                    log.warning("sender_nice_refused", wanted=self._cfg.sender_nice, error=refused[:200])
         except BaseException:
             await self.stop()
             raise
@@ -444,6 +453,8 @@ class OpenAIEngine:
         if self.senders and self.senders[0].loop_kind:
             out["sender_loop"] = self.senders[0].loop_kind
             out["senders"] = len(self.senders)
+            if self.senders[0].nice is not None:
+                out["sender_nice"] = self.senders[0].nice
         if self._sends.requests or self._sends.warmed:
             out["sends"] = self._sends.summary()
         if self._probes:

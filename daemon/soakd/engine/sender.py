@@ -109,8 +109,14 @@ class _Pending:
 class SenderProcess:
     """The parent's handle on one sender child: start it, hand it requests, read its answers."""
 
-    def __init__(self, url: str, headers: dict[str, str], max_connections: int) -> None:
-        self._init = {"op": "init", "url": url, "headers": headers, "max_connections": max_connections}
+    def __init__(self, url: str, headers: dict[str, str], max_connections: int, nice: int = 0) -> None:
+        self._init = {
+            "op": "init",
+            "url": url,
+            "headers": headers,
+            "max_connections": max_connections,
+            "nice": nice,
+        }
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, _Pending] = {}
@@ -118,6 +124,9 @@ class SenderProcess:
         self._exited = False
         self.loop_kind = ""
         """The child's event loop ("uvloop" or "asyncio"), from its ready frame."""
+        self.nice: int | None = None
+        """The child's nice value once started; `nice_error` says why a lower one was refused."""
+        self.nice_error = ""
         self.submitted = 0
         """Requests handed to this child."""
 
@@ -178,6 +187,9 @@ class SenderProcess:
         if got is None or got[0].get("op") != "ready":
             raise EngineError(f"the sender process did not start (exit code {proc.returncode})")
         self.loop_kind = str(got[0].get("loop", ""))
+        nice = got[0].get("nice")
+        self.nice = nice if isinstance(nice, int) else None
+        self.nice_error = str(got[0].get("nice_error", ""))
         self._reader = asyncio.create_task(self._read(proc.stdout), name="soakd-sender-reader")
 
     def submit(self, request: GenerationRequest, body: bytes) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
@@ -276,9 +288,15 @@ class Senders:
     that cannot be kept running is soakd's failure, not the engine's (HarnessError)."""
 
     def __init__(
-        self, url: str, headers: dict[str, str], max_connections: int, n: int, secret_env: str
+        self,
+        url: str,
+        headers: dict[str, str],
+        max_connections: int,
+        n: int,
+        secret_env: str,
+        nice: int = 0,
     ) -> None:
-        self._url, self._headers, self._secret_env = url, headers, secret_env
+        self._url, self._headers, self._secret_env, self._nice = url, headers, secret_env, nice
         # The pool's limit (when there is one) shared out: each child holds its part.
         self._limit = -(-max_connections // n) if max_connections else 0
         self.slots: list[SenderProcess] = [self._make() for _ in range(n)]
@@ -289,7 +307,7 @@ class Senders:
         self.restarts = 0
 
     def _make(self) -> SenderProcess:
-        return SenderProcess(self._url, self._headers, self._limit)
+        return SenderProcess(self._url, self._headers, self._limit, self._nice)
 
     async def start(self) -> None:
         """Start every child; one failing cancels the others' starts (each stops its child when

@@ -309,10 +309,14 @@ async def _serve() -> None:
     got = await read_frame(reader)
     if got is None or got[0].get("op") != "init":
         return
+    nice, nice_error = _renice(int(got[0].get("nice", 0)))
     child = _Child(got[0], out)
     await child.warm()
     loop_kind = type(loop).__module__.split(".")[0]
-    out.write(frame({"op": "ready", "pid": os.getpid(), "loop": loop_kind}))
+    ready: dict[str, Any] = {"op": "ready", "pid": os.getpid(), "loop": loop_kind, "nice": nice}
+    if nice_error:
+        ready["nice_error"] = nice_error
+    out.write(frame(ready))
     try:
         while (got := await read_frame(reader)) is not None:
             child.handle(*got)
@@ -320,6 +324,20 @@ async def _serve() -> None:
         await child.close()
         with contextlib.suppress(ConnectionError):
             await out.drain()
+
+
+def _renice(want: int) -> tuple[int, str]:
+    """Lower this process's nice value to `want` (a negative one needs CAP_SYS_NICE or an RLIMIT_NICE
+    that allows it, systemd's LimitNICE=); the nice value in force after, and why not when refused.
+    Only the sender: its work is small and all of it is on time, while a nice level for the whole of
+    soakd would also raise its collectors, sinks and an in-process engine over the server it measures."""
+    if want >= 0 or not hasattr(os, "setpriority"):
+        return (os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0), ""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, want)
+    except OSError as err:
+        return os.getpriority(os.PRIO_PROCESS, 0), f"{type(err).__name__}: {err.strerror}"
+    return os.getpriority(os.PRIO_PROCESS, 0), ""
 
 
 def main() -> None:

@@ -60,3 +60,36 @@ async def test_warm_opens_distinct_connections(stand_in: tuple[str, set[int], li
         assert await asyncio.wait_for(sender.warm(4), 1.0) == 0
     finally:
         await sender.stop()
+
+
+async def test_a_sender_asked_for_a_lower_nice_value_reports_the_one_in_force(
+    stand_in: tuple[str, set[int], list[int]],
+) -> None:
+    url, _, _ = stand_in
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    want = min(own, 0) - 3
+    sender = SenderProcess(url, {}, 0, nice=want)
+    await sender.start()
+    try:
+        pid = sender.pid
+        assert pid is not None
+        assert sender.nice == os.getpriority(os.PRIO_PROCESS, pid)  # what it says is what the kernel has
+        if sender.nice_error:  # unprivileged: refused, and said so, at soakd's own level
+            assert sender.nice == own
+        else:
+            assert sender.nice == want
+    finally:
+        await sender.stop()
+
+
+def test_a_refused_nice_value_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from soakd.engine import sender_child
+
+    def refuse(which: int, who: int, value: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    nice, error = sender_child._renice(-10)
+    assert nice == os.getpriority(os.PRIO_PROCESS, 0)
+    assert "PermissionError" in error and "not permitted" in error
+    assert sender_child._renice(0) == (os.getpriority(os.PRIO_PROCESS, 0), "")
