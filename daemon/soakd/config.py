@@ -206,8 +206,9 @@ class EngineConfig(_Section):
     its own connections. One read 50,000 output tokens/s on an H200 host in under half a core
     (benchmarks/RESULTS.md, "Capacity"); a second bought nothing there."""
     sender_nice: int = Field(default=0, ge=-20, le=0)
-    """The sender processes' nice value (with `sender = "process"`); below 0 they are woken ahead of a
-    busy server's threads on a shared host. Needs CAP_SYS_NICE or an RLIMIT_NICE allowing it (systemd:
+    """The sender processes' nice value (with `sender = "process"`), for a host shared with a busy
+    server. -10 measured no better than 0 beside a vLLM CPU server on two cores (benchmarks/RESULTS.md,
+    "Capacity"), so 0 is the default. Needs CAP_SYS_NICE or an RLIMIT_NICE allowing it (systemd:
     LimitNICE=); refused, the senders run at soakd's own and `sender_nice_refused` says why."""
     warm_connections: int = Field(default=32, ge=0, le=1024)
     """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency) and
