@@ -331,13 +331,13 @@ def _renice(want: int) -> tuple[int, str]:
     that allows it, systemd's LimitNICE=); the nice value in force after, and why not when refused.
     Only the sender: its work is small and all of it is on time, while a nice level for the whole of
     soakd would also raise its collectors, sinks and an in-process engine over the server it measures."""
-    if want >= 0 or not hasattr(os, "setpriority"):
-        return (os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0), ""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, want)
-    except OSError as err:
-        return os.getpriority(os.PRIO_PROCESS, 0), f"{type(err).__name__}: {err.strerror}"
-    return os.getpriority(os.PRIO_PROCESS, 0), ""
+    error = ""
+    if want < 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, want)
+        except OSError as err:
+            error = f"{type(err).__name__}: {err.strerror}"
+    return os.getpriority(os.PRIO_PROCESS, 0), error
 
 
 def main() -> None:
