@@ -8,7 +8,9 @@ logged 6.5-7.2 s stalls in a 100-minute soak). A watchdog thread looks at the lo
 (`sys._current_frames`) and charges the time since its last look to the owner of the innermost frame
 that belongs to anyone: vLLM and the libraries it runs on (torch, zmq, transformers, triton,
 tokenizers) are the engine, soakd's package is soakd, a stack of neither (the loop waiting for the
-interpreter lock, or not scheduled at all) is "other". Between stalls it only compares two clocks.
+interpreter lock, or not scheduled at all) is "other". The same look names the function that owned
+frame is in (`places`: "soakd replay/runner.py:_send" seconds), so a stall charged to soakd says which of
+its calls to mend. Between stalls it only compares two clocks.
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ _SOAKD = str(Path(__file__).resolve().parent)
 
 def owner_of(frame: FrameType | None, soakd_dir: str = _SOAKD) -> str:
     """The owner of the innermost frame of `frame`'s stack that belongs to anyone (see the module)."""
+    return culprit(frame, soakd_dir)[0]
+
+
+def culprit(frame: FrameType | None, soakd_dir: str = _SOAKD) -> tuple[str, str]:
+    """(owner, place) of the innermost owned frame of `frame`'s stack; the place is the file (under
+    soakd's package, or from the engine library's folder on) and the function, "" for "other"."""
     while frame is not None:
-        name = frame.f_code.co_filename
-        if _ENGINE.search(name):
-            return "engine"
+        code = frame.f_code
+        name = code.co_filename
+        if (hit := _ENGINE.search(name)) is not None:
+            return "engine", f"{name[hit.start() + 1 :]}:{code.co_name}"
         if name.startswith(soakd_dir):
-            return "soakd"
+            return "soakd", f"{name[len(soakd_dir) + 1 :]}:{code.co_name}"
         frame = frame.f_back
-    return "other"
+    return "other", ""
 
 
 class StallBlame:
@@ -61,6 +70,8 @@ class StallBlame:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.total_s = dict.fromkeys(OWNERS, 0.0)
+        self.places: dict[str, float] = {}
+        """Stall seconds by "owner place" (soakd's and the engine's functions), over the run."""
         self._since_take = dict.fromkeys(OWNERS, 0.0)
 
     def beat(self) -> None:
@@ -79,13 +90,23 @@ class StallBlame:
             if beat is not None and now - beat > self._late_after and self._beating():
                 # Late from when the next beat was due (the lag's own origin), charged once per look.
                 frame = sys._current_frames().get(self._loop_thread or 0)
-                self.charge(owner_of(frame), now - max(last, beat + self._beat_s))
+                owner, place = culprit(frame)
+                self.charge(owner, now - max(last, beat + self._beat_s), place)
             last = now
 
-    def charge(self, owner: str, seconds: float) -> None:
+    def charge(self, owner: str, seconds: float, place: str = "") -> None:
         with self._lock:
             self.total_s[owner] += seconds
             self._since_take[owner] += seconds
+            if place:
+                key = f"{owner} {place}"
+                self.places[key] = self.places.get(key, 0.0) + seconds
+
+    def top(self, n: int = 5) -> dict[str, float]:
+        """The `n` places that held the loop longest, with their seconds (rounded to ms)."""
+        with self._lock:
+            ranked = sorted(self.places.items(), key=lambda kv: -kv[1])[:n]
+        return {place: round(seconds, 3) for place, seconds in ranked}
 
     def take(self) -> dict[str, float]:
         """Stall seconds by owner since the last take."""

@@ -137,6 +137,8 @@ class LoopWatch:
             "state": "saturated" if self.saturated else "ok",
             # Whose code held the loop while it was stalled, over the run (soakd.loopblame).
             "stall_s": {owner: round(self.blame.total_s[owner], 3) for owner in OWNERS},
+            # ... and in which of their functions, the longest first.
+            "stall_places": self.blame.top(),
         }
 
     def close(self) -> None:

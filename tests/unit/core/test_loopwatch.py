@@ -95,6 +95,7 @@ def test_a_loop_held_up_is_saturated_then_ok_and_only_while_active() -> None:
     assert saturated[2]["lag_ms_max"] >= 200 * scale
     s = watch.summary()
     stalls = s.pop("stall_s")
+    assert s.pop("stall_places") == {}  # the test's own code: no owner, no place
     assert s == {"late_s": 0.75, "episodes": 1, "worst_lag_ms": s["worst_lag_ms"], "state": "ok"}
     # The holds were this test's own code: neither soakd's nor the engine's.
     assert isinstance(stalls, dict) and stalls["other"] > 0 and stalls["soakd"] == stalls["engine"] == 0
@@ -177,3 +178,7 @@ def test_a_stall_is_charged_to_the_code_that_held_the_loop() -> None:
         assert taken[owner] > 0.2 and taken[owner] == max(taken.values()), (owner, taken)
         assert all(v == 0 for k, v in taken.items() if k not in (owner, "other")), (owner, taken)
     assert owner_of(None) == "other"
+    # Each owned hold is named by its file and function; "other" has no place.
+    places = blame.top()
+    assert set(places) == {"engine vllm/v1/engine/output_processor.py:hold", "soakd replay/runner.py:hold"}
+    assert all(v > 0.2 for v in places.values()), places
