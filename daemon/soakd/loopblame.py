@@ -8,8 +8,8 @@ logged 6.5-7.2 s stalls in a 100-minute soak). A watchdog thread looks at the lo
 (`sys._current_frames`) and charges the time since its last look to the owner of the innermost frame
 that belongs to anyone: vLLM and the libraries it runs on (torch, zmq, transformers, triton,
 tokenizers) are the engine, soakd's package is soakd, a stack of neither (the loop waiting for the
-interpreter lock, or not scheduled at all) is "other". The same look names the function that owned
-frame is in (`places`: "soakd replay/runner.py:_send" seconds), so a stall charged to soakd says which of
+interpreter lock, or not scheduled at all) is "other". The same look names the function that frame
+is in (`places`: "soakd replay/runner.py:_send" seconds), so a stall charged to soakd says which of
 its calls to mend. Between stalls it only compares two clocks.
 """
 

@@ -38,10 +38,7 @@ def test_both_judges_see_the_shared_load_live_and_end_with_it(arm: str) -> None:
     """Clock harm 1.7-1.8 s after the load began, throughput harm 3.3-3.5 s; the clock's episode ended
     10.8 s after the load did, the throughput judge's first 6.3-6.5 s after."""
     start, end = m2.load_times(arm, DATA)
-    by_kind: dict[str, list[tuple[float, str]]] = {"clock": [], "throughput": []}
-    for t, k, f in m2.events(arm, DATA):
-        if k.startswith("harm_"):
-            by_kind["throughput" if f.get("harm_kind") == "throughput" else "clock"].append((t, k))
+    by_kind = m2.harm_by_judge(arm, DATA)
     for kind, episodes in by_kind.items():
         assert episodes[:2] and [k for _, k in episodes[:2]] == ["harm_enter", "harm_leave"], (arm, kind)
         (t_in, _), (t_out, _) = episodes[:2]

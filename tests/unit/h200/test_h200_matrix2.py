@@ -52,15 +52,20 @@ def summary(arm: str, data: Path = DATA) -> dict[str, Any]:
     return out
 
 
-def one_episode_per_judge(arm: str, data: Path = DATA) -> dict[str, tuple[float, float]]:
-    """(enter, leave) wall s of the clock judge's and the throughput judge's harm, each asserted to be one
-    episode that ended."""
+def harm_by_judge(arm: str, data: Path = DATA) -> dict[str, list[tuple[float, str]]]:
+    """(wall s, harm_enter or harm_leave) of the clock judge's and the throughput judge's harm events."""
     by_kind: dict[str, list[tuple[float, str]]] = {"clock": [], "throughput": []}
     for t, k, f in events(arm, data):
         if k.startswith("harm_"):
             by_kind["throughput" if f.get("harm_kind") == "throughput" else "clock"].append((t, k))
+    return by_kind
+
+
+def one_episode_per_judge(arm: str, data: Path = DATA) -> dict[str, tuple[float, float]]:
+    """(enter, leave) wall s of the clock judge's and the throughput judge's harm, each asserted to be one
+    episode that ended."""
     out: dict[str, tuple[float, float]] = {}
-    for kind, episode in by_kind.items():
+    for kind, episode in harm_by_judge(arm, data).items():
         assert [k for _, k in episode] == ["harm_enter", "harm_leave"], (arm, kind)
         out[kind] = (episode[0][0], episode[1][0])
     return out
