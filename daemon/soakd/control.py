@@ -80,6 +80,9 @@ class ControlInputs:
     """GPU energy so far (J, a running total), None when unknown."""
     limited: Callable[[], bool] = lambda: False
     """Whether a device in scope shows a throttle reason in most recent samples (at a limit)."""
+    prompt_tokens_computed: Callable[[], int | None] = lambda: None
+    """Prompt tokens the engine computed so far, prefix-cache hits left out (a running total); None when
+    the engine reports no steps. The throughput judge counts them at `prefill_weight`."""
     draining: Callable[[], bool] = lambda: False
     """Whether the replay has stopped dispatching (the trace or the duration is over): the backlog that
     drains then is no traffic to tune for, so the ceiling no longer counts as binding."""
@@ -134,6 +137,7 @@ class Controller:
         self.recapture_note = ""
         self._hist_seen: Counter[int] = Counter()
         self._last_tokens: int | None = None
+        self._last_prefill: int | None = None
         self._last_t: float | None = None
         self._idle_since: float | None = None
         self._drift_since: float | None = None
@@ -207,7 +211,11 @@ class Controller:
         tokens = self.inputs.output_tokens()
         interval = 0.0 if self._last_t is None else now - self._last_t
         delta = 0 if self._last_tokens is None else max(0, tokens - self._last_tokens)
-        self._last_tokens, self._last_t = tokens, now
+        prefill_total = self.inputs.prompt_tokens_computed()
+        prefill = None
+        if prefill_total is not None and self._last_prefill is not None:
+            prefill = max(0, prefill_total - self._last_prefill)
+        self._last_tokens, self._last_prefill, self._last_t = tokens, prefill_total, now
         changed = False
         good, self._good_tokens = self._good_tokens, 0.0
         finished, self._finished = self._finished, 0
@@ -217,7 +225,7 @@ class Controller:
             joules = energy - self._last_energy
         self._last_energy = energy
         binding = self.inputs.waiting() > 0 and not self.inputs.draining()
-        self._judge_throughput(now, delta, interval, binding)
+        self._judge_throughput(now, delta, interval, binding, prefill)
         if cfg.batch.enabled:
             harm = self.inputs.harm()
             if not harm and self.throughput.harmful and cfg.harm.act_on_throughput:
@@ -261,13 +269,20 @@ class Controller:
         if changed or self.ticks % 60 == 1:
             self.save_state()
 
-    def _judge_throughput(self, now: float, delta: int, interval: float, binding: bool) -> None:
+    def _judge_throughput(
+        self, now: float, delta: int, interval: float, binding: bool, prefill: int | None
+    ) -> None:
         if interval <= 0:
             return
         tp = self.throughput
         flight = None if self.inputs.draining() else self.inputs.in_flight()
         change = tp.update(
-            now, delta / interval, binding=binding, limited=self.inputs.limited(), in_flight=flight
+            now,
+            delta / interval,
+            binding=binding,
+            limited=self.inputs.limited(),
+            in_flight=flight,
+            prefill_per_s=None if prefill is None else prefill / interval,
         )
         if change is None:
             return
@@ -502,7 +517,9 @@ class Controller:
             "reverted": self.batch.reverted,
             "trials_skipped": self.batch.skipped,
             "throughput_harm_episodes": self.throughput.episodes,
-            "throughput": self.throughput.summary(),  # reference_tps, and reference_note when there is none
+            # reference_tps (and reference_note when there is none); the prompt tokens it counted (None:
+            # the engine reported no steps, so output tokens alone were judged).
+            "throughput": {**self.throughput.summary(), "prompt_tokens_computed": self._last_prefill},
             "results": self.batch.results[-50:],
             # Only levels that were in force: advice never applied has no throughput of its own.
             "levels": self.batch.levels(),

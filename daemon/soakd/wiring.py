@@ -258,6 +258,7 @@ def make_controller(
         waiting=lambda: live.replayer.waiting_admission if live.replayer is not None else 0,
         head_wait=lambda: live.replayer.head_wait_s() if live.replayer is not None else 0.0,
         draining=lambda: live.replayer.draining if live.replayer is not None else False,
+        prompt_tokens_computed=lambda: engine_collector.prompt_computed_total,
         energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
         limited=gpu_watch.limited if gpu_watch is not None and ccfg.scope != "host" else lambda: False,
     )

@@ -205,6 +205,8 @@ checks = ["errors == 0"]  # fails: the kill loses what was in flight, and the ch
     assert code in (0, 1), err[-3000:]
     summary = json.loads(out)
     assert summary["run_id"] == run_dir.name and Path(summary["run_dir"]) == run_dir
+    # The throughput judge read the prompt tokens the real engine computed (counted at its weight).
+    assert summary["control"]["throughput"]["prompt_tokens_computed"] > 0
     # The console is soakd's: every line on stderr is one of its own log lines (no vLLM warning, no
     # torch FutureWarning, no traceback from the engine's clean shutdown); the engine's output is in
     # the run's engine log, both processes' of it.

@@ -82,6 +82,10 @@ class EngineCollector:
         self.steps_total = 0
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
+        self.prompt_computed_total: int | None = None
+        """Prompt tokens computed since activation, prefix-cache hits left out; None until a step with
+        scheduler stats came (an engine that reports none). Added up as steps arrive, not when collected,
+        so the control loop reads it at its own tick."""
         self._engine: EngineInfo | None = None
         self.ceiling: CeilingTracker | None = None
         """When set, each busy point also says the decode steps' memory traffic as % of the bandwidth."""
@@ -106,6 +110,11 @@ class EngineCollector:
         While inactive the step is dropped at once, so nothing piles up when nobody collects."""
         if self.active:
             self._steps.append(step)
+            if step.has_iteration:
+                # One writer (the thread that pushes), so no lock: readers see an old or a new total.
+                self.prompt_computed_total = (self.prompt_computed_total or 0) + max(
+                    0, step.prompt_tokens - step.prompt_tokens_cached
+                )
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
         if not self.active:

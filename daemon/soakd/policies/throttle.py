@@ -759,6 +759,14 @@ class ThroughputSettings:
     leave_s: float = _HARM.leave
     """The harm is over once most of its last `leave_s` had no limit, less than half the loss, or tokens/s
     recovered."""
+    prefill_weight: float = _HARM.prefill_weight
+    """Each prompt token the engine computed (not served from its prefix cache) counts as this share of an
+    output token in the tokens/s judged. An engine that is busy spends its step time on prefill when long
+    prompts arrive, and serves fewer output tokens for it: on an H100 (8B shape, twice the trace's rate,
+    64 requests and a queue, no outside load) output tokens/s fell 0.17-0.22 per prompt token/s, and a
+    3 s surge of prompts (8k prompt tok/s against ~3k) read as a 24 % loss, harm with no cause outside
+    the engine. A limit shared with another process lowers both. Replayed over every recorded matrix arm,
+    any weight from 0.15 to 1.0 leaves each shared load's detection where it was and clears that one."""
 
     def __post_init__(self) -> None:
         if not 0 < self.loss < 1:
@@ -769,15 +777,18 @@ class ThroughputSettings:
             raise ValueError("step must be 1-1000 intervals")
         if not (math.isfinite(self.leave_s) and 0 <= self.leave_s <= 3600):
             raise ValueError("leave_s must be finite, 0-3600 s")
+        if not (math.isfinite(self.prefill_weight) and 0 <= self.prefill_weight <= 4):
+            raise ValueError("prefill_weight must be finite, 0-4")
 
     @classmethod
     def from_config(cls, h: HarmControlConfig) -> ThroughputSettings:
-        """[control.harm]'s throughput loss, and its `leave` (the clock harm's too)."""
-        return cls(loss=h.throughput_loss, leave_s=h.leave)
+        """[control.harm]'s throughput loss and prefill weight, and its `leave` (the clock harm's too)."""
+        return cls(loss=h.throughput_loss, leave_s=h.leave, prefill_weight=h.prefill_weight)
 
 
 class ThroughputJudge:
-    """Feed each control interval: tokens/s, whether requests waited for admission (only then is tokens/s
+    """Feed each control interval: tokens/s (output tokens, plus the prompt tokens the engine computed at
+    `prefill_weight`), whether requests waited for admission (only then is tokens/s
     the engine's capacity, not the offered load; a backlog growing inside the engine counts too, see
     `_backlog`), the requests in the engine, and whether the device was at a limit (a throttle reason in
     most samples). Harm: at a limit in each recent interval, with a queue, tokens/s below (1 - loss) x
@@ -847,11 +858,22 @@ class ThroughputJudge:
         return "served" if len(self._served) == self._served.maxlen else ""
 
     def update(
-        self, t_s: float, tokens_per_s: float, *, binding: bool, limited: bool, in_flight: int | None = None
+        self,
+        t_s: float,
+        tokens_per_s: float,
+        *,
+        binding: bool,
+        limited: bool,
+        in_flight: int | None = None,
+        prefill_per_s: float | None = None,
     ) -> bool | None:
         """The new harm state when it changed (True: began, False: ended), else None. `in_flight`: requests
-        in the engine now (None while the replay drains: no arrivals, so no backlog can show)."""
+        in the engine now (None while the replay drains: no arrivals, so no backlog can show).
+        `prefill_per_s`: prompt tokens the engine computed per second over the interval (None: unknown,
+        output tokens alone are judged); they count at the settings' `prefill_weight`."""
         s = self.settings
+        if prefill_per_s is not None and prefill_per_s > 0:
+            tokens_per_s += s.prefill_weight * prefill_per_s
         if not binding and in_flight is not None and self._backlog(tokens_per_s, in_flight):
             binding = True
             self.backlogs += 1
@@ -936,6 +958,7 @@ class ThroughputJudge:
             "reference_tps": None if ref is None else round(ref, 3),
             "reference_kind": self.reference_kind,
             "backlog_intervals": self.backlogs,
+            "prefill_weight": s.prefill_weight,
         }
         if ref is None:
             out["reference_note"] = (

@@ -235,3 +235,23 @@ def test_counts_a_release_does_not_report_are_left_out_not_zero() -> None:
     f = engine.fields
     assert (f["prefix_queries"], f["prefix_hits"], f["prompt_tokens_cached"]) == (40, 10, 10)
     assert f["prefix_hit_rate"] == 0.25
+
+
+def test_prompt_tokens_computed_are_a_running_total_from_the_first_step_with_counts() -> None:
+    """What the throughput judge reads at its own tick: prompt tokens computed (prefix-cache hits left
+    out), summed as steps arrive, None until a step with scheduler stats came; warm-up is not counted."""
+    c = EngineCollector(active=False)
+    c.push(StepStats(time_ns=1, has_iteration=True, prompt_tokens=500))
+    c.activate()
+    assert c.prompt_computed_total is None
+    c.push(StepStats(time_ns=2, running=3))  # no iteration stats: nothing to count
+    assert c.prompt_computed_total is None
+    c.push(
+        StepStats(
+            time_ns=3, has_iteration=True, has_cached_count=True, prompt_tokens=300, prompt_tokens_cached=100
+        )
+    )
+    c.push(StepStats(time_ns=4, has_iteration=True, generation_tokens=8))
+    assert c.prompt_computed_total == 200
+    c.collect(10)
+    assert c.prompt_computed_total == 200  # a total, not the interval's

@@ -441,6 +441,27 @@ def test_throughput_harm_is_recorded_and_acted_on_only_when_asked(tmp_path: Path
         assert ("downscale" in kinds) is acts
 
 
+def test_the_throughput_judge_reads_the_prompt_tokens_the_engine_computed(tmp_path: Path) -> None:
+    """Output tokens halve while the engine computes 4 prompt tokens for each output token it no longer
+    serves (prefill_weight 0.25: the same work): no throughput harm. Without the engine's step counts
+    (None: an engine that reports none) the same seconds are harm, as a shared load's would be."""
+    outcomes = {}
+    for known in (True, False):
+        d = tmp_path / str(known)
+        d.mkdir()
+        ctrl, world, events, _, clock = make(d, BATCH)
+        prompt = [0]
+        ctrl.inputs.prompt_tokens_computed = lambda prompt=prompt, known=known: prompt[0] if known else None
+        ctrl.inputs.limited = lambda: True
+        for seconds, rate, prompt_rate in ((15, 100, 40), (12, 50, 240)):
+            for _ in range(seconds):
+                prompt[0] += prompt_rate
+                run_for(ctrl, world, clock, 1, rate=rate)
+        outcomes[known] = [(e[0], e[2].get("harm_kind")) for e in events]
+        assert ctrl.summary()["throughput"]["prefill_weight"] == 0.25  # type: ignore[index]
+    assert outcomes[True] == [] and outcomes[False] == [("harm_enter", "throughput")]
+
+
 def test_a_clock_harm_in_its_tail_is_harm_now_while_the_throughput_judge_reads_it(tmp_path: Path) -> None:
     """On an H200 a shared load held the clock loss at 7-13 % against the 10 % threshold for 150 s (a
     tail every few seconds) while tokens/s stayed half down: no trial ever started. The clock harm in its

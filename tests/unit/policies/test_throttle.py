@@ -288,6 +288,40 @@ def test_throughput_judge_needs_a_queue_a_held_limit_and_a_real_loss() -> None:
     assert judge.update(t, 1000.0, binding=True, limited=False) is False and judge.episodes == 1
 
 
+def test_throughput_judge_counts_prompt_tokens_so_a_surge_of_prompts_is_no_loss() -> None:
+    """A busy engine at the cap that spends its steps on a surge of long prompts serves fewer output
+    tokens for it: with prompt tokens left out that reads as a step down (harm with no outside cause);
+    counted at the prefill weight it is the same work. A shared load lowers both, harm either way."""
+    from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
+
+    def episodes(weight: float, surge: tuple[float, float]) -> int:
+        judge = ThroughputJudge(
+            ThroughputSettings(loss=0.2, recent=3, min_reference=10, prefill_weight=weight)
+        )
+        t = 0.0
+        for i in range(30):  # 9,000 output tok/s +-5 % and 3,000 prompt tok/s, a queue, at the cap
+            t += 1
+            judge.update(t, 9000.0 + (450 if i % 2 else -450), binding=True, limited=True, prefill_per_s=3000)
+        for _ in range(4):
+            t += 1
+            judge.update(t, surge[0], binding=True, limited=True, prefill_per_s=surge[1])
+        return judge.episodes
+
+    prompts = (6800.0, 12000.0)  # 24 % fewer output tokens while prompt tokens quadruple
+    shared = (5400.0, 1800.0)  # both down 40 %
+    assert episodes(0.0, prompts) == 1 and episodes(0.25, prompts) == 0
+    assert episodes(0.0, shared) == 1 and episodes(0.25, shared) == 1
+    # Unknown prompt tokens (an engine that reports no steps): output tokens alone, as before.
+    judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10))
+    for i in range(30):
+        judge.update(float(i), 9000.0, binding=True, limited=True, prefill_per_s=None)
+    for i in range(4):
+        judge.update(30.0 + i, 6800.0, binding=True, limited=True, prefill_per_s=None)
+    assert judge.episodes == 1 and judge.summary()["prefill_weight"] == 0.25
+    with pytest.raises(ValueError, match="prefill_weight"):
+        ThroughputSettings(prefill_weight=-0.1)
+
+
 def test_throughput_judge_ignores_drift_at_the_cap_and_ends_when_the_drop_reverses() -> None:
     """An engine alone at the power cap whose tokens/s drift down with its workload is no harm (no step);
     a step down is, and it is over when tokens/s climb back by the loss's share over the episode's level,
