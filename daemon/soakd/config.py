@@ -459,7 +459,7 @@ class HarmControlConfig(_Section):
     leave: Duration = Field(default=10.0, ge=0, le=3600)
     stale: Duration = Field(default=60.0, gt=0, le=3600)
     throughput_loss: float = Field(default=0.2, gt=0, lt=1)
-    prefill_weight: float = Field(default=0.25, ge=0, le=4)
+    prefill_weight: float = Field(default=0.5, ge=0, le=4)
     act_on_throughput: bool = False
 
     @model_validator(mode="after")

@@ -213,8 +213,9 @@ class Controller:
         delta = 0 if self._last_tokens is None else max(0, tokens - self._last_tokens)
         prefill_total = self.inputs.prompt_tokens_computed()
         prefill = None
-        if prefill_total is not None and self._last_prefill is not None:
-            prefill = max(0, prefill_total - self._last_prefill)
+        if prefill_total is not None and self._last_t is not None:
+            # The collector counts from activation: a first total is all of the interval's.
+            prefill = max(0, prefill_total - (self._last_prefill or 0))
         self._last_tokens, self._last_prefill, self._last_t = tokens, prefill_total, now
         changed = False
         good, self._good_tokens = self._good_tokens, 0.0
@@ -288,9 +289,11 @@ class Controller:
             return
         ref = tp.reference or 0.0
         acts = self.cfg.harm.act_on_throughput
+        # With the engine's prompt tokens known the figures count them at the weight, and say so.
+        unit = f"tok/s (prompt tokens at {tp.settings.prefill_weight:g})" if prefill is not None else "tok/s"
         if change:
             message = (
-                f"throughput {tp.loss:.0%} below {ref:,.0f} tok/s while the GPU is at a limit "
+                f"throughput {tp.loss:.0%} below {ref:,.0f} {unit} while the GPU is at a limit "
                 f"and requests wait{'' if acts else ' (recorded; control.harm.act_on_throughput is off)'}"
             )
         else:

@@ -83,9 +83,10 @@ class EngineCollector:
         self.spec_drafts_total = 0
         self.spec_accepted_total = 0
         self.prompt_computed_total: int | None = None
-        """Prompt tokens computed since activation, prefix-cache hits left out; None until a step with
-        scheduler stats came (an engine that reports none). Added up as steps arrive, not when collected,
-        so the control loop reads it at its own tick."""
+        """Prompt tokens computed since activation, prefix-cache hits left out; None until a step that
+        counts its cached prompt tokens came (an engine that reports none, or a release without the
+        count). Added up as steps arrive, not when collected, so the control loop reads it at its own
+        tick. vLLM credits a prompt to the step that prefills its last chunk."""
         self._engine: EngineInfo | None = None
         self.ceiling: CeilingTracker | None = None
         """When set, each busy point also says the decode steps' memory traffic as % of the bandwidth."""
@@ -105,13 +106,16 @@ class EngineCollector:
         self.active = True
 
     def push(self, step: StepStats) -> None:
-        """Called once per engine step; deque.append is atomic, so any thread may call it.
+        """Called once per engine step, from one thread at a time (the prompt total is a read-modify-write;
+        deque.append itself is atomic).
 
         While inactive the step is dropped at once, so nothing piles up when nobody collects."""
         if self.active:
             self._steps.append(step)
-            if step.has_iteration:
-                # One writer (the thread that pushes), so no lock: readers see an old or a new total.
+            if step.has_cached_count:
+                # One writer (the event loop's thread, where steps arrive), so no lock: readers see an
+                # old or a new total. Without a cached count the hits would count as work (on a
+                # cache-heavy trace 20x the output tokens): the total stays None, output tokens alone.
                 self.prompt_computed_total = (self.prompt_computed_total or 0) + max(
                     0, step.prompt_tokens - step.prompt_tokens_cached
                 )

@@ -765,8 +765,10 @@ class ThroughputSettings:
     prompts arrive, and serves fewer output tokens for it: on an H100 (8B shape, twice the trace's rate,
     64 requests and a queue, no outside load) output tokens/s fell 0.17-0.22 per prompt token/s, and a
     3 s surge of prompts (8k prompt tok/s against ~3k) read as a 24 % loss, harm with no cause outside
-    the engine. A limit shared with another process lowers both. Replayed over every recorded matrix arm,
-    any weight from 0.15 to 1.0 leaves each shared load's detection where it was and clears that one."""
+    the engine. A limit shared with another process lowers both. That per-second fit's slope is biased
+    low by the noise in per-second prompt counts (the reverse fit bounds it at ~0.75). Replayed over every
+    recorded matrix arm, any weight from 0.3 to 1.0 leaves each shared load's first detection in its
+    second and leaves no episode without an outside cause."""
 
     def __post_init__(self) -> None:
         if not 0 < self.loss < 1:

@@ -239,7 +239,8 @@ def test_counts_a_release_does_not_report_are_left_out_not_zero() -> None:
 
 def test_prompt_tokens_computed_are_a_running_total_from_the_first_step_with_counts() -> None:
     """What the throughput judge reads at its own tick: prompt tokens computed (prefix-cache hits left
-    out), summed as steps arrive, None until a step with scheduler stats came; warm-up is not counted."""
+    out), summed as steps arrive, None until a step that counts its cached tokens came; warm-up is not
+    counted."""
     c = EngineCollector(active=False)
     c.push(StepStats(time_ns=1, has_iteration=True, prompt_tokens=500))
     c.activate()
@@ -251,7 +252,9 @@ def test_prompt_tokens_computed_are_a_running_total_from_the_first_step_with_cou
             time_ns=3, has_iteration=True, has_cached_count=True, prompt_tokens=300, prompt_tokens_cached=100
         )
     )
-    c.push(StepStats(time_ns=4, has_iteration=True, generation_tokens=8))
+    # A step without a cached count (a release that does not report it) adds nothing: its hits would
+    # count as work.
+    c.push(StepStats(time_ns=4, has_iteration=True, generation_tokens=8, prompt_tokens=700))
     assert c.prompt_computed_total == 200
     c.collect(10)
     assert c.prompt_computed_total == 200  # a total, not the interval's

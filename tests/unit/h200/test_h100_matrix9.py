@@ -76,8 +76,9 @@ def test_twice_the_rate_does_not_reach_this_cards_power_cap(arm: str) -> None:
 def test_the_throughput_judge_recorded_harm_without_an_outside_load_in_one_arm() -> None:
     """A finding, kept as recorded: in owncap-control the throughput judge entered harm twice (24 % and
     28 % under its reference while requests waited), in owncap-advice never. Recorded only (not acted on).
-    Its cause: surges of long prompts on an engine at its own power cap (8-16k prompt tok/s against ~3k),
-    not an outside load; the judge now counts prompt tokens computed (test_h200_prefill_weight.py)."""
+    The first one's cause: a surge of long prompts on an engine at its own power cap (7.3-8.5k prompt
+    tok/s against ~3k), not an outside load; the judge now counts prompt tokens computed
+    (test_h200_prefill_weight.py). The second is not reproduced by a replay and stays open."""
     ctl = m2.summary("owncap-control", DATA)["control"]
     adv = m2.summary("owncap-advice", DATA)["control"]
     assert (ctl["throughput_harm_episodes"], adv["throughput_harm_episodes"]) == (2, 0)

@@ -442,24 +442,34 @@ def test_throughput_harm_is_recorded_and_acted_on_only_when_asked(tmp_path: Path
 
 
 def test_the_throughput_judge_reads_the_prompt_tokens_the_engine_computed(tmp_path: Path) -> None:
-    """Output tokens halve while the engine computes 4 prompt tokens for each output token it no longer
-    serves (prefill_weight 0.25: the same work): no throughput harm. Without the engine's step counts
-    (None: an engine that reports none) the same seconds are harm, as a shared load's would be."""
+    """Control ticks 2 s apart. A surge: output tokens halve while the engine computes 2 prompt tokens for
+    each output token it no longer serves (prefill_weight 0.5: the same work), no throughput harm; without
+    the engine's prompt counts (None: a release that reports none) the same seconds are harm. A shared
+    load: output down 40 %, prompt tokens up a little, 25 % less work: harm, and the event says the
+    figures count prompt tokens (read per second: per tick they would hide the loss)."""
     outcomes = {}
-    for known in (True, False):
-        d = tmp_path / str(known)
+    cases = {"surge": (50, 140), "surge-unknown": (50, 140), "shared": (60, 60)}
+    for name, (rate, prompt_rate) in cases.items():
+        d = tmp_path / name
         d.mkdir()
         ctrl, world, events, _, clock = make(d, BATCH)
         prompt = [0]
+        known = not name.endswith("unknown")
         ctrl.inputs.prompt_tokens_computed = lambda prompt=prompt, known=known: prompt[0] if known else None
         ctrl.inputs.limited = lambda: True
-        for seconds, rate, prompt_rate in ((15, 100, 40), (12, 50, 240)):
-            for _ in range(seconds):
-                prompt[0] += prompt_rate
-                run_for(ctrl, world, clock, 1, rate=rate)
-        outcomes[known] = [(e[0], e[2].get("harm_kind")) for e in events]
-        assert ctrl.summary()["throughput"]["prefill_weight"] == 0.25  # type: ignore[index]
-    assert outcomes[True] == [] and outcomes[False] == [("harm_enter", "throughput")]
+        for ticks, out_rate, in_rate in ((15, 100, 40), (12, rate, prompt_rate)):
+            for _ in range(ticks):
+                clock[0] += 2
+                world.tokens += 2 * out_rate
+                prompt[0] += 2 * in_rate
+                asyncio.run(ctrl.tick())
+        outcomes[name] = [(e[0], e[2].get("harm_kind"), "prompt tokens at 0.5" in e[1]) for e in events]
+        assert ctrl.summary()["throughput"]["prefill_weight"] == 0.5  # type: ignore[index]
+    assert outcomes == {
+        "surge": [],
+        "surge-unknown": [("harm_enter", "throughput", False)],
+        "shared": [("harm_enter", "throughput", True)],
+    }
 
 
 def test_a_clock_harm_in_its_tail_is_harm_now_while_the_throughput_judge_reads_it(tmp_path: Path) -> None:

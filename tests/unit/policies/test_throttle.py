@@ -317,7 +317,7 @@ def test_throughput_judge_counts_prompt_tokens_so_a_surge_of_prompts_is_no_loss(
         judge.update(float(i), 9000.0, binding=True, limited=True, prefill_per_s=None)
     for i in range(4):
         judge.update(30.0 + i, 6800.0, binding=True, limited=True, prefill_per_s=None)
-    assert judge.episodes == 1 and judge.summary()["prefill_weight"] == 0.25
+    assert judge.episodes == 1 and judge.summary()["prefill_weight"] == 0.5
     with pytest.raises(ValueError, match="prefill_weight"):
         ThroughputSettings(prefill_weight=-0.1)
 
