@@ -15,19 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "h200"))
-from test_h200_prefill_weight import ARMS, loaded, ticks  # noqa: E402
-
-from soakd.policies.throttle import ThroughputJudge, ThroughputSettings  # noqa: E402
-
-
-def starts(arm: Path, weight: float) -> list[float]:
-    judge = ThroughputJudge(ThroughputSettings(prefill_weight=weight))
-    recorded = ticks(arm)
-    out = []
-    for t, tps, binding, limited, prefill in recorded:
-        if judge.update(t, tps, binding=binding, limited=limited, prefill_per_s=prefill):
-            out.append(t - recorded[0][0])
-    return out
+from test_h200_prefill_weight import ARMS, entries, loaded  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +25,7 @@ def main() -> None:
     for arm in ARMS:
         cells = []
         for w in weights:
-            s = starts(arm, w)
+            s = entries(arm, w)
             cells.append(f"{len(s)}" + (f" (at {', '.join(f'{x:.0f}' for x in s)} s)" if s else ""))
         name = f"{arm.parent.parent.name}/{arm.parent.name}/{arm.name}"
         print(f"| {name} | {'yes' if loaded(arm) else 'no'} | " + " | ".join(cells) + " |")

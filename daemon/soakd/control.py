@@ -82,7 +82,8 @@ class ControlInputs:
     """Whether a device in scope shows a throttle reason in most recent samples (at a limit)."""
     prompt_tokens_computed: Callable[[], int | None] = lambda: None
     """Prompt tokens the engine computed so far, prefix-cache hits left out (a running total); None when
-    the engine reports no steps. The throughput judge counts them at `prefill_weight`."""
+    the engine reports no steps that count their cache hits. The throughput judge counts them at
+    `prefill_weight`."""
     draining: Callable[[], bool] = lambda: False
     """Whether the replay has stopped dispatching (the trace or the duration is over): the backlog that
     drains then is no traffic to tune for, so the ceiling no longer counts as binding."""
@@ -521,7 +522,7 @@ class Controller:
             "trials_skipped": self.batch.skipped,
             "throughput_harm_episodes": self.throughput.episodes,
             # reference_tps (and reference_note when there is none); the prompt tokens it counted (None:
-            # the engine reported no steps, so output tokens alone were judged).
+            # no step counted its cache hits, so output tokens alone were judged).
             "throughput": {**self.throughput.summary(), "prompt_tokens_computed": self._last_prefill},
             "results": self.batch.results[-50:],
             # Only levels that were in force: advice never applied has no throughput of its own.

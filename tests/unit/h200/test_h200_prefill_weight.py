@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections import defaultdict
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
+from test_h200_control_ab import throughput_inputs
 
 from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
 
@@ -31,50 +30,37 @@ Tick = tuple[float, float, bool, bool, float | None]
 
 @cache
 def ticks(arm: Path) -> tuple[Tick, ...]:
-    """Per second: output tokens/s, requests waiting (before the replay stopped dispatching), the power
-    cap in most GPU samples, prompt tokens computed per second (None in a second without an engine point)."""
-    duration = json.loads((arm / "meta.json").read_text())["config"]["run"]["duration"]
-    rows: dict[int, dict[str, Any]] = defaultdict(dict)
+    """Per second: test_h200_control_ab's throughput inputs (output tokens/s, requests waiting before the
+    replay stopped dispatching, the power cap in most GPU samples) and the prompt tokens the engine
+    computed per second (None in a second without an engine point)."""
+    prefill: dict[int, float] = {}
     with gzip.open(arm / "spool.lp.gz", "rt") as f:
-        lines = [line for line in f if line.startswith(("control,", "replay,", "gpu,", "engine,"))]
-    start = min(int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("replay,")) // 10**9
-    end = start + int(duration)
-    last = None
-    for line in lines:
-        rest, ts = line.rstrip("\n").rsplit(" ", 1)
-        head, body = rest.split(" ", 1)
-        fields = dict(kv.split("=", 1) for kv in body.split(",") if "=" in kv)
-        sec = int(ts) // 10**9
+        for line in f:
+            if not line.startswith("engine,"):
+                continue
+            rest, ts = line.rstrip("\n").rsplit(" ", 1)
+            fields = dict(kv.split("=", 1) for kv in rest.split(" ", 1)[1].split(",") if "=" in kv)
 
-        def num(key: str, fields: dict[str, str] = fields) -> float:
-            return float(fields.get(key, "0").rstrip("i"))
+            def num(key: str, fields: dict[str, str] = fields) -> float:
+                return float(fields.get(key, "0").rstrip("i"))
 
-        if head.startswith("replay,"):
-            tokens = int(num("output_tokens"))
-            if last is not None:
-                rows[sec]["tps"] = float(tokens - last)
-            last = tokens
-        elif head.startswith("control,"):
-            rows[sec]["binding"] = num("waiting") > 0 and sec < end
-        elif head.startswith("engine,") and num("interval_s") > 0:
-            rows[sec]["prefill"] = (num("prompt_tokens") - num("prompt_tokens_cached")) / num("interval_s")
-        elif "samples" in fields:
-            rows[sec]["limited"] = num("reason_sw_power_cap_share") >= 0.5
-    return tuple(
-        (float(sec), r["tps"], r["binding"], r.get("limited", False), r.get("prefill"))
-        for sec, r in sorted(rows.items())
-        if "tps" in r and "binding" in r
-    )
+            if num("interval_s") > 0:
+                prefill[int(ts) // 10**9] = (num("prompt_tokens") - num("prompt_tokens_cached")) / num(
+                    "interval_s"
+                )
+    recorded, _ = throughput_inputs(arm.name, arm.parent)
+    return tuple((t, tps, binding, limited, prefill.get(int(t))) for t, tps, binding, limited in recorded)
 
 
-def entries(arm: Path, weighted: bool) -> list[float]:
-    """The seconds (from the replay's first) at which throughput harm began."""
-    judge = ThroughputJudge(ThroughputSettings())
+def entries(arm: Path, weight: float | None = ThroughputSettings().prefill_weight) -> list[float]:
+    """The seconds (from the replay's first) at which throughput harm began, prompt tokens counted at
+    `weight` (None: left out, the judge before the weight)."""
+    judge = ThroughputJudge(ThroughputSettings(prefill_weight=weight or 0.0))
     out = []
     recorded = ticks(arm)
     for t, tps, binding, limited, prefill in recorded:
-        weight = prefill if weighted else None
-        if judge.update(t, tps, binding=binding, limited=limited, prefill_per_s=weight):
+        per_s = None if weight is None else prefill
+        if judge.update(t, tps, binding=binding, limited=limited, prefill_per_s=per_s):
             out.append(t - recorded[0][0])
     return out
 
@@ -92,17 +78,17 @@ def test_the_recorded_arms_carry_the_engines_prompt_tokens() -> None:
 def test_a_surge_of_prompts_on_an_engine_at_its_cap_is_no_longer_harm() -> None:
     arm = DATA / "h100" / "matrix9" / "owncap-control"
     assert not loaded(arm)
-    assert entries(arm, weighted=False) and entries(arm, weighted=True) == []
+    assert entries(arm, None) and entries(arm) == []
 
 
 @pytest.mark.parametrize("arm", [a for a in ARMS if loaded(a)], ids=lambda a: f"{a.parent.name}/{a.name}")
 def test_every_shared_load_is_seen_in_the_same_second(arm: Path) -> None:
     """The load (20 s into the replay) is harm 2-4 s after it began, in the same second with the weight
     as without it."""
-    before, after = entries(arm, weighted=False), entries(arm, weighted=True)
+    before, after = entries(arm, None), entries(arm)
     assert before and after[:1] == before[:1] and 21 <= after[0] <= 25
 
 
 @pytest.mark.parametrize("arm", [a for a in ARMS if not loaded(a)], ids=lambda a: f"{a.parent.name}/{a.name}")
 def test_no_episode_without_an_outside_load(arm: Path) -> None:
-    assert entries(arm, weighted=True) == []
+    assert entries(arm) == []
