@@ -26,7 +26,8 @@ thread-safe: give each thread its own PromptSynth.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -83,52 +84,67 @@ class PromptSynth:
         n = spec.input_tokens if limit is None else max(1, min(spec.input_tokens, limit))
         blocks = blocks_needed(n, size)
         if spec.hash_ids:
-            parts = [self._shared(block_id, size, salt) for block_id in spec.hash_ids[:blocks]]
+            flat = self._shared(spec.hash_ids[:blocks], size, salt)
         else:
             # Unique content is never seen again with this salt, so caching it would only evict prefixes.
-            parts = [
-                self._block([self._seed, _natural(salt), _UNIQUE, _natural(spec.index), j], size)
-                for j in range(blocks)
-            ]
-        parts[-1] = parts[-1][: n - (blocks - 1) * size]
-        ids: list[int] = np.concatenate(parts).tolist()
+            base = [self._seed, _natural(salt), _UNIQUE, _natural(spec.index)]
+            flat = self._blocks([[*base, j] for j in range(blocks)], size).reshape(-1)
+        ids: list[int] = flat[:n].tolist()
         return ids
 
-    def _shared(self, block_id: int, size: int, salt: int) -> _Tokens:
-        key = (salt, size, block_id)
-        block = self._cache.get(key)
-        if block is not None:
-            self._cache.move_to_end(key)
-            return block
-        block = self._block([self._seed, _natural(salt), _SHARED, _natural(block_id)], size)
-        if self._cache_blocks:
-            block.setflags(write=False)  # shared by every later request with this id
-            self._cache[key] = block
-            self._cached_tokens += block.size
+    def _shared(self, block_ids: Sequence[int], size: int, salt: int) -> _Tokens:
+        """The blocks of `block_ids` end to end: cached ones from the cache, the rest drawn together."""
+        keys = [(salt, size, block_id) for block_id in block_ids]
+        found: list[_Tokens | None] = []
+        for key in keys:
+            block = self._cache.get(key)
+            if block is not None:
+                self._cache.move_to_end(key)
+            found.append(block)
+        missing = [i for i, block in enumerate(found) if block is None]
+        if missing:
+            seed, salted = self._seed, _natural(salt)
+            drawn = self._blocks([[seed, salted, _SHARED, _natural(block_ids[i])] for i in missing], size)
+            for row, i in enumerate(missing):
+                block = drawn[row]
+                found[i] = block
+                if self._cache_blocks and keys[i] not in self._cache:
+                    block.setflags(write=False)  # shared by every later request with this id
+                    self._cache[keys[i]] = block
+                    self._cached_tokens += block.size
             # Bounded in blocks and in tokens (4096 blocks of 64k tokens would be 1 GiB).
             while len(self._cache) > self._cache_blocks or self._cached_tokens > _CACHE_TOKENS:
                 _, old = self._cache.popitem(last=False)
                 self._cached_tokens -= old.size
-        return block
+        if len(found) == 1:
+            return cast(_Tokens, found[0])
+        return np.concatenate(cast(list[_Tokens], found))
 
-    def _block(self, entropy: list[int], size: int) -> _Tokens:
-        """`size` tokens: _PHRASES random phrases, repeated in a random order, from one PCG64 stream."""
+    def _blocks(self, entropies: list[list[int]], size: int) -> _Tokens:
+        """One row of `size` tokens per entropy: _PHRASES random phrases, repeated in a random order, from
+        one PCG64 stream each. All rows are gathered in one pass: numpy's per-call overhead, not the
+        arithmetic, is what a block costs, and a request has several."""
         picks_needed = -(-size // _PHRASE_MIN)
-        raw = np.random.PCG64(entropy).random_raw(_PHRASES + _PHRASES * _PHRASE_MAX + picks_needed)
+        words_at = _PHRASES  # fixed offsets into each row's raw words, so one block's layout never
+        picks_at = _PHRASES + _PHRASES * _PHRASE_MAX  # depends on another's (or its own) lengths
+        raw = np.stack([np.random.PCG64(e).random_raw(picks_at + picks_needed) for e in entropies])
+        rows = raw.shape[0]
         span = _PHRASE_MAX - _PHRASE_MIN + 1
-        lengths = _below(raw[:_PHRASES], span).astype(np.int64) + _PHRASE_MIN
-        # Fixed offsets into the raw words, so one block's layout never depends on another's lengths.
-        word_raw = raw[_PHRASES : _PHRASES + int(lengths.sum())]
-        words = self._allowed[_below(word_raw, self._allowed.size)]
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        picks = _below(raw[_PHRASES + _PHRASES * _PHRASE_MAX :], _PHRASES)
-        # Gather the picked phrases end to end without a Python loop: for each output token, the
-        # start of its phrase plus its position within the phrase.
-        lens = lengths[picks]
+        lengths = _below(raw[:, :_PHRASES], span).astype(np.int64) + _PHRASE_MIN  # (rows, phrases)
+        # Each row's words: only the first sum(lengths) of its _PHRASES * _PHRASE_MAX are ever indexed.
+        words = self._allowed[_below(raw[:, words_at:picks_at], self._allowed.size)].reshape(-1)
+        starts = np.cumsum(lengths, axis=1) - lengths  # each phrase's start within its row's words
+        picks = _below(raw[:, picks_at:], _PHRASES)  # (rows, picks_needed)
+        row_of = np.arange(rows)[:, None]
+        lens = lengths[row_of, picks].reshape(-1)
+        first = (starts[row_of, picks] + row_of * (picks_at - words_at)).reshape(-1)
+        # Gather the picked phrases end to end without a Python loop: for each output token, its
+        # phrase's first word plus its position within the phrase; then each row cut to `size`.
         ends = np.cumsum(lens)
-        offsets = np.arange(int(ends[-1])) - np.repeat(ends - lens, lens)
-        index = np.repeat(starts[picks], lens) + offsets
-        block: _Tokens = words[index[:size]]
+        index = np.repeat(first - (ends - lens), lens) + np.arange(int(ends[-1]))
+        totals = lens.reshape(rows, -1).sum(axis=1)
+        keep = np.arange(int(ends[-1])) - np.repeat(np.cumsum(totals) - totals, totals) < size
+        block: _Tokens = words[index[keep]].reshape(rows, size)
         return block
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -183,3 +184,28 @@ def test_a_huge_row_sent_to_a_short_context_builds_only_what_is_sent() -> None:
     assert len(ids) == 4096 and ids == PromptSynth(32_000, seed=4).prompt_ids(
         spec(4096, (0, 1, 2, 3), block_size=1024)
     )
+
+
+# The sha256 of GOLDEN_SPECS' prompts as soakd has synthesized them since the phrase scheme began: a
+# replay of a trace must send the same bytes in every version, or runs of one trace stop being
+# comparable (prefix-cache hits, n-gram acceptance). A faster implementation must leave it unchanged.
+GOLDEN_SPECS = [
+    *SPECS,
+    spec(1100, (10, 11, 12), index=4),  # three full-size blocks drawn in one request
+    spec(1100, index=5),  # unique content, three blocks
+    spec(700, (10, 13), index=6),  # one block from the cache, one drawn
+    spec(57, (7, 8, 7, 9, 7), index=7, block_size=13),  # a size not a multiple of a phrase, ids repeated
+    spec(3, index=8, block_size=1),
+]
+GOLDEN_SHA256 = "90123f5be73512ffa2f7b7cef7004019478d9b9cb4493470303bfdb7ef51e0f9"
+
+
+def test_prompts_are_the_bytes_every_earlier_version_sent() -> None:
+    p = PromptSynth(VOCAB, 1234, reserved_ids={0, 2})
+    prompts = [p.prompt_ids(s, salt=3) for s in GOLDEN_SPECS]
+    uncached = PromptSynth(VOCAB, 1234, reserved_ids={0, 2}, cache_blocks=0)
+    again = [uncached.prompt_ids(s, salt=3) for s in GOLDEN_SPECS]
+    assert prompts == again
+    assert [len(ids) for ids in prompts] == [s.input_tokens for s in GOLDEN_SPECS]
+    digest = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+    assert digest == GOLDEN_SHA256
