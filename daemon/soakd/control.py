@@ -227,7 +227,7 @@ class Controller:
             joules = energy - self._last_energy
         self._last_energy = energy
         binding = self.inputs.waiting() > 0 and not self.inputs.draining()
-        self._judge_throughput(now, delta, interval, binding, prefill)
+        self._judge_throughput(now, delta, interval, binding, prefill, joules)
         if cfg.batch.enabled:
             harm = self.inputs.harm()
             if not harm and self.throughput.harmful and cfg.harm.act_on_throughput:
@@ -272,7 +272,13 @@ class Controller:
             self.save_state()
 
     def _judge_throughput(
-        self, now: float, delta: int, interval: float, binding: bool, prefill: int | None
+        self,
+        now: float,
+        delta: int,
+        interval: float,
+        binding: bool,
+        prefill: int | None,
+        joules: float | None,
     ) -> None:
         if interval <= 0:
             return
@@ -285,6 +291,7 @@ class Controller:
             limited=self.inputs.limited(),
             in_flight=flight,
             prefill_per_s=None if prefill is None else prefill / interval,
+            power_w=None if joules is None else joules / interval,
         )
         if change is None:
             return

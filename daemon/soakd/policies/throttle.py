@@ -793,8 +793,9 @@ class ThroughputJudge:
     `prefill_weight`), whether requests waited for admission (only then is tokens/s
     the engine's capacity, not the offered load; a backlog growing inside the engine counts too, see
     `_backlog`), the requests in the engine, and whether the device was at a limit (a throttle reason in
-    most samples). Harm: at a limit in each recent interval, with a queue, tokens/s below (1 - loss) x
-    the reference and as far below the intervals just before (a step).
+    most samples) and the GPU's power. Harm: at a limit in each recent interval, with a queue, tokens/s
+    below (1 - loss) x the reference and as far below the intervals just before (a step), with the GPU
+    as busy as in those intervals (`_gpu_as_busy`).
 
     The reference is the engine's own steady level: intervals with a queue whether at a limit or not,
     never those of a throughput-harm episode (nor the drop that began it) and never the recent intervals
@@ -824,6 +825,8 @@ class ThroughputJudge:
         self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
         self._history: deque[float] = deque(maxlen=self.settings.recent + self.settings.step)
+        self._power: deque[float | None] = deque(maxlen=self.settings.recent + self.settings.step)
+        """The GPU's power (W) in the intervals of `_history` (None: unknown)."""
         self._flight: deque[tuple[float, float]] = deque(maxlen=self.settings.step)
         """(requests in the engine, tokens/s) of the last `step` intervals: what a backlog is seen against."""
         self.backlogs = 0
@@ -868,11 +871,13 @@ class ThroughputJudge:
         limited: bool,
         in_flight: int | None = None,
         prefill_per_s: float | None = None,
+        power_w: float | None = None,
     ) -> bool | None:
         """The new harm state when it changed (True: began, False: ended), else None. `in_flight`: requests
         in the engine now (None while the replay drains: no arrivals, so no backlog can show).
         `prefill_per_s`: prompt tokens the engine computed per second over the interval (None: unknown,
-        output tokens alone are judged); they count at the settings' `prefill_weight`."""
+        output tokens alone are judged); they count at the settings' `prefill_weight`. `power_w`: the
+        GPU's mean power over the interval (None: unknown, see `_gpu_as_busy`)."""
         s = self.settings
         if prefill_per_s is not None and prefill_per_s > 0:
             tokens_per_s += s.prefill_weight * prefill_per_s
@@ -882,6 +887,7 @@ class ThroughputJudge:
         if in_flight is not None:
             self._flight.append((float(in_flight), tokens_per_s))
         self._history.append(tokens_per_s)
+        self._power.append(power_w)
         if binding:
             self._recent.append((tokens_per_s, limited))
             self._binding_seen += 1
@@ -912,7 +918,12 @@ class ThroughputJudge:
         held = full and all(lim for _, lim in self._recent)
         recovered = self._recovered(float(median)) if full else False
         self.at_threshold = False
-        if held and self.loss >= s.loss and not recovered and (self.harmful or self._stepped(float(median))):
+        if (
+            held
+            and self.loss >= s.loss
+            and not recovered
+            and (self.harmful or (self._stepped(float(median)) and self._gpu_as_busy()))
+        ):
             self.at_threshold = True
             began = not self.harmful
             if began:
@@ -998,6 +1009,23 @@ class ThroughputJudge:
         level = float(statistics.median(before))
         worst = max(x for x, _ in self._recent)
         return median <= (1 - s.loss) * level and worst <= (1 - s.loss / 2) * level
+
+    def _gpu_as_busy(self) -> bool:
+        """The GPU's power in the recent intervals is not down by half the loss's share or more against
+        the `step` intervals just before (True when either is unknown). Tokens lost with the GPU as busy
+        as before went to something else on it (another process, a lower clock); tokens lost with its
+        power down as much are an engine that gave its GPU less work. On an H100 at its own power cap
+        (no outside load) the engine's steps slowed from ~36 to 26 a second for 3 s while the GPU's
+        power fell from 522 to 418 W (median) and its clock rose: 20 % fewer tokens, read as harm. Every
+        shared load recorded on an H200 or H100 (25 arms) had raised the GPU's power by 26-59 % over the
+        same window when the judge saw it."""
+        s = self.settings
+        powers = list(self._power)
+        recent = [p for p in powers[-s.recent :] if p is not None]
+        before = [p for p in powers[: -s.recent] if p is not None]
+        if len(recent) < s.recent or len(before) < s.step:
+            return True
+        return statistics.median(recent) >= (1 - s.loss / 2) * statistics.median(before)
 
     def _recovered(self, median: float) -> bool:
         """tokens/s back up by the loss's share over the episode's level (only during an episode)."""

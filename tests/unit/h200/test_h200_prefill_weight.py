@@ -1,9 +1,11 @@
 """The throughput judge's prefill weight replayed through every recorded matrix arm (tests/data/h200/matrix*
-and tests/data/h100/matrix9): each second's output tokens, queue, limit bit and the prompt tokens the
+and tests/data/h100/matrix9-10): each second's output tokens, queue, limit bit and the prompt tokens the
 engine computed (its `engine` series) through ThroughputJudge, once with prompt tokens left out (the
 judge before the weight) and once at the default weight. The one episode the judge recorded with no
 outside load (the H100's owncap-control: a 3 s surge of long prompts on an engine at its power cap) is
-gone; every shared load is still seen in the same second, and no load-free arm has an episode."""
+gone; every shared load is still seen in the same second, and no load-free arm has an episode. The GPU's
+power (its `gpu` series) goes in too: round 10's live episode without an outside load (the engine's steps
+slowed with the GPU less busy) is gone with it."""
 
 from __future__ import annotations
 
@@ -25,21 +27,27 @@ ARMS = sorted(
     if (p.parent / "arm.json").exists()
     and json.loads((p.parent / "meta.json").read_text())["config"]["control"]["enabled"]
 )
-Tick = tuple[float, float, bool, bool, float | None]
+Tick = tuple[float, float, bool, bool, float | None, float | None]
 
 
 @cache
 def ticks(arm: Path) -> tuple[Tick, ...]:
     """Per second: test_h200_control_ab's throughput inputs (output tokens/s, requests waiting before the
-    replay stopped dispatching, the power cap in most GPU samples) and the prompt tokens the engine
-    computed per second (None in a second without an engine point)."""
+    replay stopped dispatching, the power cap in most GPU samples), the prompt tokens the engine
+    computed per second (None in a second without an engine point) and the GPU's mean power (W; None in
+    a second without a GPU point)."""
     prefill: dict[int, float] = {}
+    power: dict[int, float] = {}
     with gzip.open(arm / "spool.lp.gz", "rt") as f:
         for line in f:
-            if not line.startswith("engine,"):
+            if not line.startswith(("engine,", "gpu,")):
                 continue
             rest, ts = line.rstrip("\n").rsplit(" ", 1)
             fields = dict(kv.split("=", 1) for kv in rest.split(" ", 1)[1].split(",") if "=" in kv)
+            if line.startswith("gpu,"):
+                if "power_w_mean" in fields:
+                    power[int(ts) // 10**9] = float(fields["power_w_mean"])
+                continue
 
             def num(key: str, fields: dict[str, str] = fields) -> float:
                 return float(fields.get(key, "0").rstrip("i"))
@@ -49,18 +57,25 @@ def ticks(arm: Path) -> tuple[Tick, ...]:
                     "interval_s"
                 )
     recorded, _ = throughput_inputs(arm.name, arm.parent)
-    return tuple((t, tps, binding, limited, prefill.get(int(t))) for t, tps, binding, limited in recorded)
+    return tuple(
+        (t, tps, binding, limited, prefill.get(int(t)), power.get(int(t)))
+        for t, tps, binding, limited in recorded
+    )
 
 
-def entries(arm: Path, weight: float | None = ThroughputSettings().prefill_weight) -> list[float]:
+def entries(
+    arm: Path, weight: float | None = ThroughputSettings().prefill_weight, power: bool = True
+) -> list[float]:
     """The seconds (from the replay's first) at which throughput harm began, prompt tokens counted at
-    `weight` (None: left out, the judge before the weight)."""
+    `weight` (None: left out, the judge before the weight), the GPU's power given (`power`) or not (the
+    judge before it was)."""
     judge = ThroughputJudge(ThroughputSettings(prefill_weight=weight or 0.0))
     out = []
     recorded = ticks(arm)
-    for t, tps, binding, limited, prefill in recorded:
+    for t, tps, binding, limited, prefill, watts in recorded:
         per_s = None if weight is None else prefill
-        if judge.update(t, tps, binding=binding, limited=limited, prefill_per_s=per_s):
+        w = watts if power else None
+        if judge.update(t, tps, binding=binding, limited=limited, prefill_per_s=per_s, power_w=w):
             out.append(t - recorded[0][0])
     return out
 
@@ -69,23 +84,34 @@ def loaded(arm: Path) -> bool:
     return bool(json.loads((arm / "arm.json").read_text())["load"])
 
 
-def test_the_recorded_arms_carry_the_engines_prompt_tokens() -> None:
+def test_the_recorded_arms_carry_the_engines_prompt_tokens_and_the_gpus_power() -> None:
     assert len(ARMS) >= 30
     for arm in ARMS:
-        assert sum(1 for *_, p in ticks(arm) if p) > 30, arm
+        assert sum(1 for tick in ticks(arm) if tick[4]) > 30, arm
+        assert sum(1 for tick in ticks(arm) if tick[5]) > 30, arm
 
 
 def test_a_surge_of_prompts_on_an_engine_at_its_cap_is_no_longer_harm() -> None:
     arm = DATA / "h100" / "matrix9" / "owncap-control"
     assert not loaded(arm)
-    assert entries(arm, None) and entries(arm) == []
+    assert entries(arm, None, power=False) and entries(arm, power=False) == []
+
+
+def test_fewer_tokens_with_the_gpu_less_busy_are_no_longer_harm() -> None:
+    """The H100's owncap-control of round 10 (the prefill weight live, no outside load): the judge recorded
+    harm 84 s in, replayed at 83 s; the engine's steps had slowed with the GPU's power down ~17 % and
+    its clock up. Given the GPU's power, no episode; without it, the same one."""
+    arm = DATA / "h100" / "matrix10" / "owncap-control"
+    assert not loaded(arm)
+    assert [round(t) for t in entries(arm, power=False)] == [83]
+    assert entries(arm) == []
 
 
 @pytest.mark.parametrize("arm", [a for a in ARMS if loaded(a)], ids=lambda a: f"{a.parent.name}/{a.name}")
 def test_every_shared_load_is_seen_in_the_same_second(arm: Path) -> None:
     """The load (20 s into the replay) is harm 2-4 s after it began, in the same second with the weight
-    as without it."""
-    before, after = entries(arm, None), entries(arm)
+    and the GPU's power as without them."""
+    before, after = entries(arm, None, power=False), entries(arm)
     assert before and after[:1] == before[:1] and 21 <= after[0] <= 25
 
 

@@ -472,6 +472,32 @@ def test_the_throughput_judge_reads_the_prompt_tokens_the_engine_computed(tmp_pa
     }
 
 
+def test_the_throughput_judge_reads_the_gpus_power_from_its_energy(tmp_path: Path) -> None:
+    """Control ticks 2 s apart, the GPU's energy a running total. Tokens/s halve: with the energy's rate
+    falling as much (the engine gave its GPU less work) no throughput harm; with it held (the GPU as
+    busy, another process on it), harm; with no energy reading, harm as before."""
+    outcomes = {}
+    for name, after_w in {"less-work": 250.0, "shared": 500.0, "unknown": None}.items():
+        d = tmp_path / name
+        d.mkdir()
+        ctrl, world, events, _, clock = make(d, BATCH)
+        energy = [0.0]
+        ctrl.inputs.energy_j = lambda energy=energy, known=after_w is not None: energy[0] if known else None
+        ctrl.inputs.limited = lambda: True
+        for ticks, out_rate, watts in ((15, 100, 500.0), (12, 50, after_w or 0.0)):
+            for _ in range(ticks):
+                clock[0] += 2
+                world.tokens += 2 * out_rate
+                energy[0] += 2 * watts
+                asyncio.run(ctrl.tick())
+        outcomes[name] = [(e[0], e[2].get("harm_kind")) for e in events]
+    assert outcomes == {
+        "less-work": [],
+        "shared": [("harm_enter", "throughput")],
+        "unknown": [("harm_enter", "throughput")],
+    }
+
+
 def test_a_clock_harm_in_its_tail_is_harm_now_while_the_throughput_judge_reads_it(tmp_path: Path) -> None:
     """On an H200 a shared load held the clock loss at 7-13 % against the 10 % threshold for 150 s (a
     tail every few seconds) while tokens/s stayed half down: no trial ever started. The clock harm in its

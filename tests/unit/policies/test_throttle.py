@@ -322,6 +322,30 @@ def test_throughput_judge_counts_prompt_tokens_so_a_surge_of_prompts_is_no_loss(
         ThroughputSettings(prefill_weight=-0.1)
 
 
+def test_throughput_judge_needs_the_gpu_as_busy_as_before_the_drop() -> None:
+    """Tokens lost with the GPU's power down as much (an engine giving its GPU less work: steps slowed
+    off the GPU) are no harm; the same tokens lost with the power held or raised (another process on the
+    GPU) are. The gate is half the loss's share: 10 % at a loss of 20 %. Power unknown: as before."""
+    from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
+
+    def episodes(after_w: float | None) -> int:
+        judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, prefill_weight=0))
+        t = 0.0
+        for i in range(30):  # 9,000 tok/s, a queue, at the cap, ~520 W
+            t += 1
+            power = None if after_w is None else 520.0 + (20 if i % 2 else -20)
+            judge.update(t, 9000.0 + (300 if i % 2 else -300), binding=True, limited=True, power_w=power)
+        for _ in range(4):  # 25 % fewer tokens
+            t += 1
+            judge.update(t, 6750.0, binding=True, limited=True, power_w=after_w)
+        return judge.episodes
+
+    assert episodes(420.0) == 0  # power down 19 %: the engine did less
+    assert episodes(480.0) == 1  # down 8 %: within the gate
+    assert episodes(700.0) == 1  # a shared load: the GPU busier than before
+    assert episodes(None) == 1
+
+
 def test_throughput_judge_ignores_drift_at_the_cap_and_ends_when_the_drop_reverses() -> None:
     """An engine alone at the power cap whose tokens/s drift down with its workload is no harm (no step);
     a step down is, and it is over when tokens/s climb back by the loss's share over the episode's level,
