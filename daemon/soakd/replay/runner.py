@@ -665,7 +665,7 @@ class Replayer:
         finally:
             record.output_tokens = received
             # Known once it ended, failed or not (a sender's stamps come with its end).
-            stamped = self._stamped_lateness(request, record)
+            stamped = self._stamped_lateness(request, record, deadline)
         if stamped is not None:
             # Stamped where the stream was read, free of soakd's own loop; the send measured from when
             # the engine let it go (held through a restart, it is the engine's downtime, in its TTFT).
@@ -728,7 +728,7 @@ class Replayer:
         )
 
     def _stamped_lateness(
-        self, request: GenerationRequest, record: RequestRecord
+        self, request: GenerationRequest, record: RequestRecord, deadline: float
     ) -> tuple[float, float | None, float, float, int] | None:
         """For a request a sender sent: note its lateness, and return (the send as the replay counts it,
         first, last, gaps, deltas) from its stamps; None when it was not stamped."""
@@ -740,7 +740,10 @@ class Replayer:
         # Late until its first bytes left: a connection opened for it counts (the server saw it that
         # late); its TTFT still runs from the send, as a client's does.
         left = stamps.written if stamps.written is not None else stamps.sent
-        record.lateness_s = max(0.0, left - request.send_at - hold)
+        # From its due time, less its wait at admission (its own figure, `queue_s`): a request soakd
+        # handed on after its due time (its loop or its prompt held up past the sender's lead) has a
+        # `send_at` as late, but the server saw all of that wait.
+        record.lateness_s = max(0.0, left - deadline - record.queue_s - hold)
         self._note_late(record.lateness_s)
         sent = stamps.sent - hold
         return sent, stamps.first, stamps.last or stamps.sent, stamps.gaps, stamps.deltas

@@ -603,6 +603,31 @@ async def test_a_request_admitted_after_its_due_time_is_sent_at_once() -> None:
     assert by[1].lateness_s == 0.0  # queued, not late: the queue has its own figure
 
 
+async def test_a_request_handed_to_the_sender_late_counts_its_lateness_from_its_due_time() -> None:
+    """soakd's own process held up (here building request 1's prompt takes 50 ms of the clock, twice the
+    sender's lead): the sender gets it 25 ms after it was due and sends it at once. The server saw it 25
+    ms late, so its lateness is 25 ms (not 0 from the late hand-off), and TTFT as offered counts it once."""
+    clock = FakeClock(-START)
+
+    class SlowPrompts(PromptSynth):
+        def prompt_ids(self, spec: RequestSpec, salt: int = 0, limit: int | None = None) -> list[int]:
+            if spec.index == 1:
+                clock.now += 0.050
+            return super().prompt_ids(spec, salt, limit)
+
+    engine = AheadEngine(clock, late_s={})
+    rep, records = make(engine, [spec(i, 1.0 + i) for i in range(3)], clock, duration=10.0)
+    rep._prompts = SlowPrompts(100, 0, (0,))
+    stats = await rep.run()
+    by = {r.index: r for r in records}
+    assert engine.send_at[1] == pytest.approx(2.025)  # handed on late, so sent at once
+    assert by[1].queue_s == 0.0 and by[1].lateness_s == pytest.approx(0.025)
+    assert by[0].lateness_s == 0.0 and by[2].lateness_s == 0.0
+    assert stats.lateness_max_s == pytest.approx(0.025)
+    for r in by.values():
+        assert r.ttft_offered_s == pytest.approx(r.queue_s + r.lateness_s + r.ttft_s)
+
+
 class HeldEngine(AheadEngine):
     """As AheadEngine, but the engine held request 1 for 2 s before its sender got it (a restart), and
     request 2 fails after it was sent 4 ms late."""
