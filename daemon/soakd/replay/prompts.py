@@ -109,6 +109,8 @@ class PromptSynth:
                 block = drawn[row]
                 found[i] = block
                 if self._cache_blocks and keys[i] not in self._cache:
+                    # Its own copy: a view would keep every block drawn with it alive, past the bound.
+                    block = found[i] = block.copy()
                     block.setflags(write=False)  # shared by every later request with this id
                     self._cache[keys[i]] = block
                     self._cached_tokens += block.size

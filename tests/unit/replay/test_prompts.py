@@ -160,6 +160,15 @@ def test_cache_is_bounded_and_does_not_change_content() -> None:
     assert [none.prompt_ids(spec(600, (i, i + 1))) for i in range(10)] == first
 
 
+def test_a_cached_block_holds_only_its_own_tokens() -> None:
+    """Blocks drawn together for one request are cached each as its own array: a view into the
+    request's draw would keep the whole draw alive, and the cache's bound counts blocks' own tokens."""
+    p = PromptSynth(VOCAB, 0)
+    p.prompt_ids(spec(100 * 16, tuple(range(100)), block_size=16))
+    assert len(p._cache) == 100 and p._cached_tokens == 1600
+    assert all(block.base is None and not block.flags.writeable for block in p._cache.values())
+
+
 def test_hash_ids_that_do_not_cover_the_prompt_are_refused() -> None:
     p = PromptSynth(VOCAB, 0)
     with pytest.raises(ValueError, match="do not cover"):
