@@ -143,9 +143,10 @@ class PromptSynth:
         # Gather the picked phrases end to end without a Python loop: for each output token, its
         # phrase's first word plus its position within the phrase; then each row cut to `size`.
         ends = np.cumsum(lens)
-        index = np.repeat(first - (ends - lens), lens) + np.arange(int(ends[-1]))
+        position = np.arange(int(ends[-1]))
+        index = np.repeat(first - (ends - lens), lens) + position
         totals = lens.reshape(rows, -1).sum(axis=1)
-        keep = np.arange(int(ends[-1])) - np.repeat(np.cumsum(totals) - totals, totals) < size
+        keep = position - np.repeat(np.cumsum(totals) - totals, totals) < size
         block: _Tokens = words[index[keep]].reshape(rows, size)
         return block
 
