@@ -824,9 +824,11 @@ class ThroughputJudge:
         """Intervals (tokens/s, with a queue) not yet in a reference: the recent ones, being judged."""
         self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
-        self._history: deque[float] = deque(maxlen=self.settings.recent + self.settings.step)
-        self._power: deque[float | None] = deque(maxlen=self.settings.recent + self.settings.step)
-        """The GPU's power (W) in the intervals of `_history` (None: unknown)."""
+        self._history: deque[tuple[float, float | None]] = deque(
+            maxlen=self.settings.recent + self.settings.step
+        )
+        """(tokens/s, the GPU's power in W or None when unknown) of the last intervals: the recent ones
+        and the `step` before them, what a step is judged against."""
         self._flight: deque[tuple[float, float]] = deque(maxlen=self.settings.step)
         """(requests in the engine, tokens/s) of the last `step` intervals: what a backlog is seen against."""
         self.backlogs = 0
@@ -886,8 +888,7 @@ class ThroughputJudge:
             self.backlogs += 1
         if in_flight is not None:
             self._flight.append((float(in_flight), tokens_per_s))
-        self._history.append(tokens_per_s)
-        self._power.append(power_w)
+        self._history.append((tokens_per_s, power_w))
         if binding:
             self._recent.append((tokens_per_s, limited))
             self._binding_seen += 1
@@ -1003,7 +1004,7 @@ class ThroughputJudge:
         one, tokens/s are the offered load, which the engine served), and each recent interval at least
         half of it: a shared limit moves them all, an engine alone at the cap dips for a second or two."""
         s = self.settings
-        before = list(self._history)[: -s.recent]
+        before = [x for x, _ in list(self._history)[: -s.recent]]
         if len(before) < s.step:
             return False
         level = float(statistics.median(before))
@@ -1020,7 +1021,7 @@ class ThroughputJudge:
         shared load recorded on an H200 or H100 (25 arms) had raised the GPU's power by 26-59 % over the
         same window when the judge saw it."""
         s = self.settings
-        powers = list(self._power)
+        powers = [p for _, p in self._history]
         recent = [p for p in powers[-s.recent :] if p is not None]
         before = [p for p in powers[: -s.recent] if p is not None]
         if len(recent) < s.recent or len(before) < s.step:
