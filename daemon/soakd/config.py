@@ -388,6 +388,7 @@ WebhookKind = Literal[
     "replay_error",
     "gpu_xid",
     "gpu_error",
+    "cotenant_enter",
     "verdict",
 ]
 # Every kind but two, which are opt-in: the alert sink's own outage (told to a receiver it cannot reach

@@ -84,6 +84,9 @@ class ControlInputs:
     """Prompt tokens the engine computed so far, prefix-cache hits left out (a running total); None when
     the engine reports no steps that count their cache hits. The throughput judge counts them at
     `prefill_weight`."""
+    shared: Callable[[], bool | None] = lambda: None
+    """Whether another process has a compute context on the engine's GPUs (None: unknown); the throughput
+    judge's power gate does not apply then (GpuThrottleWatch.shared)."""
     draining: Callable[[], bool] = lambda: False
     """Whether the replay has stopped dispatching (the trace or the duration is over): the backlog that
     drains then is no traffic to tune for, so the ceiling no longer counts as binding."""
@@ -292,6 +295,7 @@ class Controller:
             in_flight=flight,
             prefill_per_s=None if prefill is None else prefill / interval,
             power_w=None if joules is None else joules / interval,
+            shared=self.inputs.shared(),
         )
         if change is None:
             return
@@ -302,7 +306,8 @@ class Controller:
         if change:
             message = (
                 f"throughput {tp.loss:.0%} below {ref:,.0f} {unit} while the GPU is at a limit "
-                f"and requests wait{'' if acts else ' (recorded; control.harm.act_on_throughput is off)'}"
+                f"and requests wait{' (another process computes on the GPU)' if tp.cotenant else ''}"
+                f"{'' if acts else ' (recorded; control.harm.act_on_throughput is off)'}"
             )
         else:
             message = "throughput back while at a limit, or the limit gone: the harm is over"
@@ -313,6 +318,7 @@ class Controller:
             throughput_loss=round(tp.loss, 4),
             reference_tps=round(ref, 3),
             acted_on=acts,
+            **({"cotenant": tp.cotenant} if change else {}),
         )
 
     def _result(self, r: ActionResult) -> None:

@@ -106,6 +106,9 @@ class GpuThrottleWatch:
         self._energy_j = 0.0
         self._on_event = on_event
         self._last_slow: dict[int, Mapping[str, Any]] = {}
+        self._foreign: dict[int, Mapping[str, int] | None] = {}
+        """Per GPU: the other processes computing on it at its last slow read (None: unknown)."""
+        self._cotenant_episodes: dict[int, int] = {}
         self.transitions = 0
 
     def observe(self, gpu: int, t_s: float, fast: Mapping[str, Any], slow: Mapping[str, Any]) -> None:
@@ -121,6 +124,7 @@ class GpuThrottleWatch:
             self._last_slow[gpu] = slow
             fields = slow.get("fields") or {}
             counters = counters_from_fields({k: v for k, v in fields.items() if v is not None})
+            self._cotenants(gpu, slow.get("foreign_procs"))
         inp = ThrottleInput(
             t_s=t_s,
             sm_mhz=fast.get("sm_mhz"),
@@ -141,6 +145,37 @@ class GpuThrottleWatch:
         if self._groups and inp.active is not False:
             # Busy samples only: an idle GPU's clock drops to its floor and says nothing of who is slow.
             self._accumulate(gpu, inp.sm_mhz, fast.get("power_mw"), slow.get("temp_c"))
+
+    def _cotenants(self, gpu: int, foreign: Mapping[str, int] | None) -> None:
+        """A `cotenant_enter` event when another process appears on the GPU with none before, and a
+        `cotenant_leave` when the last one goes; an unknown list (None) changes nothing."""
+        if foreign is None:
+            return
+        before = self._foreign.get(gpu)
+        self._foreign[gpu] = foreign
+        if bool(foreign) == bool(before):
+            return
+        if foreign:
+            self._cotenant_episodes[gpu] = self._cotenant_episodes.get(gpu, 0) + 1
+            mem = sum(foreign.values())
+            pids = ",".join(sorted(foreign, key=int))
+            self._on_event(
+                "cotenant_enter",
+                f"GPU {gpu}: another process has a compute context on it (PID {pids}, "
+                f"{mem / 2**30:.1f} GiB): the engine's SM time and power may be shared",
+                gpu=gpu,
+                pids=pids,
+                foreign_procs=len(foreign),
+                foreign_mem_bytes=mem,
+            )
+        else:
+            self._on_event("cotenant_leave", f"GPU {gpu}: no other process computes on it", gpu=gpu)
+
+    def shared(self) -> bool | None:
+        """Whether another process had a compute context on any of the engine's GPUs at its last slow
+        read; None when no GPU's process list was known."""
+        known = [f for f in self._foreign.values() if f is not None]
+        return any(known) if known else None
 
     def _accumulate(self, gpu: int, sm_mhz: object, power_mw: object, temp_c: object) -> None:
         acc = self._acc[gpu]
@@ -292,7 +327,14 @@ class GpuThrottleWatch:
 
     def summary(self) -> dict[str, object]:
         return {
-            str(gpu): {**det.summary(), "harm": self._judges[gpu].summary()}
+            str(gpu): {
+                **det.summary(),
+                "harm": self._judges[gpu].summary(),
+                # Times another process came to compute on the GPU; None: its process list was never known.
+                "cotenant_episodes": self._cotenant_episodes.get(gpu, 0)
+                if self._foreign.get(gpu) is not None
+                else None,
+            }
             for gpu, det in self._detectors.items()
         }
 

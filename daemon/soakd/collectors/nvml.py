@@ -85,10 +85,12 @@ SLOW_KEYS = (
     "remap_pending",
     "remap_failure",
     "proc_mem",
+    "foreign_procs",
 )
 """Keys of a slow-tier reading. `fields` maps a field id (as a string) to its decoded value;
-`proc_mem` maps a watched PID (as a string) to its GPU memory in bytes; the `gpm_*` keys are None on
-the first read and wherever GPM is unavailable."""
+`proc_mem` maps a watched PID (as a string) to its GPU memory in bytes; `foreign_procs` maps every other
+process computing on the GPU the same way (None: unknown, see `LiveNvml._procs`); the `gpm_*` keys are
+None on the first read and wherever GPM is unavailable."""
 
 HBM_TEMP_FIELD = 82  # NVML_FI_DEV_MEMORY_TEMP
 ENERGY_FIELD = 83  # NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, mJ since the driver loaded
@@ -327,7 +329,7 @@ class LiveNvml:
             ("remapped_correctable", "remapped_uncorrectable", "remap_pending", "remap_failure")
         ):
             out[key] = None if rows is None else int(rows[n])
-        out["proc_mem"] = self._proc_mem(i) if self._pids is not None else None
+        out["proc_mem"], out["foreign_procs"] = self._procs(i) if self._pids is not None else (None, None)
         out.update(self._gpm_read(i))
         return out
 
@@ -418,17 +420,26 @@ class LiveNvml:
         except self._error as err:
             log.warning("nvml_gpm_free_failed", error=str(err))
 
-    def _proc_mem(self, i: int) -> dict[str, int] | None:
+    def _procs(self, i: int) -> tuple[dict[str, int] | None, dict[str, int] | None]:
+        """The watched processes' GPU memory, and that of every other process with a compute context on
+        the GPU (a co-tenant: its SM time and power are taken from the engine's). The others are known
+        only when a watched process is in the list: then its PIDs are the ones this process sees (in a
+        container whose PID namespace hides the host's, NVML lists host PIDs and the engine's own
+        process would read as a stranger)."""
         assert self._pids is not None
         wanted = set(self._pids())
         if not wanted:
-            return {}
+            return {}, None
         procs = self._call(i, "processes", self._nvml.nvmlDeviceGetComputeRunningProcesses, self._handles[i])
         if procs is None:
-            return None
-        return {
+            return None, None
+        own = {
             str(p.pid): int(p.usedGpuMemory) for p in procs if p.pid in wanted and p.usedGpuMemory is not None
         }
+        if not any(p.pid in wanted for p in procs):
+            return own, None
+        # usedGpuMemory is None where the driver cannot tell (Windows WDDM, some vGPU): present, size unknown.
+        return own, {str(p.pid): int(p.usedGpuMemory or 0) for p in procs if p.pid not in wanted}
 
     def close(self) -> None:
         for st in self._gpm.values():
@@ -630,7 +641,8 @@ class NvmlCollector:
       margin to slowdown, C
     - throttle_<name>_s: growth of each throttle-time counter (THROTTLE_COUNTERS), s
     - counter_resets: counters (or energy) that went down (a driver reload) since the previous point
-    - ecc_corrected / ecc_uncorrected (volatile), remapped_* rows; proc_mem_bytes: watched processes
+    - ecc_corrected / ecc_uncorrected (volatile), remapped_* rows; proc_mem_bytes: watched processes;
+      foreign_procs / foreign_mem_bytes: other processes with a compute context on the GPU, where known
     - gpm_dram_bw_pct, gpm_sm_util_pct, gpm_sm_occupancy_pct, gpm_tensor_pct, gpm_hmma_pct (GPM_METRICS,
       Hopper+): mean over the interval's slow reads of each span's GPM share, %; carried like the gauges
     - interval_s: time since the previous point (absent on the first)
@@ -904,6 +916,10 @@ class NvmlCollector:
         procs = r.get("proc_mem")
         if procs is not None:
             f["proc_mem_bytes"] = int(sum(procs.values()))
+        foreign = r.get("foreign_procs")
+        if foreign is not None:
+            f["foreign_procs"] = len(foreign)
+            f["foreign_mem_bytes"] = int(sum(foreign.values()))
         return f
 
     def gpm_dram_bw_pct(self) -> float | None:

@@ -824,11 +824,15 @@ class ThroughputJudge:
         """Intervals (tokens/s, with a queue) not yet in a reference: the recent ones, being judged."""
         self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
-        self._history: deque[tuple[float, float | None]] = deque(
+        self._history: deque[tuple[float, float | None, bool]] = deque(
             maxlen=self.settings.recent + self.settings.step
         )
-        """(tokens/s, the GPU's power in W or None when unknown) of the last intervals: the recent ones
-        and the `step` before them, what a step is judged against."""
+        """(tokens/s, the GPU's power in W or None when unknown, another process on the GPU) of the last
+        intervals: the recent ones and the `step` before them, what a step is judged against."""
+        self.shared_intervals = 0
+        """Intervals with another process computing on the engine's GPU (where the process list is known)."""
+        self.cotenant_entries = 0
+        """Episodes begun with another process on the GPU: the power gate did not apply."""
         self._flight: deque[tuple[float, float]] = deque(maxlen=self.settings.step)
         """(requests in the engine, tokens/s) of the last `step` intervals: what a backlog is seen against."""
         self.backlogs = 0
@@ -874,12 +878,14 @@ class ThroughputJudge:
         in_flight: int | None = None,
         prefill_per_s: float | None = None,
         power_w: float | None = None,
+        shared: bool | None = None,
     ) -> bool | None:
         """The new harm state when it changed (True: began, False: ended), else None. `in_flight`: requests
         in the engine now (None while the replay drains: no arrivals, so no backlog can show).
         `prefill_per_s`: prompt tokens the engine computed per second over the interval (None: unknown,
         output tokens alone are judged); they count at the settings' `prefill_weight`. `power_w`: the
-        GPU's mean power over the interval (None: unknown, see `_gpu_as_busy`)."""
+        GPU's mean power over the interval (None: unknown, see `_gpu_as_busy`). `shared`: whether another
+        process had a compute context on the GPU (None: unknown)."""
         s = self.settings
         if prefill_per_s is not None and prefill_per_s > 0:
             tokens_per_s += s.prefill_weight * prefill_per_s
@@ -888,7 +894,8 @@ class ThroughputJudge:
             self.backlogs += 1
         if in_flight is not None:
             self._flight.append((float(in_flight), tokens_per_s))
-        self._history.append((tokens_per_s, power_w))
+        self._history.append((tokens_per_s, power_w, bool(shared)))
+        self.shared_intervals += bool(shared)
         if binding:
             self._recent.append((tokens_per_s, limited))
             self._binding_seen += 1
@@ -930,6 +937,7 @@ class ThroughputJudge:
             if began:
                 self.harmful, self._began = True, t_s
                 self.episodes += 1
+                self.cotenant_entries += self.cotenant
             self._note(t_s, tokens_per_s, binding=binding, quiet=False)
             return True if began else None
         if not self.harmful:
@@ -973,6 +981,8 @@ class ThroughputJudge:
             "reference_kind": self.reference_kind,
             "backlog_intervals": self.backlogs,
             "prefill_weight": s.prefill_weight,
+            "cotenant_intervals": self.shared_intervals,
+            "cotenant_entries": self.cotenant_entries,
         }
         if ref is None:
             out["reference_note"] = (
@@ -1004,7 +1014,7 @@ class ThroughputJudge:
         one, tokens/s are the offered load, which the engine served), and each recent interval at least
         half of it: a shared limit moves them all, an engine alone at the cap dips for a second or two."""
         s = self.settings
-        before = [x for x, _ in list(self._history)[: -s.recent]]
+        before = [x for x, _, _ in list(self._history)[: -s.recent]]
         if len(before) < s.step:
             return False
         level = float(statistics.median(before))
@@ -1019,14 +1029,25 @@ class ThroughputJudge:
         (no outside load) the engine's steps slowed from ~36 to 26 a second for 3 s while the GPU's
         power fell from 522 to 418 W (median) and its clock rose: 20 % fewer tokens, read as harm. Every
         shared load recorded on an H200 or H100 (25 arms) had raised the GPU's power by 26-59 % over the
-        same window when the judge saw it."""
+        same window when the judge saw it.
+
+        With another process on the GPU in a recent interval the gate does not apply: a co-tenant's work
+        need not raise the power (a memory-bound neighbour at low power still takes SM time), and one
+        that did not at its start would never be judged again once the drop joined the reference."""
         s = self.settings
-        powers = [p for _, p in self._history]
+        if self.cotenant:
+            return True
+        powers = [p for _, p, _ in self._history]
         recent = [p for p in powers[-s.recent :] if p is not None]
         before = [p for p in powers[: -s.recent] if p is not None]
         if len(recent) < s.recent or len(before) < s.step:
             return True
         return statistics.median(recent) >= (1 - s.loss / 2) * statistics.median(before)
+
+    @property
+    def cotenant(self) -> bool:
+        """Another process had a compute context on the GPU in one of the recent intervals."""
+        return any(shared for _, _, shared in list(self._history)[-self.settings.recent :])
 
     def _recovered(self, median: float) -> bool:
         """tokens/s back up by the loss's share over the episode's level (only during an episode)."""

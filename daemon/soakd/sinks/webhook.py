@@ -107,6 +107,8 @@ RULES: dict[str, Rule] = {
     "engine_rebuild": Rule("SoakdEngineRebuildFailed", "warning", "engine rebuild failed", failed_only=True),
     "replay_error": Rule("SoakdReplayError", "critical", "replay ended early"),
     "gpu_xid": Rule("SoakdGpuXid", "critical", "GPU XID error"),
+    # A soak's figures are the engine's alone only while no other process computes on its GPU.
+    "cotenant_enter": Rule("SoakdGpuShared", "warning", "another process on the GPU", ends="cotenant_leave"),
     "gpu_error": Rule("SoakdGpuError", "critical", "GPU error"),
 }
 _ENDS = {rule.ends: kind for kind, rule in RULES.items() if rule.ends}

@@ -327,6 +327,26 @@ def test_watched_process_memory_and_close() -> None:
     assert nv.calls[-1] == "shutdown"
 
 
+def test_other_processes_on_the_gpu_are_known_only_where_the_engines_own_pid_is_listed() -> None:
+    """The fake lists PIDs 42 (5 GiB) and 7: with the engine as 42, 7 is a co-tenant; with the engine
+    as a PID NVML does not list (a container's namespace hides the host's PIDs), who the others are is
+    unknown, and no point claims none."""
+    src = LiveNvml(NewFakeNvml(), pids=lambda: [42])
+    r = src.slow(0)
+    assert r["proc_mem"] == {"42": 5 << 30} and r["foreign_procs"] == {"7": 1}
+    col = NvmlCollector(src)
+    col.sample_slow()
+    (p,) = col.collect(1)
+    assert p.fields["foreign_procs"] == 1 and p.fields["foreign_mem_bytes"] == 1
+    hidden = LiveNvml(NewFakeNvml(), pids=lambda: [99])
+    assert hidden.slow(0)["foreign_procs"] is None
+    col = NvmlCollector(hidden)
+    col.sample_slow()
+    (q,) = col.collect(1)
+    assert "foreign_procs" not in q.fields and "foreign_mem_bytes" not in q.fields
+    assert LiveNvml(NewFakeNvml(), pids=lambda: []).slow(0)["foreign_procs"] is None
+
+
 # -- GPM (Hopper and newer) --------------------------------------------------------------------------
 
 

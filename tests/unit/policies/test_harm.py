@@ -299,3 +299,32 @@ def test_a_thermal_episode_in_the_band_is_a_tail_only_for_stale_s() -> None:
     assert judge.harmful and judge.in_tail
     feed(judge, phase(rng, 68.0, s.stale_s + 5.0, 1935.0, SW_THERMAL))
     assert judge.harmful and not judge.at_threshold and not judge.in_tail
+
+
+def test_another_process_on_the_gpu_is_an_event_pair_and_the_watchs_shared_state() -> None:
+    """`cotenant_enter` when a process other than the engine's takes a compute context on a judged GPU
+    (its PIDs and memory), `cotenant_leave` when the last one goes; an unknown list (None) changes
+    nothing and reads as unknown until a list is known; the summary counts the episodes."""
+    events: list[tuple[str, str, dict[str, Any]]] = []
+    watch = GpuThrottleWatch({0: MAX_MHZ}, on_event=lambda kind, msg, **f: events.append((kind, msg, f)))
+    fast = {"sm_mhz": MAX_MHZ, "reasons": 0}
+    lists: list[dict[str, int] | None] = [
+        None,
+        {},
+        {},
+        {"4242": 3 << 30},
+        {"4242": 3 << 30, "77": 0},
+        None,
+        {},
+    ]
+    seen = []
+    for n, foreign in enumerate(lists):
+        watch.observe(0, float(n), fast, {"util_gpu": 90, "foreign_procs": foreign})
+        seen.append(watch.shared())
+    assert seen == [None, False, False, True, True, True, False]
+    kinds = [(k, f) for k, _, f in events if k.startswith("cotenant_")]
+    assert [k for k, _ in kinds] == ["cotenant_enter", "cotenant_leave"]
+    assert kinds[0][1]["pids"] == "4242" and kinds[0][1]["foreign_mem_bytes"] == 3 << 30
+    assert "PID 4242, 3.0 GiB" in next(m for k, m, _ in events if k == "cotenant_enter")
+    assert watch.summary()["0"]["cotenant_episodes"] == 1  # type: ignore[index]
+    assert GpuThrottleWatch({0: MAX_MHZ}, lambda *_a, **_f: None).summary()["0"]["cotenant_episodes"] is None  # type: ignore[index]
