@@ -165,8 +165,14 @@ async def test_a_sender_that_died_fails_its_requests_and_is_restarted(vllm_serve
         with pytest.raises(RequestError, match="sender process exited"):
             async for _ in engine.generate(request):
                 os.kill(pid, signal.SIGKILL)
-        deltas = await collect(engine, GenerationRequest("after", [1, 2, 3], max_tokens=4))
+        # The next request waits for the new sender: soakd's own wait, counted from its hand-over to the
+        # engine (its lateness), not as the engine's hold.
+        began = time.monotonic()
+        after = GenerationRequest("after", [1, 2, 3], max_tokens=4, send_at=began, stamps=Stamps())
+        deltas = await collect(engine, after)
         assert sum(n for _, n in deltas) == 4
+        assert after.stamps is not None and after.stamps.handed is not None and after.stamps.sent is not None
+        assert after.stamps.handed - began < (after.stamps.sent - began) / 4
         assert engine.sender_pid not in (None, pid)
         assert engine.telemetry_summary()["sender_restarts"] == 1
 

@@ -35,8 +35,8 @@ class Stamps:
     so soakd's own event loop adds nothing to them. `sent` stays None when the engine stamps nothing."""
 
     handed: float | None = None
-    """When the engine handed the request to its sender (later than `send_at` when the engine held it,
-    e.g. through a restart)."""
+    """When the engine got the request (later than `send_at` when the engine held it, e.g. through its
+    restart); soakd's own work after it (the body, its sender process's restart) counts as lateness."""
     sent: float | None = None
     """When the sender began the request (its due time reached); TTFT and E2E count from here."""
     written: float | None = None

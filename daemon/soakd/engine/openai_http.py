@@ -340,6 +340,11 @@ class OpenAIEngine:
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
+        if request.stamps is not None:
+            # The engine has it from here: a wait before (its restart or rebuild, in the supervisor) is
+            # the engine's hold; what follows (the body's encoding, a restart of soakd's own sender
+            # process) is soakd's, and counts in the request's lateness.
+            request.stamps.handed = time.monotonic()
         session = self._require_session()
         body = self._body(request)
         if self.on_send is not None:
@@ -367,8 +372,6 @@ class OpenAIEngine:
         self, senders: Senders, request: GenerationRequest, body: bytes
     ) -> AsyncIterator[int]:
         sender = await senders.next()
-        if request.stamps is not None:
-            request.stamps.handed = time.monotonic()
         async for header in stream_via(sender, request, body):
             n = int(header.get("n", 0))
             if n:

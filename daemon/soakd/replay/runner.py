@@ -735,7 +735,7 @@ class Replayer:
         stamps = request.stamps
         if stamps is None or stamps.sent is None or request.send_at is None:
             return None
-        # Held by the engine before its sender got it (a restart or rebuild under way): not lateness.
+        # Held before the engine got it (its restart or rebuild under way): not lateness.
         hold = max(0.0, (stamps.handed or request.send_at) - request.send_at)
         # Late until its first bytes left: a connection opened for it counts (the server saw it that
         # late); its TTFT still runs from the send, as a client's does.
