@@ -78,6 +78,9 @@ class ControlInputs:
     """How long the request at the head of the admission queue has waited, from its due time (0: none)."""
     energy_j: Callable[[], float | None] = lambda: None
     """GPU energy so far (J, a running total), None when unknown."""
+    energy_s: Callable[[], float | None] = lambda: None
+    """The time the energy total covers (s; None: unknown, the control interval stands in): the GPU's
+    power is the energy's growth over this one's."""
     limited: Callable[[], bool] = lambda: False
     """Whether a device in scope shows a throttle reason in most recent samples (at a limit)."""
     prompt_tokens_computed: Callable[[], int | None] = lambda: None
@@ -135,6 +138,7 @@ class Controller:
         self._good_tokens = 0.0
         self._finished = 0
         self._last_energy: float | None = None
+        self._last_energy_s: float | None = None
         self.throughput = ThroughputJudge(ThroughputSettings.from_config(cfg.harm))
         self.recapture_settings = RecaptureSettings.from_config(cfg.recapture)
         self.recapture: RecapturePolicy | None = None
@@ -225,12 +229,19 @@ class Controller:
         good, self._good_tokens = self._good_tokens, 0.0
         finished, self._finished = self._finished, 0
         energy = self.inputs.energy_j()
-        joules = None
+        covered = self.inputs.energy_s()
+        joules = power = None
         if energy is not None and self._last_energy is not None and energy >= self._last_energy:
             joules = energy - self._last_energy
-        self._last_energy = energy
+            # Over the time the samples covered: a tick holds 9 or 11 samples of 10 Hz as often as 10.
+            # No new sample (a stalled tier): the power is unknown, not zero.
+            span: float | None = interval
+            if covered is not None and self._last_energy_s is not None:
+                span = covered - self._last_energy_s if covered > self._last_energy_s else None
+            power = joules / span if span else None
+        self._last_energy, self._last_energy_s = energy, covered
         binding = self.inputs.waiting() > 0 and not self.inputs.draining()
-        self._judge_throughput(now, delta, interval, binding, prefill, joules)
+        self._judge_throughput(now, delta, interval, binding, prefill, power)
         if cfg.batch.enabled:
             harm = self.inputs.harm()
             if not harm and self.throughput.harmful and cfg.harm.act_on_throughput:
@@ -281,7 +292,7 @@ class Controller:
         interval: float,
         binding: bool,
         prefill: int | None,
-        joules: float | None,
+        power_w: float | None,
     ) -> None:
         if interval <= 0:
             return
@@ -294,7 +305,7 @@ class Controller:
             limited=self.inputs.limited(),
             in_flight=flight,
             prefill_per_s=None if prefill is None else prefill / interval,
-            power_w=None if joules is None else joules / interval,
+            power_w=power_w,
             shared=self.inputs.shared(),
         )
         if change is None:

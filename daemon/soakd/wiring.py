@@ -260,6 +260,7 @@ def make_controller(
         draining=lambda: live.replayer.draining if live.replayer is not None else False,
         prompt_tokens_computed=lambda: engine_collector.prompt_computed_total,
         energy_j=gpu_watch.energy_j if gpu_watch is not None else lambda: None,
+        energy_s=gpu_watch.energy_s if gpu_watch is not None else lambda: None,
         limited=gpu_watch.limited if gpu_watch is not None and ccfg.scope != "host" else lambda: False,
         shared=gpu_watch.shared if gpu_watch is not None and ccfg.scope != "host" else lambda: None,
     )

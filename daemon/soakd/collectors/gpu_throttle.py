@@ -104,6 +104,8 @@ class GpuThrottleWatch:
         self._group_record = {name: _GroupRecord() for name in self._groups}
         self._power: dict[int, tuple[float, float]] = {}  # gpu -> (t, W) of the last sample
         self._energy_j = 0.0
+        self._energy_s = 0.0
+        """Seconds of samples integrated into `_energy_j`, per GPU judged (gaps left out, as there)."""
         self._on_event = on_event
         self._last_slow: dict[int, Mapping[str, Any]] = {}
         self._foreign: dict[int, Mapping[str, int] | None] = {}
@@ -196,6 +198,7 @@ class GpuThrottleWatch:
         # Trapezoids between fast samples; a gap over 5 s (a stalled tier) is not guessed across.
         if last is not None and 0 < t_s - last[0] <= 5.0:
             self._energy_j += (t_s - last[0]) * (watts + last[1]) / 2
+            self._energy_s += (t_s - last[0]) / len(self._judges)
         self._power[gpu] = (t_s, watts)
 
     def _harm_event(self, gpu: int, ch: HarmChange) -> None:
@@ -256,6 +259,12 @@ class GpuThrottleWatch:
     def energy_j(self) -> float:
         """GPU energy since the start (J, the engine's GPUs), integrated from the fast tier's board power."""
         return self._energy_j
+
+    def energy_s(self) -> float:
+        """The time the energy total covers (s, per GPU): a power is the energy's growth over this one's,
+        not over a control interval that holds a sample more or less (10 % of a 1 s interval at 10 Hz)
+        or a stalled tier's gap, whose energy is not guessed."""
+        return self._energy_s
 
     def collect(self, now_ns: int) -> Sequence[Sample]:
         out = []

@@ -505,6 +505,53 @@ def test_the_throughput_judge_reads_the_gpus_power_from_its_energy(tmp_path: Pat
     }
 
 
+def test_the_gpus_power_is_its_energy_over_the_span_its_samples_covered(tmp_path: Path) -> None:
+    """The energy total grows at each fast sample, so a 2 s tick holds a sample more or less now and
+    then. The GPU at a steady 500 W while tokens/s halve (another process took its SM time) is harm by
+    the drop's third tick, when the recent three are judged. Read over the ticks' own 2 s, the ticks
+    that held fewer samples read 15 % less power, as if the engine had given its GPU less work: the
+    drop passed the gate only once that lower power filled the window before it, 7 ticks late. A
+    stalled tier (no new sample) gives no power rather than 0 W."""
+    entered = {}
+    for name, with_t in (("sample-span", True), ("tick-span", False)):
+        d = tmp_path / name
+        d.mkdir()
+        ctrl, world, events, _, clock = make(d, BATCH)
+        energy, sampled = [0.0], [0.0]
+        ctrl.inputs.energy_j = lambda energy=energy: energy[0]
+        ctrl.inputs.energy_s = lambda sampled=sampled, with_t=with_t: sampled[0] if with_t else None
+        ctrl.inputs.limited = lambda: True
+        for n in range(30):
+            out_rate, span = (100, 2.0) if n < 15 else (50, 1.7)
+            clock[0] += 2
+            world.tokens += 2 * out_rate
+            sampled[0] += span  # the samples integrated since the previous tick covered this much
+            energy[0] += 500.0 * span
+            asyncio.run(ctrl.tick())
+            if ctrl.throughput.harmful and name not in entered:
+                entered[name] = n - 15
+        assert [e[0] for e in events] == ["harm_enter"]
+    assert entered["sample-span"] <= 2 and entered["tick-span"] > 4
+    # No sample since the last tick: unknown, so the gate stands aside rather than reading 0 W.
+    d = tmp_path / "stalled"
+    d.mkdir()
+    ctrl, world, events, _, clock = make(d, BATCH)
+    ctrl.inputs.energy_j = lambda: 1000.0
+    ctrl.inputs.energy_s = lambda: 5.0
+    seen: list[float | None] = []
+    real = ctrl.throughput.update
+
+    def spy(*a: Any, **k: Any) -> bool | None:
+        seen.append(k.get("power_w"))
+        return real(*a, **k)
+
+    ctrl.throughput.update = spy  # type: ignore[method-assign]
+    for _ in range(3):
+        clock[0] += 2
+        asyncio.run(ctrl.tick())
+    assert len(seen) >= 2 and all(p is None for p in seen)  # 0 W before
+
+
 def test_a_clock_harm_in_its_tail_is_harm_now_while_the_throughput_judge_reads_it(tmp_path: Path) -> None:
     """On an H200 a shared load held the clock loss at 7-13 % against the 10 % threshold for 150 s (a
     tail every few seconds) while tokens/s stayed half down: no trial ever started. The clock harm in its

@@ -328,3 +328,16 @@ def test_another_process_on_the_gpu_is_an_event_pair_and_the_watchs_shared_state
     assert "PID 4242, 3.0 GiB" in next(m for k, m, _ in events if k == "cotenant_enter")
     assert watch.summary()["0"]["cotenant_episodes"] == 1  # type: ignore[index]
     assert GpuThrottleWatch({0: MAX_MHZ}, lambda *_a, **_f: None).summary()["0"]["cotenant_episodes"] is None  # type: ignore[index]
+
+
+def test_the_energy_total_says_how_long_its_samples_covered() -> None:
+    """The energy is integrated between fast samples, never across a gap over 5 s; `energy_s` is the
+    time so covered, per GPU, so a power is the energy's growth over it: a stalled tier's gap neither
+    adds energy nor dilutes the power."""
+    watch = GpuThrottleWatch({0: MAX_MHZ, 1: MAX_MHZ}, lambda *_a, **_f: None)
+    assert watch.energy_s() == 0.0
+    for t in (0.0, 0.1, 0.2, 0.3, 9.0, 9.1):  # a 8.7 s stall between 0.3 and 9.0
+        for gpu in (0, 1):
+            watch.observe(gpu, t, {"sm_mhz": MAX_MHZ, "reasons": 0, "power_mw": 500_000}, {})
+    assert abs(watch.energy_s() - 0.4) < 1e-9 and abs(watch.energy_j() - 400.0) < 1e-6
+    assert abs(watch.energy_j() / watch.energy_s() - 1000.0) < 1e-6  # two GPUs at 500 W
