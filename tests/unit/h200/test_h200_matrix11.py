@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import test_h200_matrix2 as m2
 import test_h200_matrix6 as m6
+from test_h100_matrix9 import OWNCAP, WINDOWS
 from test_h200_matrix4 import window
 
 DATA = Path(__file__).parents[2] / "data" / "h200" / "matrix11"
 LOADED = ("shared-control", "shared-advice", "pays-control", "pays-advice")
-OWNCAP = ("owncap-control", "owncap-advice")
-WINDOWS = {"before": (0.0, 20.0), "under": (20.0, 65.0), "after": (65.0, 100.0)}
 
 
 @pytest.fixture(scope="module")
