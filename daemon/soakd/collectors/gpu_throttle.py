@@ -108,8 +108,10 @@ class GpuThrottleWatch:
         """Seconds of samples integrated into `_energy_j`, per GPU judged (gaps left out, as there)."""
         self._on_event = on_event
         self._last_slow: dict[int, Mapping[str, Any]] = {}
-        self._foreign: dict[int, Mapping[str, int] | None] = {}
-        """Per GPU: the other processes computing on it at its last slow read (None: unknown)."""
+        self._foreign: dict[int, Mapping[str, int]] = {}
+        """Per GPU: the other processes computing on it at its last slow read that knew them."""
+        self._now_foreign: dict[int, Mapping[str, int] | None] = {}
+        """Per GPU: the same at its last slow read (None: unknown then)."""
         self._cotenant_episodes: dict[int, int] = {}
         self.transitions = 0
 
@@ -150,7 +152,9 @@ class GpuThrottleWatch:
 
     def _cotenants(self, gpu: int, foreign: Mapping[str, int] | None) -> None:
         """A `cotenant_enter` event when another process appears on the GPU with none before, and a
-        `cotenant_leave` when the last one goes; an unknown list (None) changes nothing."""
+        `cotenant_leave` when the last one goes; an unknown list (None) ends nothing (the episode stays
+        open until a list without one), but the GPU's state reads unknown."""
+        self._now_foreign[gpu] = foreign
         if foreign is None:
             return
         before = self._foreign.get(gpu)
@@ -175,8 +179,8 @@ class GpuThrottleWatch:
 
     def shared(self) -> bool | None:
         """Whether another process had a compute context on any of the engine's GPUs at its last slow
-        read; None when no GPU's process list was known."""
-        known = [f for f in self._foreign.values() if f is not None]
+        read; None when no GPU's list was known at its last read (an engine between processes)."""
+        known = [f for f in self._now_foreign.values() if f is not None]
         return any(known) if known else None
 
     def _accumulate(self, gpu: int, sm_mhz: object, power_mw: object, temp_c: object) -> None:

@@ -171,6 +171,8 @@ class LiveNvml:
         self._nvml = nvml
         self._pids = pids
         """The processes whose GPU memory the slow tier reports (the engine's), asked on each read."""
+        self._own_ever: set[int] = set()
+        """Every PID ever the engine's: never taken for another process's."""
         self._error = nvml.NVMLError
         self._reported: set[tuple[int, str]] = set()
         self._static: dict[int, GpuStatic] = {}
@@ -423,23 +425,34 @@ class LiveNvml:
     def _procs(self, i: int) -> tuple[dict[str, int] | None, dict[str, int] | None]:
         """The watched processes' GPU memory, and that of every other process with a compute context on
         the GPU (a co-tenant: its SM time and power are taken from the engine's). The others are known
-        only when a watched process is in the list: then its PIDs are the ones this process sees (in a
-        container whose PID namespace hides the host's, NVML lists host PIDs and the engine's own
-        process would read as a stranger)."""
+        only when a process of the engine is in the list: then its PIDs are the ones this process sees
+        (in a container whose PID namespace hides the host's, NVML lists host PIDs and the engine's own
+        process would read as a stranger). A PID once the engine's stays its own (an engine process
+        orphaned by a crash, still releasing its context), and a PID not known is checked against the
+        engine's processes read again after the list (a worker started in between)."""
         assert self._pids is not None
         wanted = set(self._pids())
+        self._own_ever |= wanted
         if not wanted:
             return {}, None
         procs = self._call(i, "processes", self._nvml.nvmlDeviceGetComputeRunningProcesses, self._handles[i])
         if procs is None:
             return None, None
-        own = {
-            str(p.pid): int(p.usedGpuMemory) for p in procs if p.pid in wanted and p.usedGpuMemory is not None
-        }
-        if not any(p.pid in wanted for p in procs):
+        if any(p.pid not in self._own_ever for p in procs):
+            self._own_ever |= set(self._pids())
+        own: dict[str, int] = {}
+        foreign: dict[str, int] = {}
+        for p in procs:
+            # usedGpuMemory is None where the driver cannot tell (Windows WDDM, some vGPU).
+            mem = int(p.usedGpuMemory or 0)
+            if p.pid in wanted:
+                if p.usedGpuMemory is not None:
+                    own[str(p.pid)] = own.get(str(p.pid), 0) + mem
+            elif p.pid not in self._own_ever:
+                foreign[str(p.pid)] = foreign.get(str(p.pid), 0) + mem
+        if not any(p.pid in self._own_ever for p in procs):
             return own, None
-        # usedGpuMemory is None where the driver cannot tell (Windows WDDM, some vGPU): present, size unknown.
-        return own, {str(p.pid): int(p.usedGpuMemory or 0) for p in procs if p.pid not in wanted}
+        return own, foreign
 
     def close(self) -> None:
         for st in self._gpm.values():

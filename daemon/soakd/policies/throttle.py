@@ -832,7 +832,7 @@ class ThroughputJudge:
         self.shared_intervals = 0
         """Intervals with another process computing on the engine's GPU (where the process list is known)."""
         self.cotenant_entries = 0
-        """Episodes begun with another process on the GPU: the power gate did not apply."""
+        """Episodes begun with another process newly on the GPU: the power gate did not apply."""
         self._flight: deque[tuple[float, float]] = deque(maxlen=self.settings.step)
         """(requests in the engine, tokens/s) of the last `step` intervals: what a backlog is seen against."""
         self.backlogs = 0
@@ -1031,9 +1031,12 @@ class ThroughputJudge:
         shared load recorded on an H200 or H100 (25 arms) had raised the GPU's power by 26-59 % over the
         same window when the judge saw it.
 
-        With another process on the GPU in a recent interval the gate does not apply: a co-tenant's work
+        With another process newly on the GPU (`cotenant`) the gate does not apply: a newcomer's work
         need not raise the power (a memory-bound neighbour at low power still takes SM time), and one
-        that did not at its start would never be judged again once the drop joined the reference."""
+        whose drop the gate let pass would not be judged again once the drop joined the reference. One
+        there through the whole window is no newcomer: an idle notebook holding tensors, or the load
+        process of every recorded arm, which sat on the GPU 18 s before it computed; with the gate
+        lifted for any co-tenant, round 10's false episode came back."""
         s = self.settings
         if self.cotenant:
             return True
@@ -1046,8 +1049,10 @@ class ThroughputJudge:
 
     @property
     def cotenant(self) -> bool:
-        """Another process had a compute context on the GPU in one of the recent intervals."""
-        return any(shared for _, _, shared in list(self._history)[-self.settings.recent :])
+        """A newcomer on the GPU: another process had a compute context in one of the recent intervals,
+        and none in some interval of the window judged (the recent ones and the `step` before them)."""
+        flags = [shared for _, _, shared in self._history]
+        return any(flags[-self.settings.recent :]) and not all(flags)
 
     def _recovered(self, median: float) -> bool:
         """tokens/s back up by the loss's share over the episode's level (only during an episode)."""

@@ -347,6 +347,25 @@ def test_other_processes_on_the_gpu_are_known_only_where_the_engines_own_pid_is_
     assert LiveNvml(NewFakeNvml(), pids=lambda: []).slow(0)["foreign_procs"] is None
 
 
+def test_a_pid_that_is_or_was_the_engines_is_never_a_cotenant() -> None:
+    """A worker started between the engine's PIDs read and NVML's list (it is the engine's when asked
+    again after the list), and an engine process orphaned by a crash (no longer the engine's, still
+    listed while it releases its context), are the engine's own, not another process."""
+    calls = {"n": 0}
+
+    def late_worker() -> list[int]:
+        calls["n"] += 1
+        return [42] if calls["n"] == 1 else [42, 7]
+
+    assert LiveNvml(NewFakeNvml(), pids=late_worker).slow(0)["foreign_procs"] == {}
+    pids = [[42, 7]]
+    orphaned = LiveNvml(NewFakeNvml(), pids=lambda: pids[0])
+    assert orphaned.slow(0)["foreign_procs"] == {}
+    pids[0] = [42]  # 7 is no longer the engine's, but was
+    r = orphaned.slow(0)
+    assert r["foreign_procs"] == {} and r["proc_mem"] == {"42": 5 << 30}
+
+
 # -- GPM (Hopper and newer) --------------------------------------------------------------------------
 
 

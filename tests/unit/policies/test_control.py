@@ -477,7 +477,13 @@ def test_the_throughput_judge_reads_the_gpus_power_from_its_energy(tmp_path: Pat
     falling as much (the engine gave its GPU less work) no throughput harm; with it held (the GPU as
     busy, another process on it), harm; with no energy reading, harm as before."""
     outcomes = {}
-    runs = {"less-work": 250.0, "shared": 500.0, "unknown": None, "less-work-cotenant": 250.0}
+    runs = {
+        "less-work": 250.0,
+        "shared": 500.0,
+        "unknown": None,
+        "less-work-cotenant": 250.0,
+        "less-work-idle-cotenant": 250.0,
+    }
     for name, after_w in runs.items():
         d = tmp_path / name
         d.mkdir()
@@ -485,16 +491,19 @@ def test_the_throughput_judge_reads_the_gpus_power_from_its_energy(tmp_path: Pat
         energy = [0.0]
         ctrl.inputs.energy_j = lambda energy=energy, known=after_w is not None: energy[0] if known else None
         ctrl.inputs.limited = lambda: True
-        # A process beside the engine on the GPU (GpuThrottleWatch.shared): the power gate does not apply.
-        ctrl.inputs.shared = lambda name=name: name.endswith("cotenant")
+        # A process beside the engine on the GPU (GpuThrottleWatch.shared): the power gate does not apply
+        # to one that came with the drop; one there all along (an idle notebook) is no newcomer.
+        cotenant = [name == "less-work-idle-cotenant"]
+        ctrl.inputs.shared = lambda cotenant=cotenant: cotenant[0]
         for ticks, out_rate, watts in ((15, 100, 500.0), (12, 50, after_w or 0.0)):
+            cotenant[0] = cotenant[0] or (name == "less-work-cotenant" and out_rate == 50)
             for _ in range(ticks):
                 clock[0] += 2
                 world.tokens += 2 * out_rate
                 energy[0] += 2 * watts
                 asyncio.run(ctrl.tick())
         outcomes[name] = [(e[0], e[2].get("harm_kind"), e[2].get("cotenant")) for e in events]
-        if name.endswith("cotenant"):
+        if name == "less-work-cotenant":
             assert "another process computes on the GPU" in events[0][1]
             assert ctrl.throughput.summary()["cotenant_entries"] == 1
     assert outcomes == {
@@ -502,6 +511,7 @@ def test_the_throughput_judge_reads_the_gpus_power_from_its_energy(tmp_path: Pat
         "shared": [("harm_enter", "throughput", False)],
         "unknown": [("harm_enter", "throughput", False)],
         "less-work-cotenant": [("harm_enter", "throughput", True)],
+        "less-work-idle-cotenant": [],
     }
 
 

@@ -347,13 +347,14 @@ def test_throughput_judge_needs_the_gpu_as_busy_as_before_the_drop() -> None:
 
 
 def test_a_process_beside_the_engine_lifts_the_power_gate() -> None:
-    """Another process computing on the GPU is an outside cause whatever the power does (a memory-bound
-    neighbour at low power takes SM time too): the same 25 % drop with the power down 19 % is harm with
-    a co-tenant seen in the recent intervals, none without one or with the list unknown. One that shows
-    only after its drop (the process list is read every 2 s) is still judged while the step stands."""
+    """Another process newly computing on the GPU is an outside cause whatever the power does (a
+    memory-bound neighbour at low power takes SM time too): the same 25 % drop with the power down 19 %
+    is harm with a newcomer seen in the recent intervals, none without one, with the list unknown or
+    with one there all along. One that shows only after its drop (the process list is read every 2 s)
+    is still judged while the step stands."""
     from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
 
-    def run(shared_from: int | None, unknown: bool = False) -> ThroughputJudge:
+    def run(shared_from: int | None, unknown: bool = False, all_along: bool = False) -> ThroughputJudge:
         judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, prefill_weight=0))
         t = 0.0
         for i in range(30):
@@ -364,11 +365,11 @@ def test_a_process_beside_the_engine_lifts_the_power_gate() -> None:
                 binding=True,
                 limited=True,
                 power_w=520.0,
-                shared=None if unknown else False,
+                shared=None if unknown else all_along,
             )
         for i in range(6):  # 25 % fewer tokens, the power down 19 %
             t += 1
-            co = None if unknown else (shared_from is not None and i >= shared_from)
+            co = None if unknown else (all_along or (shared_from is not None and i >= shared_from))
             judge.update(t, 6750.0, binding=True, limited=True, power_w=420.0, shared=co)
         return judge
 
@@ -377,6 +378,8 @@ def test_a_process_beside_the_engine_lifts_the_power_gate() -> None:
     assert judge.episodes == 1 and judge.cotenant
     assert judge.summary()["cotenant_entries"] == 1 and judge.summary()["cotenant_intervals"] == 6
     assert run(4).episodes == 1  # seen 2 s after the step was first judged
+    # There through the whole window (an idle process holding memory): no newcomer, the gate stands.
+    assert run(None, all_along=True).episodes == 0
 
 
 def test_throughput_judge_ignores_drift_at_the_cap_and_ends_when_the_drop_reverses() -> None:
