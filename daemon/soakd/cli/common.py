@@ -56,7 +56,8 @@ def trace_arg(value: str) -> str:
 
 
 def hardware_lines(summary: dict[str, Any]) -> list[str]:
-    """Throttling, GPU error events and the decode ceiling, as the run's printout and the report show them."""
+    """Throttling, other processes on the GPUs, GPU error events and the decode ceiling, as the run's
+    printout and the report show them."""
     from soakd.collectors.ceiling import ceiling_line
 
     out = []
@@ -69,6 +70,11 @@ def hardware_lines(summary: dict[str, Any]) -> list[str]:
             f"  throttle, {name}: {t['throttled_s']:.1f} s throttled in {t['enters']} episode(s), "
             f"now {t['state']}" + (f"; counters: {reasons}" if reasons else "")
         )
+        if t.get("cotenant_episodes"):
+            out.append(
+                f"  another process on {name}: came {t['cotenant_episodes']} time(s) (cotenant_enter "
+                "events); the figures are not the engine's alone"
+            )
     from soakd.report.gpus import spread_text
 
     for group, g in (summary.get("gpu_spread") or {}).items():

@@ -27,6 +27,25 @@ def spread_text(group: str, g: Mapping[str, Any]) -> str:
     return f"GPUs {gpus} ({who}): clock spread p50 {p50:.1%}, max {top:.1%}; {named}"
 
 
+def cotenant_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Whether another process computed on the engine's GPUs (summary.json's `gpu_throttle`): a soak's
+    figures are the engine's alone only where none did; unsaid where NVML's process list was not known."""
+    throttle = summary.get("gpu_throttle")
+    if not isinstance(throttle, Mapping):
+        return []
+    counts = {g: t.get("cotenant_episodes") for g, t in throttle.items() if isinstance(t, Mapping)}
+    known = {g: n for g, n in counts.items() if isinstance(n, int)}
+    if not known:
+        return []
+    came = {g: n for g, n in known.items() if n}
+    if not came:
+        return [("other processes", f"none on GPU(s) {', '.join(known)}")]
+    return [
+        (f"other processes, GPU {g}", f"came {n} time(s) (cotenant_enter events): not the engine's GPU alone")
+        for g, n in came.items()
+    ]
+
+
 def engine_gpu_rows(gpu_meta: Mapping[str, Any], summary: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """Which GPUs were the engine's (meta.json) and, for a parallel engine, its straggler (summary.json)."""
     engine = gpu_meta.get("engine")
@@ -44,6 +63,7 @@ def engine_gpu_rows(gpu_meta: Mapping[str, Any], summary: Mapping[str, Any]) -> 
             )
         else:
             rows.append(("the engine's GPUs", f"not told apart, every GPU judged ({engine.get('found_by')})"))
+    rows += cotenant_rows(summary)
     spread = summary.get("gpu_spread")
     if isinstance(spread, Mapping):
         for group, g in spread.items():

@@ -184,7 +184,14 @@ def test_hardware_lines_of_a_summary() -> None:
 
     summary = {
         "gpu_throttle": {
-            "0": {"state": "ok", "throttled_s": 40.61, "enters": 2, "per_reason_s": {"power": 40.6}}
+            "0": {
+                "state": "ok",
+                "throttled_s": 40.61,
+                "enters": 2,
+                "per_reason_s": {"power": 40.6},
+                "cotenant_episodes": 1,
+            },
+            "1": {"state": "ok", "throttled_s": 0.0, "enters": 0, "per_reason_s": {}, "cotenant_episodes": 0},
         },
         "host_throttle": {"state": "throttled", "throttled_s": 3.0, "enters": 1, "per_reason_s": {}},
         "gpu_events": {"listening": True, "xid_errors": 1, "xid_benign": 2, "totals": {"xid": 3}},
@@ -192,6 +199,9 @@ def test_hardware_lines_of_a_summary() -> None:
     }
     assert hardware_lines(summary) == [
         "  throttle, GPU 0: 40.6 s throttled in 2 episode(s), now ok; counters: power 40.6 s",
+        "  another process on GPU 0: came 1 time(s) (cotenant_enter events); the figures are not the "
+        "engine's alone",
+        "  throttle, GPU 1: 0.0 s throttled in 0 episode(s), now ok",
         "  throttle, host CPUs: 3.0 s throttled in 1 episode(s), now throttled",
         "  GPU error events: 1 XID error(s), 2 benign XID(s), totals {'xid': 3}",
         "  decode ceiling: not computed (no GPU)",
