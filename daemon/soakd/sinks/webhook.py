@@ -115,7 +115,7 @@ _ENDS = {rule.ends: kind for kind, rule in RULES.items() if rule.ends}
 # Event fields that tell one instance of an alert from another (which GPU, the host's CPUs).
 _IDENTITY = ("gpu", "scope")
 # Event fields worth a line of their own in the alert (annotations: text, never identity).
-_DETAILS = ("reasons", "reason", "xid", "clock_ratio", "state", "downtime_s")
+_DETAILS = ("reasons", "reason", "xid", "clock_ratio", "state", "downtime_s", "pids", "foreign_mem_bytes")
 
 
 @dataclass(frozen=True, slots=True)

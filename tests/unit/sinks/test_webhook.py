@@ -268,6 +268,36 @@ async def test_an_open_episode_is_sent_again_until_it_ends(tmp_path: Path, recei
     assert len(receiver.posts) == 3  # resolved: no more re-sends
 
 
+async def test_another_process_on_a_gpu_is_an_episode_per_gpu(tmp_path: Path, receiver: Receiver) -> None:
+    """`cotenant_enter` fires SoakdGpuShared with the PIDs and memory as annotations, on by default;
+    `cotenant_leave` of that GPU resolves it, another GPU's stays open."""
+    run = Run(tmp_path)
+    sink = sink_for(run, ManualTime(1000.0), receiver.url)
+    for gpu, pid in ((0, "4242"), (1, "77")):
+        run.event(
+            "cotenant_enter",
+            f"GPU {gpu}: another process",
+            gpu=gpu,
+            pids=pid,
+            foreign_procs=1,
+            foreign_mem_bytes=3 << 30,
+        )
+    run.event("cotenant_leave", "GPU 0: no other process computes on it", gpu=0)
+    await sink.tick(5.0)
+    alerts = receiver.posts[-1][1]
+    got = [(a["labels"]["alertname"], a["labels"]["gpu"], "endsAt" in a) for a in alerts]
+    assert got == [
+        ("SoakdGpuShared", "0", False),
+        ("SoakdGpuShared", "1", False),
+        ("SoakdGpuShared", "0", True),
+    ]
+    assert alerts[0]["labels"]["severity"] == "warning"
+    assert alerts[1]["annotations"]["pids"] == "77" and alerts[1]["annotations"]["foreign_mem_bytes"] == str(
+        3 << 30
+    )
+    assert sink.summary()["firing"] == 1
+
+
 async def test_receiver_down_then_up_backfills_everything_in_order(tmp_path: Path) -> None:
     rx = Receiver()  # not started: its port refuses connections
     run = Run(tmp_path)
