@@ -59,6 +59,7 @@ def hardware_lines(summary: dict[str, Any]) -> list[str]:
     """Throttling, other processes on the GPUs, GPU error events and the decode ceiling, as the run's
     printout and the report show them."""
     from soakd.collectors.ceiling import ceiling_line
+    from soakd.report.gpus import cotenant_text, spread_text
 
     out = []
     scopes = [(f"GPU {k}", v) for k, v in (summary.get("gpu_throttle") or {}).items()]
@@ -71,12 +72,7 @@ def hardware_lines(summary: dict[str, Any]) -> list[str]:
             f"now {t['state']}" + (f"; counters: {reasons}" if reasons else "")
         )
         if t.get("cotenant_episodes"):
-            out.append(
-                f"  another process on {name}: came {t['cotenant_episodes']} time(s) (cotenant_enter "
-                "events); the figures are not the engine's alone"
-            )
-    from soakd.report.gpus import spread_text
-
+            out.append(f"  another process on {name}: {cotenant_text(t['cotenant_episodes'])}")
     for group, g in (summary.get("gpu_spread") or {}).items():
         out.append("  " + spread_text(group, g))
     events = summary.get("gpu_events")

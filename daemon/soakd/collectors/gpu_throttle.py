@@ -344,9 +344,7 @@ class GpuThrottleWatch:
                 **det.summary(),
                 "harm": self._judges[gpu].summary(),
                 # Times another process came to compute on the GPU; None: its process list was never known.
-                "cotenant_episodes": self._cotenant_episodes.get(gpu, 0)
-                if self._foreign.get(gpu) is not None
-                else None,
+                "cotenant_episodes": self._cotenant_episodes.get(gpu, 0) if gpu in self._foreign else None,
             }
             for gpu, det in self._detectors.items()
         }

@@ -445,10 +445,9 @@ class LiveNvml:
         for p in procs:
             # usedGpuMemory is None where the driver cannot tell (Windows WDDM, some vGPU).
             mem = int(p.usedGpuMemory or 0)
-            if p.pid in wanted:
-                if p.usedGpuMemory is not None:
-                    own[str(p.pid)] = own.get(str(p.pid), 0) + mem
-            elif p.pid not in self._own_ever:
+            if p.pid in wanted and p.usedGpuMemory is not None:
+                own[str(p.pid)] = own.get(str(p.pid), 0) + mem
+            elif p.pid not in self._own_ever:  # the engine's own PIDs (`wanted` among them) are never others
                 foreign[str(p.pid)] = foreign.get(str(p.pid), 0) + mem
         if not any(p.pid in self._own_ever for p in procs):
             return own, None

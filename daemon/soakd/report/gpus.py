@@ -27,6 +27,12 @@ def spread_text(group: str, g: Mapping[str, Any]) -> str:
     return f"GPUs {gpus} ({who}): clock spread p50 {p50:.1%}, max {top:.1%}; {named}"
 
 
+def cotenant_text(episodes: int) -> str:
+    """Another process on one of the engine's GPUs (summary.json's `cotenant_episodes`, when not 0): the
+    printout's words too."""
+    return f"came {episodes} time(s) (cotenant_enter events); the figures are not the engine's alone"
+
+
 def cotenant_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """Whether another process computed on the engine's GPUs (summary.json's `gpu_throttle`): a soak's
     figures are the engine's alone only where none did; unsaid where NVML's process list was not known."""
@@ -40,10 +46,7 @@ def cotenant_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any]]:
     came = {g: n for g, n in known.items() if n}
     if not came:
         return [("other processes", f"none on GPU(s) {', '.join(known)}")]
-    return [
-        (f"other processes, GPU {g}", f"came {n} time(s) (cotenant_enter events): not the engine's GPU alone")
-        for g, n in came.items()
-    ]
+    return [(f"other processes, GPU {g}", cotenant_text(n)) for g, n in came.items()]
 
 
 def engine_gpu_rows(gpu_meta: Mapping[str, Any], summary: Mapping[str, Any]) -> list[tuple[str, Any]]:

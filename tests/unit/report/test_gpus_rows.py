@@ -11,7 +11,10 @@ def test_other_processes_on_the_engines_gpus_are_said_where_known() -> None:
 
     assert cotenant_rows(summary(0, 0)) == [("other processes", "none on GPU(s) 0, 1")]
     assert cotenant_rows(summary(0, 2)) == [
-        ("other processes, GPU 1", "came 2 time(s) (cotenant_enter events): not the engine's GPU alone")
+        (
+            "other processes, GPU 1",
+            "came 2 time(s) (cotenant_enter events); the figures are not the engine's alone",
+        )
     ]
     # Unknown (NVML's list never named the engine's processes), or a summary from before: unsaid.
     assert cotenant_rows(summary(None)) == [] and cotenant_rows({"gpu_throttle": {"0": {}}}) == []
