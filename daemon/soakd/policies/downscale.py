@@ -56,8 +56,12 @@ load ended started a trial as the clock came back; the harm ended 0.8 s later an
 tick no tail (the controller's `fading`): a clock loss sitting at its threshold under a shared load was
 in its tail two seconds in three, and no trial started in 150 s (tests/data/h200/matrix4).
 
-Harm that ends during the B leg makes the trial inconclusive: the lower level is kept and the upscale
-below needs only `settle_s` of quiet; harm that ends during the A' leg leaves the level before in force,
+Harm that ends during the B leg makes the trial inconclusive and the upscale below comes in the same
+tick, not after `recover_s`: the harm judge's own `leave` was the wait for its cause to end, and a level
+whose harm returns right after an upscale is blocked anyway. On an H100 (tests/data/h100/matrix12,
+longctx-control) a trial of 48 -> 36 began 5 s before a shared load ended; the way back after `settle_s`
+held 36 for 11 s more, and control served 5.2 % fewer tokens than advice-only after the load (two
+advice-only runs: 0.1 % apart). Harm that ends during the A' leg leaves the level before in force,
 nothing blocked. A queue that stops binding during a leg leaves no evidence (the objective follows the
 offered load): the level before, not blocked. Every verdict (ActionResult) says which comparison decided
 it (`decided_by`) with A, B, A' and the noise margin.
@@ -407,7 +411,7 @@ class BatchPolicy:
         self._trial: _Trial | None = None
         self._advised = False  # dry run: one advice per harm episode
         self._skip_said = False  # one TrialSkipped per harm episode
-        self._quick_return = False  # the last trial ended with the harm: upscale after settle_s
+        self._quick_return = False  # the last trial ended with the harm: upscale at once
         self._level_since: float | None = None
         self._levels: dict[int, _Level] = {}
         self.sustained: dict[str, float | int] | None = None
@@ -458,7 +462,9 @@ class BatchPolicy:
         out: list[BatchAction | ActionResult | TrialSkipped] = []
         if self._trial is not None:
             out += self._judge_trial(tick)
-            return out
+            # A trial the harm's end cut short goes straight on to the way back, in this tick.
+            if self.trial or not self._quick_return:
+                return out
         since_action = math.inf if self._last_action_t is None else t - self._last_action_t
         if tick.harm and not tick.fading and self._harm_since is not None:
             held = t - self._harm_since
@@ -468,10 +474,7 @@ class BatchPolicy:
                     out.append(act)
         elif not tick.harm and self._quiet_since is not None and self.limit < s.start:
             quiet = t - self._quiet_since
-            need = s.settle_s if self._quick_return else s.recover_s
-            if quiet >= need and since_action >= (
-                s.settle_s if self._quick_return else s.settle_s + s.eval_s
-            ):
+            if self._quick_return or (quiet >= s.recover_s and since_action >= s.settle_s + s.eval_s):
                 act = self._try_upscale(t, quiet)
                 if act is not None:
                     out.append(act)
@@ -597,9 +600,11 @@ class BatchPolicy:
             evidence["objective_before"] = round(before, 6)
         if skipped:
             evidence["levels_skipped"] = ",".join(str(level) for level in sorted(skipped))
-        need = s.settle_s if self._quick_return else s.recover_s
+        if self._quick_return:
+            reason = f"the harm ended during the trial of {self.limit}: ceiling {self.limit} -> {target}"
+        else:
+            reason = f"no harm for {quiet:.0f} s (>= {s.recover_s:g} s): ceiling {self.limit} -> {target}"
         self._quick_return = False
-        reason = f"no harm for {quiet:.0f} s (>= {need:g} s): ceiling {self.limit} -> {target}"
         if self._path:
             reason += f" ({self._path[0]}, the level before the harm, is blocked)"
         elif on_path:
@@ -638,12 +643,12 @@ class BatchPolicy:
         if trial.back is None:
             # The harm ended under the new level: no like-for-like comparison is possible. It may have
             # ended because of the move (a device that throttles at the larger batch) or not (an outside
-            # load that stopped): keep the level, and let the upscale come after `settle_s` of quiet
-            # instead of `recover_s`; a level whose harm returns right after it is blocked then.
+            # load that stopped). The level holds no evidence, and the harm judge's own `leave` was
+            # the wait for the cause to be over: back up at once, not after `recover_s`; a level
+            # whose harm returns right after it is blocked then, so waiting protects nothing.
             self._quick_return = True
-            return self._close(
-                t, trial, "harm_ended", "inconclusive", kept=True, why="harm ended during the trial"
-            )
+            why = f"harm ended during the trial: {a.to_limit} not judged, not blocked; back up at once"
+            return self._close(t, trial, "harm_ended", "inconclusive", why=why)
         # The A' leg runs at the level before: it stays in force; the lower level was not judged.
         why = f"harm ended during the A' leg: {a.from_limit} stays, {a.to_limit} not judged, not blocked"
         return self._close(t, trial, "harm_ended", "inconclusive", kept=False, after=trial.after, why=why)

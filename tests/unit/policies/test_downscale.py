@@ -174,15 +174,17 @@ def test_the_ceiling_goes_back_to_the_level_before_the_harm_in_one_step_once_it_
     out, limits = drive(policy, world, lambda t: 10 <= t < 215, 500)
     downs = [(a.from_limit, a.to_limit) for a in trials(out)]
     assert downs == [(16, 12), (12, 9), (9, 7)]
-    # The harm ended during the last trial's B leg: that level is kept, and 10 s later the ceiling is
-    # back at 16 in one step (12 and 9 were kept for the harm that is over), measured, nothing blocked.
+    # The harm ended during the last trial's B leg: in the same tick the ceiling is back at 16 in one
+    # step (12 and 9 were kept for the harm that is over), measured, nothing blocked.
     (up,) = actions(out, "upscale")
-    assert (up.from_limit, up.to_limit) == (7, 16) and up.t_s == 215 + SETTINGS.settle_s
+    assert (up.from_limit, up.to_limit) == (7, 16) and up.t_s == 215
     assert up.evidence["levels_skipped"] == "9,12" and "the level before the harm" in up.reason
+    assert "the harm ended during the trial of 7" in up.reason
     assert limits[int(up.t_s) - 1 :] == [16] * (500 - int(up.t_s) + 1)
     (measured,) = [r for r in results(out) if r.kind == "upscale"]
     assert measured.kept and measured.after is not None and measured.before is not None
-    assert measured.after > measured.before and policy._path == [] and policy._blocked == {}
+    # Measured against the trial's B leg (under the harm): an upscale is measured, never judged.
+    assert policy._path == [] and policy._blocked == {}
 
 
 def test_the_way_back_stops_under_a_blocked_level_and_takes_it_once_its_block_runs_out() -> None:
@@ -203,8 +205,9 @@ def test_the_way_back_stops_under_a_blocked_level_and_takes_it_once_its_block_ru
     assert limits[-1] == 16 and policy._path == []
 
 
-def test_harm_that_ends_during_the_trial_is_inconclusive_and_the_ceiling_returns_after_the_settle() -> None:
-    # Seen on an H200: the outside load ended 14 s into a trial; the cool-down then cost 30 s at 12.
+def test_harm_that_ends_during_the_trial_is_inconclusive_and_the_ceiling_returns_at_once() -> None:
+    # Seen on an H200: the outside load ended 14 s into a trial; the cool-down then cost 30 s at 12. On
+    # an H100 the settle wait that replaced it still held 36 for 11 s after the harm had ended.
     world = World(tps=lambda limit, harm: 100.0 * limit)
     policy = BatchPolicy(SETTINGS)
     out, limits = drive(policy, world, lambda t: 10 <= t < 45, 200)
@@ -212,10 +215,10 @@ def test_harm_that_ends_during_the_trial_is_inconclusive_and_the_ceiling_returns
     (res, up) = (
         r for r in out if r not in (down,) and not (isinstance(r, ActionResult) and r.kind == "upscale")
     )
-    assert isinstance(res, ActionResult) and res.kept and res.after is None and "ended" in res.reason
+    assert isinstance(res, ActionResult) and not res.kept and res.after is None and "ended" in res.reason
     assert res.decided_by == "harm_ended" and res.verdict == "inconclusive" and res.blocked_s == 0
-    assert res.t_s == 45 and actions(out, "revert") == []
-    assert isinstance(up, BatchAction) and up.kind == "upscale" and up.t_s == 45 + SETTINGS.settle_s
+    assert res.t_s == 45 and actions(out, "revert") == [] and policy.kept == 0
+    assert isinstance(up, BatchAction) and up.kind == "upscale" and up.t_s == 45 and up.to_limit == 16
     assert sum(1 for x in limits if x < 16) == up.t_s - down.t_s
     assert policy._blocked == {}  # never judged: not blocked
 
