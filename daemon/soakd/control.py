@@ -87,9 +87,9 @@ class ControlInputs:
     """Prompt tokens the engine computed so far, prefix-cache hits left out (a running total); None when
     the engine reports no steps that count their cache hits. The throughput judge counts them at
     `prefill_weight`."""
-    shared: Callable[[], bool | None] = lambda: None
-    """Whether another process has a compute context on the engine's GPUs (None: unknown); the throughput
-    judge's power gate does not apply then (GpuThrottleWatch.shared)."""
+    shared: Callable[[], frozenset[str] | None] = lambda: None
+    """The PIDs of other processes with a compute context on the engine's GPUs (None: unknown); the
+    throughput judge's power gate does not apply while one of them is new (GpuThrottleWatch.shared)."""
     draining: Callable[[], bool] = lambda: False
     """Whether the replay has stopped dispatching (the trace or the duration is over): the backlog that
     drains then is no traffic to tune for, so the ceiling no longer counts as binding."""

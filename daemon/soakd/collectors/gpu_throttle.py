@@ -177,11 +177,12 @@ class GpuThrottleWatch:
         else:
             self._on_event("cotenant_leave", f"GPU {gpu}: no other process computes on it", gpu=gpu)
 
-    def shared(self) -> bool | None:
-        """Whether another process had a compute context on any of the engine's GPUs at its last slow
-        read; None when no GPU's list was known at its last read (an engine between processes)."""
+    def shared(self) -> frozenset[str] | None:
+        """The PIDs of the other processes with a compute context on any of the engine's GPUs at its last
+        slow read (empty: none); None when no GPU's list was known at its last read (an engine between
+        processes). PIDs, not a count: a second process beside one there all along is a newcomer."""
         known = [f for f in self._now_foreign.values() if f is not None]
-        return any(known) if known else None
+        return frozenset(pid for f in known for pid in f) if known else None
 
     def _accumulate(self, gpu: int, sm_mhz: object, power_mw: object, temp_c: object) -> None:
         acc = self._acc[gpu]

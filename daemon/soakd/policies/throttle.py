@@ -468,6 +468,9 @@ THERMAL_REASONS: Final = 0x8 | 0x20 | 0x40 | 0x80
 
 # Defaults are written once, in the config's [control.harm]; the settings take them from there.
 _HARM = HarmControlConfig()
+_NONE: frozenset[str] = frozenset()
+_SOME = frozenset({"?"})
+"""Another process, its PID not known (the judge told only whether one was there)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -824,10 +827,10 @@ class ThroughputJudge:
         """Intervals (tokens/s, with a queue) not yet in a reference: the recent ones, being judged."""
         self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
-        self._history: deque[tuple[float, float | None, bool]] = deque(
+        self._history: deque[tuple[float, float | None, frozenset[str]]] = deque(
             maxlen=self.settings.recent + self.settings.step
         )
-        """(tokens/s, the GPU's power in W or None when unknown, another process on the GPU) of the last
+        """(tokens/s, the GPU's power in W or None when unknown, the other processes on the GPU) of the last
         intervals: the recent ones and the `step` before them, what a step is judged against."""
         self.shared_intervals = 0
         """Intervals with another process computing on the engine's GPU (where the process list is known)."""
@@ -878,14 +881,15 @@ class ThroughputJudge:
         in_flight: int | None = None,
         prefill_per_s: float | None = None,
         power_w: float | None = None,
-        shared: bool | None = None,
+        shared: frozenset[str] | bool | None = None,
     ) -> bool | None:
         """The new harm state when it changed (True: began, False: ended), else None. `in_flight`: requests
         in the engine now (None while the replay drains: no arrivals, so no backlog can show).
         `prefill_per_s`: prompt tokens the engine computed per second over the interval (None: unknown,
         output tokens alone are judged); they count at the settings' `prefill_weight`. `power_w`: the
-        GPU's mean power over the interval (None: unknown, see `_gpu_as_busy`). `shared`: whether another
-        process had a compute context on the GPU (None: unknown)."""
+        GPU's mean power over the interval (None: unknown, see `_gpu_as_busy`). `shared`: the PIDs of
+        other processes with a compute context on the GPU, or where only that is known, whether one had
+        (None: unknown)."""
         s = self.settings
         if prefill_per_s is not None and prefill_per_s > 0:
             tokens_per_s += s.prefill_weight * prefill_per_s
@@ -894,8 +898,9 @@ class ThroughputJudge:
             self.backlogs += 1
         if in_flight is not None:
             self._flight.append((float(in_flight), tokens_per_s))
-        self._history.append((tokens_per_s, power_w, bool(shared)))
-        self.shared_intervals += bool(shared)
+        others = shared if isinstance(shared, frozenset) else _SOME if shared else _NONE
+        self._history.append((tokens_per_s, power_w, others))
+        self.shared_intervals += bool(others)
         if binding:
             self._recent.append((tokens_per_s, limited))
             self._binding_seen += 1
@@ -1049,10 +1054,12 @@ class ThroughputJudge:
 
     @property
     def cotenant(self) -> bool:
-        """A newcomer on the GPU: another process had a compute context in one of the recent intervals,
-        and none in some interval of the window judged (the recent ones and the `step` before them)."""
-        flags = [shared for _, _, shared in self._history]
-        return any(flags[-self.settings.recent :]) and not all(flags)
+        """A newcomer on the GPU: a process had a compute context in one of the recent intervals and not
+        in some interval of the window judged (the recent ones and the `step` before them). By PID, so
+        a second process beside one there all along is new too."""
+        sets = [others for _, _, others in self._history]
+        recent = frozenset().union(*sets[-self.settings.recent :])
+        return any(pid not in others for pid in recent for others in sets)
 
     def _recovered(self, median: float) -> bool:
         """tokens/s back up by the loss's share over the episode's level (only during an episode)."""

@@ -494,7 +494,7 @@ def test_the_throughput_judge_reads_the_gpus_power_from_its_energy(tmp_path: Pat
         # A process beside the engine on the GPU (GpuThrottleWatch.shared): the power gate does not apply
         # to one that came with the drop; one there all along (an idle notebook) is no newcomer.
         cotenant = [name == "less-work-idle-cotenant"]
-        ctrl.inputs.shared = lambda cotenant=cotenant: cotenant[0]
+        ctrl.inputs.shared = lambda cotenant=cotenant: frozenset({"4242"} if cotenant[0] else ())
         for ticks, out_rate, watts in ((15, 100, 500.0), (12, 50, after_w or 0.0)):
             cotenant[0] = cotenant[0] or (name == "less-work-cotenant" and out_rate == 50)
             for _ in range(ticks):

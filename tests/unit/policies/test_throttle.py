@@ -382,6 +382,29 @@ def test_a_process_beside_the_engine_lifts_the_power_gate() -> None:
     assert run(None, all_along=True).episodes == 0
 
 
+def test_a_second_process_beside_one_there_all_along_is_a_newcomer() -> None:
+    """By PID: with one process on the GPU all along (an idle notebook), a second one that comes with the
+    drop lifts the power gate; the same drop with the first one alone, or with the second there all
+    along too, does not."""
+    from soakd.policies.throttle import ThroughputJudge, ThroughputSettings
+
+    old, new = frozenset({"100"}), frozenset({"100", "200"})
+
+    def run(during: frozenset[str], before: frozenset[str] = old) -> ThroughputJudge:
+        judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, prefill_weight=0))
+        for i in range(30):
+            tps = 9000.0 + (300 if i % 2 else -300)
+            judge.update(float(i), tps, binding=True, limited=True, power_w=520.0, shared=before)
+        for i in range(6):  # 25 % fewer tokens, the power down 19 %: the gate alone would hold it back
+            judge.update(30.0 + i, 6750.0, binding=True, limited=True, power_w=420.0, shared=during)
+        return judge
+
+    judge = run(new)
+    assert judge.episodes == 1 and judge.cotenant and judge.summary()["cotenant_entries"] == 1
+    assert run(old).episodes == 0 and not run(old).cotenant
+    assert run(new, before=new).episodes == 0
+
+
 def test_throughput_judge_ignores_drift_at_the_cap_and_ends_when_the_drop_reverses() -> None:
     """An engine alone at the power cap whose tokens/s drift down with its workload is no harm (no step);
     a step down is, and it is over when tokens/s climb back by the loss's share over the episode's level,
