@@ -451,6 +451,7 @@ class BatchPolicy:
             self._quiet_since = None
             if self._harm_since is None:
                 self._harm_since = t
+                self._quick_return = False  # harm back before the way back: that takes `recover_s` again
                 self._block_if_bounced(t)
         else:
             self._harm_since = None

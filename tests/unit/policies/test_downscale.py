@@ -223,6 +223,26 @@ def test_harm_that_ends_during_the_trial_is_inconclusive_and_the_ceiling_returns
     assert policy._blocked == {}  # never judged: not blocked
 
 
+def test_harm_back_before_a_cut_short_trials_way_back_restores_the_cool_down() -> None:
+    # The way back after a cut-short trial comes at once only while the harm stays over: here every level
+    # above 12 is blocked when the harm ends (no way back yet), the harm returns for 3 s, and once it is
+    # over again the way back waits `recover_s` as after any harm, not the blocks' end.
+    world = World(tps=lambda limit, harm: 100.0 * limit)
+    policy = BatchPolicy(SETTINGS)
+    out, _ = drive(policy, world, lambda t: 10 <= t <= 40, 40)
+    (down,) = actions(out, "downscale")
+    assert policy.trial and policy.in_force == down.to_limit == 12
+    for level in range(13, 17):
+        policy._blocked[level] = 60.0
+    more, limits = drive(policy, world, lambda t: 47 <= t < 50, 120, t0=40)
+    res, measured = results(more)
+    assert res.decided_by == "harm_ended" and res.t_s == 41 and not actions(more, "downscale")
+    assert measured.kind == "upscale" and measured.decided_by == "measured"
+    (up,) = actions(more, "upscale")
+    assert up.t_s == 50 + SETTINGS.recover_s and up.to_limit == 16
+    assert set(limits[: int(up.t_s) - 41]) == {12}
+
+
 def test_a_queue_that_empties_during_the_trial_is_no_evidence() -> None:
     # Seen on the CPU engine: a burst drained just as the ceiling went down; the "after" was an idle
     # engine. Not a verdict on the level: back up, nothing blocked.
