@@ -57,23 +57,14 @@ def test_the_arms_are_round_8s_on_an_h100_and_differ_only_in_the_policy_and_the_
 def test_both_judges_follow_the_load_in_and_out_live(arm: str) -> None:
     """Throughput harm 3.1-3.8 s after the load began, the clock judge 2.9-7.8 s; over 6.6-7.1 s
     (throughput) and 10.6-10.7 s (clock) after the load ended, one episode each."""
-    start, end = m2.load_times(arm, DATA)
-    episodes = m2.one_episode_per_judge(arm, DATA)
-    t_in, t_out = episodes["throughput"]
-    assert 0 < t_in - start <= 5.0 and 0 < t_out - end < 30.0, arm
-    t_in, t_out = episodes["clock"]
-    assert t_in - start > 0 and 0 < t_out - end < 30.0, arm
+    m2.judges_follow_the_load(arm, DATA)
 
 
 def test_the_load_free_arm_takes_no_action_and_passes() -> None:
     """The trace alone at 64: no harm from either judge, no move, no advice, TPOT p99 15.2 ms against
     26.46, every request done."""
-    assert not [k for _, k, _ in m2.events(FREE, DATA) if k.startswith("harm_") or k in m6.MOVES]
-    control = m2.summary(FREE, DATA)["control"]
-    assert (control["batch_actions"], control["advice"], control["throughput_harm_episodes"]) == (0, 0, 0)
-    assert json.loads((DATA / FREE / "verdict.json").read_text())["verdict"] == "PASS"
-    summary = m2.summary(FREE, DATA)["requests"]
-    assert summary["errors"] == {} and summary["tpot"]["p99_ms"] < m6.LIMIT_MS / 1.5
+    m2.load_free_arm_is_quiet(FREE, DATA)
+    assert m2.summary(FREE, DATA)["requests"]["tpot"]["p99_ms"] < m6.LIMIT_MS / 1.5
 
 
 def test_under_the_load_a_smaller_batch_pays_far_beyond_the_noise(matrix: dict[str, Any]) -> None:

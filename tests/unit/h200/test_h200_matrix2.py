@@ -71,6 +71,26 @@ def one_episode_per_judge(arm: str, data: Path = DATA) -> dict[str, tuple[float,
     return out
 
 
+def judges_follow_the_load(arm: str, data: Path = DATA) -> None:
+    """Asserted: one episode of each judge; throughput harm within 5 s of the load's start, clock harm
+    after it; both over within 30 s of its end."""
+    start, end = load_times(arm, data)
+    episodes = one_episode_per_judge(arm, data)
+    t_in, t_out = episodes["throughput"]
+    assert 0 < t_in - start <= 5.0 and 0 < t_out - end < 30.0, arm
+    t_in, t_out = episodes["clock"]
+    assert t_in - start > 0 and 0 < t_out - end < 30.0, arm
+
+
+def load_free_arm_is_quiet(arm: str, data: Path = DATA) -> None:
+    """Asserted: no harm from either judge, no move, no advice, a PASS, no request failed."""
+    assert not [k for _, k, _ in events(arm, data) if k.startswith("harm_") or k in MOVES]
+    control = summary(arm, data)["control"]
+    assert (control["batch_actions"], control["advice"], control["throughput_harm_episodes"]) == (0, 0, 0)
+    assert json.loads((data / arm / "verdict.json").read_text())["verdict"] == "PASS"
+    assert summary(arm, data)["requests"]["errors"] == {}
+
+
 def load_times(arm: str, data: Path = DATA) -> tuple[float, float]:
     times = json.loads((data / arm / "times.json").read_text())
     return float(times["load_start"]), float(times["load_end"])

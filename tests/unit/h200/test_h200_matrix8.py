@@ -52,22 +52,13 @@ def test_the_arms_are_round_6s_and_differ_only_in_the_policy_and_the_load(arm: s
 def test_both_judges_follow_the_load_in_and_out_live(arm: str) -> None:
     """Throughput harm 3.4-4.6 s after the load began (round 6: 3.5-4.9 s), the clock judge 4.3-9.2 s;
     both over 6.4-10.8 s after the load ended, one episode each."""
-    start, end = m2.load_times(arm, DATA)
-    episodes = m2.one_episode_per_judge(arm, DATA)
-    t_in, t_out = episodes["throughput"]
-    assert 0 < t_in - start <= 5.0 and 0 < t_out - end < 30.0, arm
-    t_in, t_out = episodes["clock"]
-    assert t_in - start > 0 and 0 < t_out - end < 30.0, arm
+    m2.judges_follow_the_load(arm, DATA)
 
 
 def test_the_second_load_free_arm_takes_no_action_and_passes() -> None:
     """The trace alone at 64, as round 6's load-free arm: no harm from either judge, no move, no advice,
     TPOT p99 14.6 ms against 26.46, every request done."""
-    assert not [k for _, k, _ in m2.events(FREE, DATA) if k.startswith("harm_") or k in m6.MOVES]
-    control = m2.summary(FREE, DATA)["control"]
-    assert (control["batch_actions"], control["advice"], control["throughput_harm_episodes"]) == (0, 0, 0)
-    assert json.loads((DATA / FREE / "verdict.json").read_text())["verdict"] == "PASS"
-    assert m2.summary(FREE, DATA)["requests"]["errors"] == {}
+    m2.load_free_arm_is_quiet(FREE, DATA)
 
 
 @pytest.mark.parametrize(
