@@ -346,7 +346,12 @@ class Controller:
             legs = f"{fmt(r.before)} before, {fmt(r.after)} after"
             if r.again is not None:
                 legs += f", {fmt(r.again)} at {r.from_limit} again"
-            verdict = "kept" if r.kept else f"{r.from_limit} in force"
+            if r.kept:
+                verdict = "kept"
+            elif r.decided_by == "harm_ended" and r.after is None:
+                verdict = "not judged; back to the level before the harm"  # the way back, this tick
+            else:
+                verdict = f"{r.from_limit} in force"
             message = f"{head}: {r.objective} {legs}: {verdict} ({r.reason})"
         fields: dict[str, FieldValue] = {
             "action": r.kind,

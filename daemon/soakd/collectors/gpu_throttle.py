@@ -179,10 +179,13 @@ class GpuThrottleWatch:
 
     def shared(self) -> frozenset[str] | None:
         """The PIDs of the other processes with a compute context on any of the engine's GPUs at its last
-        slow read (empty: none); None when no GPU's list was known at its last read (an engine between
-        processes). PIDs, not a count: a second process beside one there all along is a newcomer."""
-        known = [f for f in self._now_foreign.values() if f is not None]
-        return frozenset(pid for f in known for pid in f) if known else None
+        slow read (empty: none); None when a GPU's list was unknown at its last read (an engine between
+        processes), or none was read yet: a process out of sight is not absent. PIDs, not a count: a
+        second process beside one there all along is a newcomer."""
+        lists = list(self._now_foreign.values())
+        if not lists or any(f is None for f in lists):
+            return None
+        return frozenset(pid for f in lists if f is not None for pid in f)
 
     def _accumulate(self, gpu: int, sm_mhz: object, power_mw: object, temp_c: object) -> None:
         acc = self._acc[gpu]

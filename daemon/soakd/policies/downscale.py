@@ -60,7 +60,7 @@ Harm that ends during the B leg makes the trial inconclusive and the upscale bel
 tick, not after `recover_s`: the harm judge's own `leave` was the wait for its cause to end, and a level
 whose harm returns right after an upscale is blocked anyway. On an H100 (tests/data/h100/matrix12,
 longctx-control) a trial of 48 -> 36 began 5 s before a shared load ended; the way back after `settle_s`
-held 36 for 11 s more, and control served 5.2 % fewer tokens than advice-only after the load (two
+held 36 for 11 s more, and control served 5.3 % fewer tokens than advice-only after the load (two
 advice-only runs: 0.1 % apart). Harm that ends during the A' leg leaves the level before in force,
 nothing blocked. A queue that stops binding during a leg leaves no evidence (the objective follows the
 offered load): the level before, not blocked. Every verdict (ActionResult) says which comparison decided
@@ -595,7 +595,8 @@ class BatchPolicy:
         on_path = bool(self._path)
         skipped = [level for level in self._path if self.limit < level < target]
         self._path = [level for level in self._path if level > target]
-        before = self._objective(self._window(t, t - s.eval_s))
+        # After a cut-short trial the window before is the B leg, under the harm: no like-for-like figure.
+        before = None if self._quick_return else self._objective(self._window(t, t - s.eval_s))
         evidence: dict[str, Any] = {"quiet_for_s": round(quiet, 3), "objective": s.objective}
         if before is not None:
             evidence["objective_before"] = round(before, 6)
@@ -848,8 +849,10 @@ class BatchPolicy:
     def to_state(self, now_s: float) -> dict[str, Any]:
         """JSON-able state; times as ages (seconds before `now_s`), so another clock can read them back.
         A trial in progress is not kept: its evidence is in memory only. During the B leg the lower level
-        is in force (as a trial whose harm ended keeps it); during the A' leg the level before is, with
-        the lower level neither kept nor blocked: a restart there is a trial that never happened."""
+        is in force, and the way back comes after `recover_s` as after any kept level; during the A' leg
+        the level before is, with the lower level neither kept nor blocked: a restart there is a trial
+        that never happened. Nor is a pending way back after a cut-short trial (every level above
+        blocked): after a restart it waits `recover_s`."""
 
         def age(t: float | None) -> float | None:
             return None if t is None else now_s - t

@@ -827,11 +827,12 @@ class ThroughputJudge:
         """Intervals (tokens/s, with a queue) not yet in a reference: the recent ones, being judged."""
         self._binding_seen = 0
         self._recent: deque[tuple[float, bool]] = deque(maxlen=self.settings.recent)
-        self._history: deque[tuple[float, float | None, frozenset[str]]] = deque(
+        self._history: deque[tuple[float, float | None, frozenset[str] | None]] = deque(
             maxlen=self.settings.recent + self.settings.step
         )
-        """(tokens/s, the GPU's power in W or None when unknown, the other processes on the GPU) of the last
-        intervals: the recent ones and the `step` before them, what a step is judged against."""
+        """(tokens/s, the GPU's power in W or None when unknown, the other processes on the GPU or None when
+        unknown) of the last intervals: the recent ones and the `step` before them, what a step is judged
+        against."""
         self.shared_intervals = 0
         """Intervals with another process computing on the engine's GPU (where the process list is known)."""
         self.cotenant_entries = 0
@@ -898,7 +899,7 @@ class ThroughputJudge:
             self.backlogs += 1
         if in_flight is not None:
             self._flight.append((float(in_flight), tokens_per_s))
-        others = shared if isinstance(shared, frozenset) else _SOME if shared else _NONE
+        others = shared if isinstance(shared, frozenset) or shared is None else _SOME if shared else _NONE
         self._history.append((tokens_per_s, power_w, others))
         self.shared_intervals += bool(others)
         if binding:
@@ -1056,10 +1057,11 @@ class ThroughputJudge:
     def cotenant(self) -> bool:
         """A newcomer on the GPU: a process had a compute context in one of the recent intervals and not
         in some interval of the window judged (the recent ones and the `step` before them). By PID, so
-        a second process beside one there all along is new too."""
+        a second process beside one there all along is new too. An interval whose list is unknown says
+        nothing: one there all along is not new for having been out of sight."""
         sets = [others for _, _, others in self._history]
-        recent = frozenset().union(*sets[-self.settings.recent :])
-        return any(pid not in others for pid in recent for others in sets)
+        recent = frozenset().union(*(o for o in sets[-self.settings.recent :] if o is not None))
+        return any(pid not in others for pid in recent for others in sets if others is not None)
 
     def _recovered(self, median: float) -> bool:
         """tokens/s back up by the loss's share over the episode's level (only during an episode)."""

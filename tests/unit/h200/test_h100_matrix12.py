@@ -28,7 +28,7 @@ ADVICE = ("longctx-advice", "longctx-advice2")
 FREE = "longctx-free2"
 LOADED = (CONTROL, *ADVICE)
 UNDER = (20.0, 140.0)
-AFTER = (140.0, 235.0)
+AFTER = (140.0, 230.0)  # every arm's replay ran past 234.9 s: the same span in each
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,8 @@ def test_the_load_free_arm_takes_no_action_and_passes() -> None:
 
 def test_under_the_load_a_smaller_batch_pays_far_beyond_the_noise(matrix: dict[str, Any]) -> None:
     """20-140 s: goodput 1,031 good tok/s with control against 134 in both advice-only arms (7.7x; those two
-    0.2 % apart in tokens/s), TPOT p50 26.3 ms against 29.6; the price 4.7 % of tokens/s. On an H200
-    (round 8) 8x and 9.5x for 2.7 and 5.2 %."""
+    0.2 % apart in tokens/s and goodput), TPOT p50 26.3 ms against 29.6; the price 4.7 % of tokens/s. On
+    an H200 (round 8) 8x and 9.5x for 2.7 and 5.2 %."""
     under = {arm: window(matrix, arm, UNDER) for arm in LOADED}
     noise = abs(share(matrix, ADVICE[1], UNDER))
     assert noise < 0.005
@@ -84,10 +84,11 @@ def test_the_recorded_cost_after_the_load_is_the_wait_at_the_cut_short_trials_le
     matrix: dict[str, Any],
 ) -> None:
     """64 -> 48 kept on the A-B-A under the load; 48 -> 36 tried 5 s before the load ended, the harm
-    ending 11 s into it (inconclusive); the recorded upscale to 64 came 11 s after that, after the
-    `settle_s` of quiet the policy then asked for. After the load (140-235 s) control served 4.7 % fewer
-    tokens than advice-only (the advice-only arms 0.1 % apart), all of it in 140-162 s at 36 (23 % below);
-    from 162 s on +0.7 %."""
+    ending 16 s into it, 11 s after the load (inconclusive); the recorded upscale to 64 came 11 s after
+    that, after the `settle_s` of quiet the policy then asked for. After the load (140-230 s) control
+    served 5.3 % fewer tokens than advice-only (the advice-only arms 0.1 % apart), its 22 s at 36
+    (140-162 s) 23 % below (the advice-only arms 7 % apart over so short a span); from 162 s on +0.4 %
+    (2.1 % apart)."""
     rs = m2.summary(CONTROL, DATA)["control"]["results"]
     steps = [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in rs]
     assert steps == [
@@ -104,15 +105,15 @@ def test_the_recorded_cost_after_the_load_is_the_wait_at_the_cut_short_trials_le
     assert 10.0 <= t_up - harm_over < 12.0
     noise = abs(share(matrix, ADVICE[1], AFTER))
     assert noise < 0.005 and share(matrix, CONTROL, AFTER) < -0.03
-    assert share(matrix, CONTROL, (140.0, 162.0)) < -0.15
-    assert share(matrix, CONTROL, (162.0, 235.0)) > -0.01
+    assert share(matrix, CONTROL, (140.0, 162.0)) < -0.15 < -2 * abs(share(matrix, ADVICE[1], (140.0, 162.0)))
+    assert share(matrix, CONTROL, (162.0, 230.0)) > -0.01
 
 
 def test_todays_policy_on_the_recorded_ticks_goes_back_up_in_the_tick_the_harm_ends() -> None:
     """The control arm's recorded harm, queue and goodput (TPOT <= 26.46 ms) through today's policy with the
     arm's settings: the same two trials within 2 s of the recorded ones, the second cut short by the
     harm's end, and the upscale to 64 in that tick, 11 s before the recorded one. At the recorded 21 %
-    shortfall of those 11 s at 36 that is about half of the 4.7 % control cost after the load."""
+    shortfall of those 11 s at 36 that is about half of the 5.3 % control cost after the load."""
     ticks = replay_ticks(CONTROL, Slo(ttft_s=None, tpot_s=m6.LIMIT_MS / 1e3), DATA)
     settings = BatchSettings(start=64, floor=16, objective="goodput", dwell_s=10, settle_s=10, eval_s=20)
     policy = BatchPolicy(settings)

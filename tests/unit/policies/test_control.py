@@ -201,6 +201,25 @@ def test_a_trial_that_pays_is_kept_and_the_ceiling_returns_once_the_harm_is_gone
     assert "no harm for 20 s" in events[-1][1]
 
 
+def test_a_trial_the_harms_end_cut_short_says_so_and_the_ceiling_is_back_in_the_same_tick(
+    tmp_path: Path,
+) -> None:
+    ctrl, world, events, _, clock = make(tmp_path, BATCH)
+    run_for(ctrl, world, clock, 6, harm="power")
+    assert [e[0] for e in events] == ["downscale"] and ctrl.actuator.gate is not None
+    assert ctrl.actuator.gate.limit == 12
+    run_for(ctrl, world, clock, 3, harm="")  # the harm over 3 s into the B leg
+    kinds = [e[0] for e in events]
+    assert kinds == ["downscale", "action_result", "upscale"]
+    (result,) = [e for e in events if e[0] == "action_result"]
+    assert result[2]["decided_by"] == "harm_ended" and result[2]["kept"] is False
+    assert "not judged; back to the level before the harm" in result[1] and "16 in force" not in result[1]
+    up = events[2]
+    assert up[2]["to_limit"] == 16 and "the harm ended during the trial of 12" in up[1]
+    assert ctrl.actuator.gate.limit == 16 and (tmp_path / LIMIT_FILE).read_text() == "16"
+    assert ctrl.summary()["kept"] == 0
+
+
 def test_dry_run_advises_and_changes_nothing(tmp_path: Path) -> None:
     ctrl, world, events, _, clock = make(tmp_path, "[control]\ndry_run = true\n" + BATCH)
     run_for(ctrl, world, clock, 60, harm="power")

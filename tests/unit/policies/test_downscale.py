@@ -182,9 +182,9 @@ def test_the_ceiling_goes_back_to_the_level_before_the_harm_in_one_step_once_it_
     assert "the harm ended during the trial of 7" in up.reason
     assert limits[int(up.t_s) - 1 :] == [16] * (500 - int(up.t_s) + 1)
     (measured,) = [r for r in results(out) if r.kind == "upscale"]
-    assert measured.kept and measured.after is not None and measured.before is not None
-    # Measured against the trial's B leg (under the harm): an upscale is measured, never judged.
-    assert policy._path == [] and policy._blocked == {}
+    # Measured, never judged; the seconds before it were the trial's B leg, under the harm: no "before".
+    assert measured.kept and measured.after is not None and measured.before is None
+    assert "objective_before" not in up.evidence and policy._path == [] and policy._blocked == {}
 
 
 def test_the_way_back_stops_under_a_blocked_level_and_takes_it_once_its_block_runs_out() -> None:

@@ -328,6 +328,14 @@ def test_another_process_on_the_gpu_is_an_event_pair_and_the_watchs_shared_state
     assert kinds[0][1]["pids"] == "4242" and kinds[0][1]["foreign_mem_bytes"] == 3 << 30
     assert "PID 4242, 3.0 GiB" in next(m for k, m, _ in events if k == "cotenant_enter")
     assert watch.summary()["0"]["cotenant_episodes"] == 1  # type: ignore[index]
+    # Two GPUs: the PIDs of both; one GPU's list unknown makes the whole unknown (out of sight, not gone).
+    two = GpuThrottleWatch({0: MAX_MHZ, 1: MAX_MHZ}, lambda *_a, **_f: None)
+    assert two.shared() is None
+    two.observe(0, 0.0, fast, {"util_gpu": 90, "foreign_procs": {"11": 1 << 30}})
+    two.observe(1, 0.0, fast, {"util_gpu": 90, "foreign_procs": {"22": 1 << 30}})
+    assert two.shared() == frozenset({"11", "22"})
+    two.observe(1, 1.0, fast, {"util_gpu": 90, "foreign_procs": None})
+    assert two.shared() is None
     assert GpuThrottleWatch({0: MAX_MHZ}, lambda *_a, **_f: None).summary()["0"]["cotenant_episodes"] is None  # type: ignore[index]
 
 

@@ -390,11 +390,14 @@ def test_a_second_process_beside_one_there_all_along_is_a_newcomer() -> None:
 
     old, new = frozenset({"100"}), frozenset({"100", "200"})
 
-    def run(during: frozenset[str], before: frozenset[str] = old) -> ThroughputJudge:
+    def run(
+        during: frozenset[str], before: frozenset[str] = old, unknown_from: int = 30
+    ) -> ThroughputJudge:
         judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, prefill_weight=0))
         for i in range(30):
             tps = 9000.0 + (300 if i % 2 else -300)
-            judge.update(float(i), tps, binding=True, limited=True, power_w=520.0, shared=before)
+            seen = before if i < unknown_from else None
+            judge.update(float(i), tps, binding=True, limited=True, power_w=520.0, shared=seen)
         for i in range(6):  # 25 % fewer tokens, the power down 19 %: the gate alone would hold it back
             judge.update(30.0 + i, 6750.0, binding=True, limited=True, power_w=420.0, shared=during)
         return judge
@@ -403,6 +406,10 @@ def test_a_second_process_beside_one_there_all_along_is_a_newcomer() -> None:
     assert judge.episodes == 1 and judge.cotenant and judge.summary()["cotenant_entries"] == 1
     assert run(old).episodes == 0 and not run(old).cotenant
     assert run(new, before=new).episodes == 0
+    # The list unknown for the 5 s before the drop (an engine between processes): the old process seen
+    # again is not new for having been out of sight; the second one, absent where the list was known,
+    # still is.
+    assert run(old, unknown_from=25).episodes == 0 and run(new, unknown_from=25).episodes == 1
 
 
 def test_throughput_judge_ignores_drift_at_the_cap_and_ends_when_the_drop_reverses() -> None:
