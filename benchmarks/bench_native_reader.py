@@ -172,6 +172,8 @@ class Run:
                         stream.pending = 0
                         stream._reported_at = now
                 if error:
+                    # abort() lets go of the sink first: the stream is told here, or it would wait forever.
+                    stream.on_error(h1.ProtocolError("the native reader's stream failed"))
                     conn.abort()
                 elif done:
                     transport = conn.transport
@@ -199,6 +201,7 @@ class Run:
                     reader.add(sock.fileno(), self.native_key, self._buf)
                     self._buf = b""
 
+        original = h1.Connection
         if self.mode == "native":
             h1.Connection = NativeConnection  # type: ignore[misc]
         try:
@@ -219,7 +222,7 @@ class Run:
                 poll_task.cancel()
             await pool.close()
         finally:
-            h1.Connection = NativeConnection.__mro__[1]  # type: ignore[misc]
+            h1.Connection = original  # type: ignore[misc]
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         out: dict[str, Any] = {
             "mode": self.mode,

@@ -11,7 +11,9 @@
  * (SO_TIMESTAMPNS, CLOCK_REALTIME ns), so a read that waits for the next poll does not move them.
  *
  * A benchmark prototype, not soakd's reader: no TLS, no token ids, no speculative metrics, no error
- * event parsing (an event without a count is not counted). Built by bench_native_reader.py. */
+ * event parsing (an event without a count is not counted), events split on "\n\n" only (vLLM's), one
+ * thread (a call while `poll` runs without the GIL raises). A read that merged several segments carries
+ * the last one's stamp. Built by bench_native_reader.py. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -34,7 +36,7 @@ typedef struct {
     int fd;
     int state;
     long long left;      /* bytes of the current chunk still to come */
-    char line[32];       /* a chunk-size line split over reads */
+    char line[256];      /* a chunk-size or trailer line split over reads */
     int line_len;
     char *ev;            /* the de-chunked body not yet split into events */
     size_t ev_len, ev_cap;
@@ -50,7 +52,16 @@ typedef struct {
     Stream **by_fd;
     Stream **moved;
     int n_moved;
+    int busy; /* poll() is reading without the GIL: add/remove/poll from another thread refused */
 } Reader;
+
+static int refuse_if_busy(Reader *r) {
+    if (r->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "the reader is polling in another thread");
+        return -1;
+    }
+    return 0;
+}
 
 static long long now_ns(void) {
     struct timespec ts;
@@ -164,6 +175,8 @@ static void mark(Reader *r, Stream *s) {
         s->moved = 1;
         r->moved[r->n_moved++] = s;
     }
+    /* Finished or failed: out of epoll now (a closed socket would stay ready and spin `poll`). */
+    if (s->error || s->state == S_DONE) epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->fd, NULL);
 }
 
 /* Read one ready socket until EAGAIN (GIL released). */
@@ -215,9 +228,11 @@ static void forget(Reader *r, Stream *s) {
 
 static PyObject *Reader_poll(Reader *r, PyObject *Py_UNUSED(ignored)) {
     struct epoll_event events[MAX_EVENTS];
+    if (refuse_if_busy(r) < 0) return NULL;
     char *buf = PyMem_RawMalloc(READ_BUF);
     if (!buf) return PyErr_NoMemory();
     /* Streams already marked (an `add` whose first bytes held tokens) stay in the list. */
+    r->busy = 1;
     Py_BEGIN_ALLOW_THREADS;
     for (;;) {
         int n = epoll_wait(r->epfd, events, MAX_EVENTS, 0);
@@ -229,23 +244,27 @@ static PyObject *Reader_poll(Reader *r, PyObject *Py_UNUSED(ignored)) {
         if (n < MAX_EVENTS) break;
     }
     Py_END_ALLOW_THREADS;
+    r->busy = 0;
     PyMem_RawFree(buf);
+    /* Every tuple built before any stream is reset or freed: a failure leaves them all for next time. */
     PyObject *out = PyList_New(r->n_moved);
     if (!out) return NULL;
     for (int k = 0; k < r->n_moved; k++) {
         Stream *s = r->moved[k];
-        int done = s->state == S_DONE;
         PyObject *t = Py_BuildValue("(LLLLLii)", s->key, s->tokens, s->events, s->first_ns, s->last_ns,
-                                    done, s->error);
+                                    s->state == S_DONE, s->error);
         if (!t) {
             Py_DECREF(out);
             return NULL;
         }
         PyList_SET_ITEM(out, k, t);
+    }
+    for (int k = 0; k < r->n_moved; k++) {
+        Stream *s = r->moved[k];
         s->tokens = s->events = 0;
         s->first_ns = 0;
         s->moved = 0;
-        if (done || s->error) forget(r, s);
+        if (s->state == S_DONE || s->error) forget(r, s);
     }
     r->n_moved = 0;
     return out;
@@ -255,6 +274,7 @@ static PyObject *Reader_add(Reader *r, PyObject *args) {
     int fd;
     long long key;
     Py_buffer initial;
+    if (refuse_if_busy(r) < 0) return NULL;
     if (!PyArg_ParseTuple(args, "iLy*", &fd, &key, &initial)) return NULL;
     if (fd < 0 || fd >= MAX_FD || r->by_fd[fd]) {
         PyBuffer_Release(&initial);
@@ -271,24 +291,25 @@ static PyObject *Reader_add(Reader *r, PyObject *args) {
     s->state = S_SIZE;
     int on = 1;
     setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &on, sizeof(on));
+    /* In epoll before any mark: a stream on the moved list is always one the reader holds. */
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
+    if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        PyBuffer_Release(&initial);
+        free(s);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     r->by_fd[fd] = s;
     if (initial.len) {
         if (feed(s, initial.buf, (size_t)initial.len, now_ns()) < 0) s->error = 1;
         if (s->tokens || s->error || s->state == S_DONE) mark(r, s);
     }
     PyBuffer_Release(&initial);
-    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = s};
-    if (epoll_ctl(r->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
-        r->by_fd[fd] = NULL;
-        free(s->ev);
-        free(s);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
     Py_RETURN_NONE;
 }
 
 static PyObject *Reader_remove(Reader *r, PyObject *args) {
     int fd;
+    if (refuse_if_busy(r) < 0) return NULL;
     if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
     if (fd >= 0 && fd < MAX_FD && r->by_fd[fd]) {
         Stream *s = r->by_fd[fd];
@@ -302,6 +323,10 @@ static PyObject *Reader_remove(Reader *r, PyObject *args) {
 }
 
 static int Reader_init(Reader *r, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kw)) {
+    if (r->moved) {
+        PyErr_SetString(PyExc_RuntimeError, "already initialised");
+        return -1;
+    }
     r->epfd = epoll_create1(EPOLL_CLOEXEC);
     if (r->epfd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);

@@ -348,8 +348,8 @@ class Controller:
                 legs += f", {fmt(r.again)} at {r.from_limit} again"
             if r.kept:
                 verdict = "kept"
-            elif r.decided_by == "harm_ended" and r.after is None:
-                verdict = "not judged; back to the level before the harm"  # the way back, this tick
+            elif r.decided_by == "harm_ended":
+                verdict = "not judged"  # the reason says what follows (the way back, or the level before)
             else:
                 verdict = f"{r.from_limit} in force"
             message = f"{head}: {r.objective} {legs}: {verdict} ({r.reason})"

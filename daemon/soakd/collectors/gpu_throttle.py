@@ -179,10 +179,10 @@ class GpuThrottleWatch:
 
     def shared(self) -> frozenset[str] | None:
         """The PIDs of the other processes with a compute context on any of the engine's GPUs at its last
-        slow read (empty: none); None when a GPU's list was unknown at its last read (an engine between
-        processes), or none was read yet: a process out of sight is not absent. PIDs, not a count: a
+        slow read (empty: none); None when a judged GPU's list was unknown at its last read (an engine
+        between processes) or not read yet: a process out of sight is not absent. PIDs, not a count: a
         second process beside one there all along is a newcomer."""
-        lists = list(self._now_foreign.values())
+        lists = [self._now_foreign.get(gpu) for gpu in self._judges]
         if not lists or any(f is None for f in lists):
             return None
         return frozenset(pid for f in lists if f is not None for pid in f)

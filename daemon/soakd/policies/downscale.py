@@ -649,7 +649,10 @@ class BatchPolicy:
             # the wait for the cause to be over: back up at once, not after `recover_s`; a level
             # whose harm returns right after it is blocked then, so waiting protects nothing.
             self._quick_return = True
-            why = f"harm ended during the trial: {a.to_limit} not judged, not blocked; back up at once"
+            why = (
+                f"harm ended during the trial: {a.to_limit} not judged, not blocked; "
+                "the way back needs no cool-down"
+            )
             return self._close(t, trial, "harm_ended", "inconclusive", why=why)
         # The A' leg runs at the level before: it stays in force; the lower level was not judged.
         why = f"harm ended during the A' leg: {a.from_limit} stays, {a.to_limit} not judged, not blocked"

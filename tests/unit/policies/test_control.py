@@ -213,7 +213,8 @@ def test_a_trial_the_harms_end_cut_short_says_so_and_the_ceiling_is_back_in_the_
     assert kinds == ["downscale", "action_result", "upscale"]
     (result,) = [e for e in events if e[0] == "action_result"]
     assert result[2]["decided_by"] == "harm_ended" and result[2]["kept"] is False
-    assert "not judged; back to the level before the harm" in result[1] and "16 in force" not in result[1]
+    assert ": not judged (harm ended during the trial" in result[1] and "16 in force" not in result[1]
+    assert "the way back needs no cool-down" in result[1]
     up = events[2]
     assert up[2]["to_limit"] == 16 and "the harm ended during the trial of 12" in up[1]
     assert ctrl.actuator.gate.limit == 16 and (tmp_path / LIMIT_FILE).read_text() == "16"

@@ -332,6 +332,7 @@ def test_another_process_on_the_gpu_is_an_event_pair_and_the_watchs_shared_state
     two = GpuThrottleWatch({0: MAX_MHZ, 1: MAX_MHZ}, lambda *_a, **_f: None)
     assert two.shared() is None
     two.observe(0, 0.0, fast, {"util_gpu": 90, "foreign_procs": {"11": 1 << 30}})
+    assert two.shared() is None  # GPU 1 not read yet: its processes are out of sight, not absent
     two.observe(1, 0.0, fast, {"util_gpu": 90, "foreign_procs": {"22": 1 << 30}})
     assert two.shared() == frozenset({"11", "22"})
     two.observe(1, 1.0, fast, {"util_gpu": 90, "foreign_procs": None})

@@ -390,9 +390,7 @@ def test_a_second_process_beside_one_there_all_along_is_a_newcomer() -> None:
 
     old, new = frozenset({"100"}), frozenset({"100", "200"})
 
-    def run(
-        during: frozenset[str], before: frozenset[str] = old, unknown_from: int = 30
-    ) -> ThroughputJudge:
+    def run(during: frozenset[str], before: frozenset[str] = old, unknown_from: int = 30) -> ThroughputJudge:
         judge = ThroughputJudge(ThroughputSettings(loss=0.2, recent=3, min_reference=10, prefill_weight=0))
         for i in range(30):
             tps = 9000.0 + (300 if i % 2 else -300)
