@@ -43,6 +43,10 @@ import uvloop
 from soakd.engine import h1, sender_child
 from soakd.engine.base import SpecSteps, Stamps
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_fidelity import free_port
+from bench_sender_event import _Child
+
 HERE = Path(__file__).parent
 _NATIVE = 99  # a Connection state of the prototype's: the body is the native reader's
 
@@ -72,27 +76,10 @@ def build(out: Path) -> ModuleType:
     return module
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class _Child:
-    """What a stream reports to: progress frames counted, not written."""
-
-    def __init__(self) -> None:
-        self.frames = 0
-
-    def write(self, header: dict[str, Any]) -> None:
-        self.frames += 1
-
-
 class Run:
     def __init__(self, mode: str, args: argparse.Namespace, url: str, native: ModuleType) -> None:
         self.mode, self.args = mode, args
         self.target = h1.Target(url)
-        self.head_bytes = b""
         self.child = _Child()
         self.reader = native.Reader() if mode == "native" else None
         self.by_key: dict[int, tuple[h1.Connection, sender_child._Stream, list[int]]] = {}
@@ -137,10 +124,10 @@ class Run:
             self.deltas += stream.stamps.deltas + 1 if self.mode == "python" else events[0]
 
     async def worker(self, pool: h1.Pool, stop: float) -> None:
-        head = h1.request_head(
-            self.target, "POST", "/v1/completions", {"Content-Type": "application/json"}, len(self.body())
-        )
         body = self.body()
+        head = h1.request_head(
+            self.target, "POST", "/v1/completions", {"Content-Type": "application/json"}, len(body)
+        )
         while time.monotonic() < stop:
             await self.one(pool, head, body)
 
