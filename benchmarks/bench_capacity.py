@@ -1,7 +1,7 @@
 """How many output tokens per second one soakd process can drive, and what each costs it.
 
 Run by hand:  .venv/bin/python benchmarks/bench_capacity.py [--levels 2000 5000 10000] [--seconds 30]
-                  [--server-procs N] [--senders N] [--reps 1] [--keep DIR] [--json]
+                  [--server-procs N] [--senders N] [--readers auto] [--reps 1] [--keep DIR] [--json]
 
 A stand-in OpenAI-compatible server (benchmarks/standin_server.py, `--server-procs` processes on one
 port) streams every completion as vLLM does: deltas of 1-4 tokens, 20-100 ms apart per stream, usage in
@@ -9,7 +9,8 @@ each chunk, idle keep-alive connections closed after 5 s. For each target level 
 Mooncake-format trace is written: Poisson arrivals at level / mean output length, prompts of 200-2,000
 tokens, answers of 100-300 (mean 200), so 50,000 tok/s is 250 req/s and about 1,200 streams open at
 once. `soakd run` replays it in attach mode (the whole daemon: pacer, sender process(es), spool,
-collectors, scheduler, verdict; `engine.senders` = `--senders`).
+collectors, scheduler, verdict; `engine.senders` = `--senders`). `--readers python native` runs every
+level with each stream reader in turn (`engine.sender_reader`), each against a baseline of its own.
 
 Figures per level:
 - achieved: output tokens/s over the replay (soakd's own verdict, checked against the server's count);
@@ -99,7 +100,9 @@ def role_of(cmdline: str) -> str:
     return "sender" if "soakd.engine.sender" in cmdline else "main"
 
 
-def one_run(work: Path, server_procs: int, level: float, seconds: float, senders: int, seed: int) -> Json:
+def one_run(
+    work: Path, server_procs: int, level: float, seconds: float, senders: int, seed: int, reader: str = "auto"
+) -> Json:
     work.mkdir(parents=True, exist_ok=True)
     trace = work / "trace.jsonl"
     # Unique prompts (every block synthesized: the pacer's worst case), answers of 100-300 tokens.
@@ -109,7 +112,7 @@ def one_run(work: Path, server_procs: int, level: float, seconds: float, senders
     times = [float(r["timestamp"]) for r in rows]
     server = Server(server_procs, work / "server")
     try:
-        extra = f"senders = {senders}\n" if senders else ""
+        extra = (f"senders = {senders}\n" if senders else "") + f'sender_reader = "{reader}"\n'
         usage = run_soakd(
             server.url,
             trace,
@@ -130,9 +133,11 @@ def one_run(work: Path, server_procs: int, level: float, seconds: float, senders
         summary = json.loads(summary_path.read_text(encoding="utf-8"))
         loop = find_key(summary, "loop") or {}
         sends = find_key(summary, "sends") or {}  # connections warmed and opened in the replay
+        reader = str(find_key(summary, "sender_reader") or reader)
     m = verdict["metrics"]
     out: Json = {
         "level": level,
+        "reader": reader,
         "requests": len(times),
         "completed": m.get("completed"),
         "errors": m.get("errors"),
@@ -181,6 +186,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--server-procs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--senders", type=int, default=0, help="engine.senders (0: soakd's default)")
+    p.add_argument("--readers", nargs="+", default=["auto"], choices=["auto", "native", "python"])
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--keep", default="")
     p.add_argument("--json", action="store_true")
@@ -188,29 +194,42 @@ def main() -> None:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="soakd-capacity-"))
     root.mkdir(parents=True, exist_ok=True)
     # Baseline: start-up, the stop and the collectors' idle cost, which no token pays for.
-    base = one_run(root / "baseline", args.server_procs, MEAN_OUT, args.seconds, args.senders, 1)
+    bases = {
+        reader: one_run(
+            root / f"baseline-{reader}", args.server_procs, MEAN_OUT, args.seconds, args.senders, 1, reader
+        )
+        for reader in args.readers
+    }
     rows = []
     for rep in range(args.reps):
         for level in args.levels:
-            work = root / f"l{level:g}-r{rep}"
-            row = one_run(work, args.server_procs, level, args.seconds, args.senders, 7 + rep)
-            marginal = row["cpu_s"] - base["cpu_s"]
-            tokens = float(row["output_tokens"] or 0) - float(base["output_tokens"] or 0)
-            row["cpu_us_per_token"] = round(1e6 * marginal / tokens, 2) if tokens > 0 else None
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            for reader in args.readers:
+                base = bases[reader]
+                work = root / f"l{level:g}-{reader}-r{rep}"
+                row = one_run(work, args.server_procs, level, args.seconds, args.senders, 7 + rep, reader)
+                marginal = row["cpu_s"] - base["cpu_s"]
+                tokens = float(row["output_tokens"] or 0) - float(base["output_tokens"] or 0)
+                row["cpu_us_per_token"] = round(1e6 * marginal / tokens, 2) if tokens > 0 else None
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr, flush=True)
     report = {
         "seconds": args.seconds,
         "server_procs": args.server_procs,
         "senders": args.senders,
         "cpus": os.cpu_count(),
-        "baseline": base,
+        "baseline": bases,
         "rows": rows,
+        # By the reader each run reported (what "auto" chose).
         "median_cpu_us_per_token": {
-            f"{lv:g}": statistics.median(
-                [r["cpu_us_per_token"] for r in rows if r["level"] == lv and r["cpu_us_per_token"]] or [0]
+            f"{lv:g} {rd}": statistics.median(
+                [
+                    r["cpu_us_per_token"]
+                    for r in rows
+                    if (r["level"], r["reader"]) == (lv, rd) and r["cpu_us_per_token"]
+                ]
+                or [0]
             )
-            for lv in args.levels
+            for lv, rd in sorted({(r["level"], r["reader"]) for r in rows})
         },
     }
     print(json.dumps(report, indent=None if args.json else 2))

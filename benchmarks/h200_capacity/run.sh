@@ -7,10 +7,12 @@
 set -uo pipefail
 OUT=${1:?results folder}
 shift
-LEVELS=${*:-10000 50000}
+LEVELS=${*:-10000 25000 50000}
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh || exit 1
+python3 -c 'from soakd.engine import native; print("native reader:", native.available() or native.UNAVAILABLE)' \
+  > "$OUT/reader.txt" 2>&1
 B="python3 benchmarks/bench_capacity.py --seconds 20 --server-procs 8 --json"
+# Each level with the Python reader, then the native one (each against its own baseline run).
 # shellcheck disable=SC2086
-timeout 140 $B --levels $LEVELS --keep /tmp/cap1 > "$OUT/senders1.json" 2> "$OUT/senders1.err"
-timeout 75 $B --levels 50000 --senders 2 --keep /tmp/cap2 > "$OUT/senders2.json" 2> "$OUT/senders2.err"
+timeout 480 $B --levels $LEVELS --readers python native --keep /tmp/cap1 > "$OUT/readers.json" 2> "$OUT/readers.err"

@@ -24,6 +24,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -210,6 +211,23 @@ class EngineConfig(_Section):
     server. -10 measured no better than 0 beside a vLLM CPU server on two cores (benchmarks/RESULTS.md,
     "Capacity"), so 0 is the default. Needs CAP_SYS_NICE or an RLIMIT_NICE allowing it (systemd:
     LimitNICE=); refused, the senders run at soakd's own and `sender_nice_refused` says why."""
+    sender_reader: Literal["auto", "native", "python"] = "auto"
+    """What reads the token streams in the sender processes: the native reader (C, polled every 5 ms,
+    each read stamped by the kernel: about half the sender's CPU per token, benchmarks/RESULTS.md, "A
+    native reader"), or the Python path (a read per delta in the event loop). "auto": the native one
+    where it is built and the server is not behind TLS; requests that want token ids are read in Python
+    either way. "native" refuses a run where it cannot read."""
+
+    @field_validator("sender_reader")
+    @classmethod
+    def _reader_built(cls, value: str) -> str:
+        if value == "native":
+            from soakd.engine.native import UNAVAILABLE
+
+            if UNAVAILABLE:
+                raise ValueError(f'the native stream reader is {UNAVAILABLE}: use "auto" or "python"')
+        return value
+
     warm_connections: int = Field(default=32, ge=0, le=1024)
     """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency) and
     kept open, idle, ahead of demand for the whole run (stale ones replaced before the server's

@@ -54,6 +54,12 @@ def _event(raw: bytes) -> Event:
     return Event(raw=raw, data=b"\n".join(parts) if parts else None)
 
 
+def event_data(raw: bytes) -> bytes | None:
+    """The stripped `data` payload of one whole event (its bytes as sent); None when it has none."""
+    data = _event(raw).data
+    return data.strip() if data is not None else None
+
+
 class DataSplitter:
     """The `data` payloads of a stream's events, stripped, without keeping the events' bytes (a reader
     that only needs what the events say: the completion client's per-delta path). Events without data

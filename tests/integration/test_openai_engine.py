@@ -20,6 +20,7 @@ from servers import Server, free_port
 
 from soakd.clock import SystemClock
 from soakd.config import EngineConfig
+from soakd.engine import native
 from soakd.engine.base import GenerationRequest, Stamps
 from soakd.engine.completions import RequestError
 from soakd.engine.openai_http import OpenAIEngine
@@ -109,10 +110,26 @@ async def test_unknown_served_model_is_an_engine_error(vllm_server: Server) -> N
         await engine.start()
 
 
-@pytest.mark.parametrize("sender", ["loop", "process"])
+def sender_kw(sender: str) -> dict[str, object]:
+    """The engine's sender settings for a test's parameter: "loop", "process" (the stream reader soakd
+    takes where it is built: native) or "process-python" (the Python reader)."""
+    if sender == "process-python":
+        return {"sender": "process", "sender_reader": "python"}
+    return {"sender": sender}
+
+
+def assert_reader(engine: OpenAIEngine, sender: str) -> None:
+    want = {"loop": None, "process-python": "python"}.get(
+        sender, "native" if native.available() else "python"
+    )
+    assert engine.telemetry_summary().get("sender_reader") == want
+
+
+@pytest.mark.parametrize("sender", ["loop", "process", "process-python"])
 async def test_streams_exact_token_counts(vllm_server: Server, sender: str) -> None:
-    async with started(vllm_server.url, sender=sender) as engine:
-        assert engine.info.sends_at == (sender == "process")
+    async with started(vllm_server.url, **sender_kw(sender)) as engine:
+        assert engine.info.sends_at == sender.startswith("process")
+        assert_reader(engine, sender)
         lengths = [1, 7, 64, 300]
         requests = [
             GenerationRequest(f"exact-{n}", list(range(1, 100 + n)), max_tokens=n, seed=n, stamps=Stamps())
@@ -246,7 +263,7 @@ async def test_refused_request_raises_request_error_without_the_prompt(vllm_serv
     assert "7, 7" not in message and len(message) < 200
 
 
-@pytest.mark.parametrize("sender", ["loop", "process"])
+@pytest.mark.parametrize("sender", ["loop", "process", "process-python"])
 async def test_cancelling_the_consumer_aborts_the_request_in_the_server(
     vllm_server: Server, sender: str
 ) -> None:
@@ -257,7 +274,8 @@ async def test_cancelling_the_consumer_aborts_the_request_in_the_server(
         async for _ in engine.generate(GenerationRequest("cancel-me", list(range(1, 20)), max_tokens=asked)):
             got_tokens.set()
 
-    async with started(vllm_server.url, sender=sender) as engine:
+    async with started(vllm_server.url, **sender_kw(sender)) as engine:
+        assert_reader(engine, sender)
         # After start: it sends a few one-token requests of its own.
         generated_before = metric(vllm_server, "vllm:generation_tokens_total")
         finished_before = metric(vllm_server, "vllm:request_success_total")

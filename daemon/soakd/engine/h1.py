@@ -19,6 +19,10 @@ timeout would (uvicorn's, which vLLM uses: 5 s), so a request is never written o
 server is closing; one that is closed under it anyway before any byte of the answer came (a server with
 a shorter timeout) is sent once more on a fresh connection, as browsers do.
 
+A pool given the native stream reader (engine/native.py) hands it a 200 answer's chunked event stream
+once the head is read, for requests sent with `native`: the socket's reading paused here, the body read
+there until its end, the connection given back through `native_end` (or broken, `native_error`).
+
 Over 500 lines because the response parser, the connection that feeds it and the pool that keeps
 connections are one protocol's three parts, each small.
 """
@@ -35,6 +39,8 @@ import time
 from collections import deque
 from typing import Protocol, cast
 from urllib.parse import unquote, urlsplit
+
+from soakd.engine.native import NativeSink, NativeStreams
 
 IDLE_S = 4.0
 """An idle connection older than this is closed, not reused: under uvicorn's 5 s keep-alive timeout."""
@@ -101,7 +107,7 @@ def request_head(target: Target, method: str, path: str, headers: dict[str, str]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-_HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _IDLE = range(8)
+_HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _IDLE, _NATIVE = range(9)
 
 
 class Connection(asyncio.Protocol):
@@ -117,16 +123,21 @@ class Connection(asyncio.Protocol):
         self._keep = False
         self._got_bytes = False
         self.idle_since = time.monotonic()
+        self._native_ok = False  # this answer's stream may go to the pool's native reader
+        self._native_fd = -1  # the socket's fd while the native reader holds the answer
         self.closed = False
         self.counted = False
         """Whether the pool counts it against its limit (Pool.count); its closing uncounts it once."""
         self.made: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     # -- the pool's side
-    def send(self, head: bytes, body: bytes, sink: Sink) -> float:
-        """Write a request; its answer goes to `sink`. Returns when its bytes were handed to the socket."""
+    def send(self, head: bytes, body: bytes, sink: Sink, *, native: bool = False) -> float:
+        """Write a request; its answer goes to `sink`. Returns when its bytes were handed to the socket.
+        With `native` (the sink is a NativeSink too), a 200 answer's chunked event stream is read by the
+        pool's native reader after its head, when the pool has one."""
         assert self.transport is not None and self._sink is None
         self._sink, self._state, self._buf, self._got_bytes = sink, _HEAD, b"", False
+        self._native_ok = native and self._pool is not None and self._pool.native is not None
         written = time.monotonic()
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
@@ -146,6 +157,59 @@ class Connection(asyncio.Protocol):
         if sink is not None and self._sink is not sink:
             return
         self._sink = None
+        self._release_native()
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- the native reader's side (engine/native.py)
+    @property
+    def native_held(self) -> bool:
+        return self._native_fd >= 0
+
+    def _release_native(self) -> None:
+        """Take the answer back from the native reader before the socket closes (its fd may be reused)."""
+        if self._native_fd >= 0:
+            fd, self._native_fd = self._native_fd, -1
+            if self._pool is not None and self._pool.native is not None:
+                self._pool.native.remove(fd)
+
+    def _hand_over(self, rest: bytes) -> bool:
+        """Give the body's reading to the native reader, with the bytes already read; False when it
+        would not take the socket (then reading goes on here)."""
+        pool, transport, sink = self._pool, self.transport, self._sink
+        assert pool is not None and pool.native is not None and transport is not None and sink is not None
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        transport.pause_reading()
+        fd = sock.fileno()
+        try:
+            pool.native.add(self, cast(NativeSink, sink), fd, rest)
+        except (OSError, ValueError):
+            transport.resume_reading()
+            return False
+        self._native_fd = fd
+        return True
+
+    def native_end(self, reusable: bool) -> None:
+        """The native reader read the answer to its end; `reusable`: nothing followed it."""
+        if self._native_fd < 0:
+            return
+        self._native_fd = -1
+        self._keep = self._keep and reusable
+        if self._keep and self.transport is not None:
+            self.transport.resume_reading()
+        self._done()
+
+    def native_error(self, why: str) -> None:
+        """The native reader found the answer broken (cut short, malformed): the request failed."""
+        if self._native_fd < 0:
+            return
+        self._native_fd = -1
+        sink, self._sink = self._sink, None
+        self._state = _IDLE
+        if sink is not None:
+            sink.on_error(ProtocolError(why))
         if self.transport is not None:
             self.transport.abort()
 
@@ -163,6 +227,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._release_native()
         if not self.made.done():
             self.made.set_result(None)
         sink, self._sink = self._sink, None
@@ -184,6 +249,7 @@ class Connection(asyncio.Protocol):
         try:
             self._feed(data)
         except (ValueError, ProtocolError) as err:
+            self._release_native()
             sink, self._sink = self._sink, None
             if sink is not None:
                 bad = err if isinstance(err, ProtocolError) else ProtocolError(f"malformed answer: {err}")
@@ -268,6 +334,13 @@ class Connection(asyncio.Protocol):
                     self._sink.on_body(buf[pos:])
                 pos = len(buf)
                 break
+            elif state == _NATIVE:
+                if self._native_fd >= 0:
+                    raise ProtocolError("bytes read beside the native reader")  # never: reading paused
+                if self._hand_over(buf[pos:]):
+                    pos = len(buf)
+                    break
+                self._state = _SIZE
             else:
                 break
         self._buf = buf[pos:] if pos < len(buf) else b""
@@ -293,7 +366,7 @@ class Connection(asyncio.Protocol):
         if status in (204, 304):
             self._left, self._state = 0, _LENGTH
         elif "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = _SIZE
+            self._state = _NATIVE if self._native_ok and status == 200 else _SIZE
         elif "content-length" in headers:
             self._left, self._state = int(headers["content-length"]), _LENGTH
             if self._left < 0:
@@ -319,8 +392,12 @@ class Pool:
     """Connections to one server: reused while fresh, opened on demand up to `limit` (0: no limit), and
     `spare` kept open idle ahead of demand once `keep_spare` is called."""
 
-    def __init__(self, target: Target, limit: int = 0, idle_s: float = IDLE_S) -> None:
+    def __init__(
+        self, target: Target, limit: int = 0, idle_s: float = IDLE_S, native: NativeStreams | None = None
+    ) -> None:
         self.target = target
+        self.native = None if target.tls else native
+        """The native stream reader its connections hand streams to (never through TLS)."""
         self._limit = limit
         self._idle_s = idle_s
         self._idle: deque[Connection] = deque()
@@ -486,6 +563,8 @@ class Pool:
         self.release(conn)
 
     async def close(self) -> None:
+        if self.native is not None:
+            self.native.close()
         if self._keeper is not None:
             self._keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

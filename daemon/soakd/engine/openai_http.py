@@ -126,6 +126,7 @@ class OpenAIEngine:
                     self._cfg.senders,
                     self._cfg.api_key_env,
                     nice=self._cfg.sender_nice,
+                    reader=self._cfg.sender_reader,
                 )
                 await self._senders.start()
                 refused = self._senders.slots[0].nice_error
@@ -458,6 +459,10 @@ class OpenAIEngine:
             out["senders"] = len(self.senders)
             if self.senders[0].nice is not None:
                 out["sender_nice"] = self.senders[0].nice
+            if self.senders[0].reader:
+                out["sender_reader"] = self.senders[0].reader
+            if self.senders[0].reader_note:
+                out["sender_reader_note"] = self.senders[0].reader_note
         if self._sends.requests or self._sends.warmed:
             out["sends"] = self._sends.summary()
         if self._probes:

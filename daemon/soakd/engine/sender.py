@@ -109,13 +109,16 @@ class _Pending:
 class SenderProcess:
     """The parent's handle on one sender child: start it, hand it requests, read its answers."""
 
-    def __init__(self, url: str, headers: dict[str, str], max_connections: int, nice: int = 0) -> None:
+    def __init__(
+        self, url: str, headers: dict[str, str], max_connections: int, nice: int = 0, reader: str = "auto"
+    ) -> None:
         self._init = {
             "op": "init",
             "url": url,
             "headers": headers,
             "max_connections": max_connections,
             "nice": nice,
+            "reader": reader,
         }
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -127,6 +130,10 @@ class SenderProcess:
         self.nice: int | None = None
         """The child's nice value once started; `nice_error` says why a lower one was refused."""
         self.nice_error = ""
+        self.reader = ""
+        """Which reader reads the child's streams ("native" or "python"), from its ready frame;
+        `reader_note` says why not the native one where it was not taken."""
+        self.reader_note = ""
         self.submitted = 0
         """Requests handed to this child."""
 
@@ -190,6 +197,8 @@ class SenderProcess:
         nice = got[0].get("nice")
         self.nice = nice if isinstance(nice, int) else None
         self.nice_error = str(got[0].get("nice_error", ""))
+        self.reader = str(got[0].get("reader", ""))
+        self.reader_note = str(got[0].get("reader_note", ""))
         self._reader = asyncio.create_task(self._read(proc.stdout), name="soakd-sender-reader")
 
     def submit(self, request: GenerationRequest, body: bytes) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
@@ -295,8 +304,10 @@ class Senders:
         n: int,
         secret_env: str,
         nice: int = 0,
+        reader: str = "auto",
     ) -> None:
         self._url, self._headers, self._secret_env, self._nice = url, headers, secret_env, nice
+        self._reader_kind = reader
         # The pool's limit (when there is one) shared out: each child holds its part.
         self._limit = -(-max_connections // n) if max_connections else 0
         self.slots: list[SenderProcess] = [self._make() for _ in range(n)]
@@ -307,7 +318,7 @@ class Senders:
         self.restarts = 0
 
     def _make(self) -> SenderProcess:
-        return SenderProcess(self._url, self._headers, self._limit, self._nice)
+        return SenderProcess(self._url, self._headers, self._limit, self._nice, self._reader_kind)
 
     async def start(self) -> None:
         """Start every child; one failing cancels the others' starts (each stops its child when

@@ -2,9 +2,10 @@
 time, their streams read, stamps and token counts reported to soakd over its pipe.
 
 One event loop (uvloop where installed) with one connection pool (engine/h1.py); the frames both ways and
-the parent's side are engine/sender.py. Each answer is read in its connection's callbacks (`_Stream`):
-events split, the running token count read without a JSON parse where the event allows, every delta
-stamped, progress reported at most every PROGRESS_S; frames to the parent gathered for FLUSH_S.
+the parent's side are engine/sender.py. Each answer's event stream is read by the native reader where it
+is built (engine/native.py: polled, stamped by the kernel), else in its connection's callbacks; either
+way `_Stream` takes it: the running token count read without a JSON parse where the event allows, every
+delta stamped, progress reported at most every PROGRESS_S; frames to the parent gathered for FLUSH_S.
 """
 
 from __future__ import annotations
@@ -31,16 +32,18 @@ from soakd.engine.completions import (
     new_tokens,
 )
 from soakd.engine.h1 import Collect, ConnectError, Connection, Pool, ProtocolError, Target, request_head
+from soakd.engine.native import UNAVAILABLE, NativeStreams, available
 from soakd.engine.sender import FLUSH_S, PROGRESS_S, frame, read_frame
 from soakd.errors import EngineError
-from soakd.sse import DataSplitter
+from soakd.sse import DataSplitter, event_data
 
 _HEALTH_TIMEOUT_S = 10.0
 
 
 class _Stream:
-    """One completion's answer, read in the connection's callbacks (engine/h1.py): tokens counted from
-    each event, deltas stamped, progress reported, nothing awaited per chunk."""
+    """One completion's answer, read in the connection's callbacks (engine/h1.py) or by the native
+    reader's poll (engine/native.py): tokens counted from each event, deltas stamped, progress
+    reported, nothing awaited per chunk."""
 
     def __init__(
         self,
@@ -61,6 +64,7 @@ class _Stream:
         self.conn: Connection | None = None
         self.written: float | None = None
         self.new_conn = False
+        self.native = False
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def again(self) -> None:
@@ -88,19 +92,42 @@ class _Stream:
                     self.conn.abort(self)
                 return
             if n:
-                self._tokens(n)
+                now = time.monotonic()
+                self._tokens(n, 1, now, now)
 
-    def _tokens(self, n: int) -> None:
-        now = time.monotonic()
+    def on_native_tokens(self, tokens: int, events: int, first: float, last: float) -> None:
+        if not self.done.done():
+            self._tokens(tokens, events, first, last)
+
+    def on_native_event(self, raw: bytes, seen: int, stamp: float) -> None:
+        data = event_data(raw)
+        if not data or data == b"[DONE]" or self.done.done():
+            return
+        try:
+            n, _ = new_tokens(data, seen, self._ids, self._spec)
+        except RequestError as err:
+            self._fail(err)
+            if self.conn is not None:
+                self.conn.abort(self)
+            return
+        if n:
+            self._tokens(n, 1, stamp, stamp)
+
+    def _tokens(self, n: int, events: int, first_at: float, last_at: float) -> None:
+        """`n` new tokens in `events` deltas, the first and last of them stamped `first_at`, `last_at`
+        (those between, on the native path, are not known: only the sum of the gaps is kept)."""
         stamps = self.stamps
         first = stamps.first is None
         if first:
-            stamps.first = now
+            stamps.first = first_at
+            events -= 1
         else:
-            stamps.gaps += now - (stamps.last or now)
-            stamps.deltas += 1
-        stamps.last = now
+            stamps.gaps += first_at - (stamps.last or first_at)
+        stamps.gaps += last_at - first_at
+        stamps.deltas += events
+        stamps.last = last_at
         self.pending += n
+        now = time.monotonic()
         # The first token at once (the consumer learns the stream began), then at most every PROGRESS_S.
         if first or now - self._reported_at >= PROGRESS_S:
             self._child.write({"key": self._key, "n": self.pending})
@@ -134,7 +161,9 @@ class _Child:
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._outbox: list[bytes] = []
         self._headers = {str(k): str(v) for k, v in dict(init.get("headers", {})).items()}
-        self.pool = Pool(self._target, max(0, int(init.get("max_connections", 0))))
+        self.reader, self.reader_note = _reader_choice(str(init.get("reader", "auto")), self._target)
+        self.native = NativeStreams(after=self.flush) if self.reader == "native" else None
+        self.pool = Pool(self._target, max(0, int(init.get("max_connections", 0))), native=self.native)
         self._health_head = request_head(self._target, "GET", "/health", self._headers, 0)
 
     async def warm(self) -> None:
@@ -196,7 +225,8 @@ class _Child:
         frame, each waking the parent, was the largest single cost of the sender at 10,000 tokens/s).
         What the frames carry was stamped when it happened: the wait delays only its bookkeeping."""
         self._outbox.append(frame(header))
-        if len(self._outbox) == 1:
+        # Written in a native poll: they leave at its end, not on a timer of their own (a wake-up more).
+        if len(self._outbox) == 1 and not (self.native is not None and self.native.polling):
             asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
 
     def flush(self) -> None:
@@ -220,6 +250,7 @@ class _Child:
         )
         final: dict[str, Any] = {"key": key, "final": True}
         stream = _Stream(self, key, stamps, output_ids, spec)
+        stream.native = self.native is not None and output_ids is None
         try:
             await self._exchange(stream, head, body)
         except ServerGone as err:
@@ -261,7 +292,8 @@ class _Child:
                 raise gone(f"server unreachable: {err}"[:200]) from err
             stream.conn = conn
             stream.new_conn = stream.new_conn or new
-            stream.written = conn.send(head, body, stream)
+            # Token ids need every event parsed: those answers are read here, not by the native reader.
+            stream.written = conn.send(head, body, stream, native=stream.native)
             try:
                 await stream.done
             except asyncio.CancelledError:
@@ -313,7 +345,15 @@ async def _serve() -> None:
     child = _Child(got[0], out)
     await child.warm()
     loop_kind = type(loop).__module__.split(".")[0]
-    ready: dict[str, Any] = {"op": "ready", "pid": os.getpid(), "loop": loop_kind, "nice": nice}
+    ready: dict[str, Any] = {
+        "op": "ready",
+        "pid": os.getpid(),
+        "loop": loop_kind,
+        "nice": nice,
+        "reader": child.reader,
+    }
+    if child.reader_note:
+        ready["reader_note"] = child.reader_note
     if nice_error:
         ready["nice_error"] = nice_error
     out.write(frame(ready))
@@ -324,6 +364,20 @@ async def _serve() -> None:
         await child.close()
         with contextlib.suppress(ConnectionError):
             await out.drain()
+
+
+def _reader_choice(want: str, target: Target) -> tuple[str, str]:
+    """Which reader reads the streams ("native" or "python") for the asked-for one ("auto", "native",
+    "python"), and why not the native one when it was not taken. Asked for "native" where it cannot
+    read, the sender does not start (the parent's config check names the key first)."""
+    if want == "python":
+        return "python", ""
+    why = UNAVAILABLE if not available() else "TLS: read through the TLS layer" if target.tls else ""
+    if not why:
+        return "native", ""
+    if want == "native":
+        raise EngineError(f"the native stream reader cannot read here: {why}")
+    return "python", why
 
 
 def _renice(want: int) -> tuple[int, str]:

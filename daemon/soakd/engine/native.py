@@ -1,0 +1,142 @@
+"""The sender's native stream reader, driven: streams handed over by engine/h1.py's connections once
+their answer's head is read, polled every POLL_S while any is held, each poll's news given to the
+stream's sink.
+
+Reading a stream per delta in Python costs a wake-up, a read and the interpreter's work around them for
+every network chunk (~19 us of CPU a delta on a 2-core host); the reader in `_reader.c` drains every
+ready socket in one call with the interpreter lock released and hands back, per stream, its new tokens
+and the kernel's receive stamps of the first and last delta, so a read that waits for the poll moves no
+stamp (benchmarks/RESULTS.md, "A native reader"). What it cannot read without a parse (an error event,
+vLLM's speculative metrics, a server that sends no running count) it hands back whole, and the sink
+parses it as the Python path does. Requests that want token ids, and TLS connections, stay on the
+Python path: the first needs every event parsed, the second reads through the TLS layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+POLL_S = 0.005
+"""How often held streams are read. The stamps are the kernel's, so this bounds only when soakd learns
+of a token (its progress frames and live counters), never a measured latency; at 10 ms the CPU per token
+fell no further on a 2-core host."""
+
+try:
+    from soakd.engine import _reader  # type: ignore[attr-defined]
+
+    UNAVAILABLE = ""
+except ImportError as err:  # not built (no C compiler at install, or not Linux)
+    _reader = None
+    UNAVAILABLE = f"not built ({err})"[:200]
+
+
+class NativeSink(Protocol):
+    """A stream's receiver on the native path; every call comes from the poll, on the event loop."""
+
+    def on_native_tokens(self, tokens: int, events: int, first: float, last: float) -> None:
+        """`tokens` new tokens in `events` deltas, the first and last stamped `first` and `last`
+        (time.monotonic's clock)."""
+
+    def on_native_event(self, raw: bytes, seen: int, stamp: float) -> None:
+        """An event the reader could not read alone (bytes as sent, its blank line included), with the
+        running count after it as the reader read it; may end the request (an error event)."""
+
+
+class NativeConnection(Protocol):
+    """What the poll needs of a connection it reads for (engine/h1.py's Connection)."""
+
+    @property
+    def native_held(self) -> bool:
+        """Whether the native path still owns the answer (an abort takes it back)."""
+
+    def native_end(self, reusable: bool) -> None: ...
+
+    def native_error(self, why: str) -> None: ...
+
+
+_Handed = tuple[float, int, bytes, int, int, float, float]
+"""An event for Python: (stamp, count after it, its bytes, and the tokens, deltas, first and last stamps
+of what the reader counted since the previous one)."""
+_News = tuple[int, int, int, float, float, int, list[_Handed] | None, str | None]
+"""One stream's news from a poll: (fd, tokens, deltas, first stamp, last stamp, end, handed, why)."""
+
+
+def available() -> bool:
+    return _reader is not None
+
+
+class NativeStreams:
+    """The reader and the streams it holds, keyed by socket fd; the poll is scheduled only while one
+    is held, so an idle sender is not woken."""
+
+    def __init__(self, after: Callable[[], None] | None = None) -> None:
+        """`after`: called at the end of every poll (the sender flushes the frames the poll wrote)."""
+        if _reader is None:
+            raise RuntimeError(f"the native stream reader is {UNAVAILABLE}")
+        self._reader = _reader.Reader()
+        self._held: dict[int, tuple[NativeConnection, NativeSink]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._after = after
+        self.polling = False
+        """True while a poll hands out its news (what is written then can wait for its end)."""
+        self.polls = 0
+        self.streams = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, conn: NativeConnection, sink: NativeSink, fd: int, rest: bytes) -> None:
+        """Read `fd`'s chunked event stream from here on; `rest`: the body's bytes already read."""
+        self._reader.add(fd, fd, rest)
+        self._held[fd] = (conn, sink)
+        self.streams += 1
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(POLL_S, self.poll)
+
+    def remove(self, fd: int) -> None:
+        """Forget a stream (its request aborted) before its socket closes."""
+        if self._held.pop(fd, None) is not None:
+            self._reader.remove(fd)
+
+    def poll(self) -> None:
+        self._timer = None
+        self.polls += 1
+        self.polling = True
+        try:
+            self._hand_out(self._reader.poll())
+        finally:
+            self.polling = False
+            if self._after is not None:
+                self._after()
+        if self._held:
+            self._timer = asyncio.get_running_loop().call_later(POLL_S, self.poll)
+
+    def _hand_out(self, news: list[_News]) -> None:
+        for fd, tokens, events, first, last, end, handed, why in news:
+            held = self._held.get(fd)
+            if held is None:
+                continue
+            conn, sink = held
+            if end:
+                del self._held[fd]  # the reader let go of it
+            for stamp, seen, raw, before, before_events, before_first, before_last in handed or ():
+                if before:
+                    sink.on_native_tokens(before, before_events, before_first, before_last)
+                sink.on_native_event(raw, seen, stamp)
+                if not conn.native_held:
+                    break  # an error event: the request failed, its connection aborted
+            if not conn.native_held:
+                continue
+            if tokens:
+                sink.on_native_tokens(tokens, events, first, last)
+            if end > 0:
+                conn.native_end(end == 1)  # 2: bytes after the answer's end, not reused
+            elif end < 0:
+                conn.native_error(why or "the stream failed")
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

@@ -1,0 +1,358 @@
+"""The sender's native stream reader (engine/_reader.c, driven by engine/native.py) against the Python
+path it replaces: the same tokens, deltas, speculative metrics and failures on any stream cut any way
+over a real loopback socket; the chunked framing's errors, a stream cut short and bytes after the end
+each reported; the kernel's receive stamps kept when the read waits for the poll; and the sender
+process reading through it end to end (the scripted server of test_h1)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import select
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_h1 import HEAD, Script, server  # noqa: F401  (the scripted server fixture)
+
+from soakd.config import EngineConfig
+from soakd.engine import native
+from soakd.engine.base import GenerationRequest, SpecSteps, Stamps
+from soakd.engine.completions import RequestError
+from soakd.engine.sender import SenderProcess, stream_via, take_final
+from soakd.engine.sender_child import _Stream
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native reader {native.UNAVAILABLE}")
+
+
+class _Parent:
+    """The sender's frame writer, kept: progress frames are what the parent would see."""
+
+    def __init__(self) -> None:
+        self.frames: list[dict[str, Any]] = []
+
+    def write(self, header: dict[str, Any]) -> None:
+        self.frames.append(header)
+
+
+@contextlib.contextmanager
+def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """(server side, client side) of a loopback TCP connection: the reader reads the client side."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    srv, _ = listener.accept()
+    listener.close()
+    client.setblocking(False)
+    try:
+        yield srv, client
+    finally:
+        srv.close()
+        client.close()
+
+
+def chunked(payload: bytes, sizes: list[int]) -> bytes:
+    """`payload` framed as HTTP chunks of the given sizes (cycled), then the last chunk."""
+    out, at, k = [], 0, 0
+    while at < len(payload):
+        size = max(1, sizes[k % len(sizes)]) if sizes else len(payload)
+        piece = payload[at : at + size]
+        out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
+        at, k = at + size, k + 1
+    return b"".join(out) + b"0\r\n\r\n"
+
+
+def cut(data: bytes, points: list[int]) -> list[bytes]:
+    marks = sorted({p % (len(data) + 1) for p in points} | {0, len(data)})
+    return [data[a:b] for a, b in itertools.pairwise(marks) if b > a]
+
+
+def python_path(payload: bytes, pieces: list[bytes], spec: bool) -> tuple[_Stream, _Parent]:
+    """The answer read as the Python path reads it (the de-chunked body fed to `_Stream.on_body`)."""
+
+    async def run() -> tuple[_Stream, _Parent]:
+        parent = _Parent()
+        stream = _Stream(parent, 1, Stamps(sent=time.monotonic()), None, SpecSteps() if spec else None)  # type: ignore[arg-type]
+        stream.on_head(200, {})
+        at = 0
+        for piece in pieces:  # the same cuts, over the payload
+            stream.on_body(payload[at : at + len(piece)])
+            at += len(piece)
+        stream.on_body(payload[at:])
+        stream.on_end()
+        return stream, parent
+
+    return asyncio.run(run())
+
+
+def poll_until_end(reader: Any, fd: int, sink: _Stream, limit_s: float = 10.0) -> tuple[int, str | None]:
+    """Poll as NativeStreams.poll does until the stream ends: (end, why)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        for key, tokens, events, first, last, end, handed, why in reader.poll():
+            assert key == fd
+            for stamp, seen, raw, b_tokens, b_events, b_first, b_last in handed or ():
+                if b_tokens:
+                    sink.on_native_tokens(b_tokens, b_events, b_first, b_last)
+                sink.on_native_event(raw, seen, stamp)
+                if sink.done.done():
+                    break
+            if not sink.done.done() and tokens:
+                sink.on_native_tokens(tokens, events, first, last)
+            if end:
+                return end, why
+            if sink.done.done():
+                reader.remove(fd)
+                return 0, "failed by an event"
+        select.select([fd], [], [], 0.05)
+    raise AssertionError("the stream did not end")
+
+
+def native_path(answer: bytes, pieces: list[bytes], spec: bool) -> tuple[_Stream, _Parent, int, str | None]:
+    """The same answer's bytes (chunked) written piece by piece to a socket the reader reads."""
+
+    async def run() -> tuple[_Stream, _Parent, int, str | None]:
+        parent = _Parent()
+        stream = _Stream(parent, 1, Stamps(sent=time.monotonic()), None, SpecSteps() if spec else None)  # type: ignore[arg-type]
+        stream.on_head(200, {})
+        reader = native._reader.Reader()  # type: ignore[union-attr]
+        with tcp_pair() as (srv, client):
+            first, rest = pieces[0], pieces[1:]
+            reader.add(client.fileno(), client.fileno(), first)  # bytes the head's read brought along
+            for piece in rest:
+                srv.sendall(piece)
+                for _key, tokens, events, f, last, end, handed, _why in reader.poll():
+                    for stamp, seen, raw, b_tokens, b_events, b_first, b_last in handed or ():
+                        if b_tokens and not stream.done.done():
+                            stream.on_native_tokens(b_tokens, b_events, b_first, b_last)
+                        stream.on_native_event(raw, seen, stamp)
+                    if tokens and not stream.done.done():
+                        stream.on_native_tokens(tokens, events, f, last)
+                    if end:
+                        assert end > 0 or stream.done.done()
+                        stream.on_end()
+                        return stream, parent, end, None
+                if stream.done.done():
+                    return stream, parent, 0, None
+            end, why = poll_until_end(reader, client.fileno(), stream)
+            if end > 0:
+                stream.on_end()
+            return stream, parent, end, why
+
+    return asyncio.run(run())
+
+
+def _event(kind: str, total: int, text: str, crlf: bool) -> bytes:
+    nl = "\r\n" if crlf else "\n"
+    body: dict[str, Any] = {"choices": [{"index": 0, "text": text}]}
+    if kind != "nousage":
+        body["usage"] = {"completion_tokens": total}
+    if kind == "spec":
+        body["metrics"] = {"speculative_decoding": {"per_step_accepted": [1, 2], "per_step_drafted": [3, 3]}}
+    if kind == "error":
+        body = {"error": {"message": "boom", "code": 500}}
+    if kind == "comment":
+        return f": keep-alive{nl}{nl}".encode()
+    if kind == "done":
+        return f"data: [DONE]{nl}{nl}".encode()
+    return f"data: {json.dumps(body)}{nl}{nl}".encode()
+
+
+_events = st.lists(
+    st.tuples(
+        st.sampled_from(["count", "count", "count", "same", "spec", "nousage", "comment", "done", "error"]),
+        st.integers(min_value=1, max_value=4),
+        st.text(max_size=12),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    _events,
+    st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=4),
+    st.lists(st.integers(min_value=0, max_value=10**6), max_size=8),
+    st.booleans(),
+)
+def test_the_native_reader_reads_what_the_python_path_reads(
+    events: list[tuple[str, int, str, bool]], sizes: list[int], points: list[int], spec: bool
+) -> None:
+    total, parts = 0, []
+    for kind, step, text, crlf in events:
+        if kind in ("count", "spec"):
+            total += step
+        parts.append(_event(kind, total, text, crlf))
+    payload = b"".join(parts)
+    answer = chunked(payload, sizes)
+    pieces = cut(answer, points)
+    got, got_frames, end, why = native_path(answer, pieces, spec)
+    want, want_frames = python_path(payload, cut(payload, points), spec)
+    failed = want.done.exception() if want.done.done() else None
+    if isinstance(failed, RequestError):
+        # The error event fails the request either way; what was counted before it does not matter.
+        assert isinstance(got.done.exception(), RequestError)
+        return
+    assert end == 1 and why is None
+    assert got.done.done() and got.done.exception() is None
+    assert sum(f.get("n", 0) for f in got_frames.frames) + got.pending == (
+        sum(f.get("n", 0) for f in want_frames.frames) + want.pending
+    )
+    assert got.stamps.deltas == want.stamps.deltas
+    assert (got.stamps.first is None) == (want.stamps.first is None)
+    if spec:
+        assert got._spec == want._spec
+    if got.stamps.first is not None:
+        assert got.stamps.last is not None and got.stamps.last >= got.stamps.first
+        assert got.stamps.gaps == pytest.approx(got.stamps.last - got.stamps.first, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("answer", "end", "why"),
+    [
+        (b"zz\r\ndata: x\n\n\r\n0\r\n\r\n", -1, "malformed chunk size"),
+        (b"3\r\nabcXY0\r\n\r\n", -1, "malformed chunk"),
+        (b"4\r\nab\n\n\r\n0\r\n\r\nHTTP/1.1 200", 2, None),  # bytes after the end: done, not reused
+        (b"4;ext=1\r\nab\n\n\r\n0\r\ntrailer: x\r\n\r\n", 1, None),  # an extension and a trailer
+        (b"5\r\ndata:\r\n0\r\n\r\n", -1, "the answer ended inside an event"),
+    ],
+)
+def test_the_framing_errors_and_endings_are_reported(answer: bytes, end: int, why: str | None) -> None:
+    reader = native._reader.Reader()  # type: ignore[union-attr]
+    with tcp_pair() as (srv, client):
+        reader.add(client.fileno(), 7, b"")
+        srv.sendall(answer)
+        got: list[tuple[int, str | None]] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            select.select([client], [], [], 0.05)
+            got = [(r[5], r[7]) for r in reader.poll() if r[5]]
+    assert got == [(end, why)]
+    assert len(reader) == 0  # an ended stream is out of the reader
+
+
+def test_a_stream_cut_short_by_the_server_is_a_failure_and_remove_forgets() -> None:
+    reader = native._reader.Reader()  # type: ignore[union-attr]
+    with tcp_pair() as (srv, client), tcp_pair() as (srv2, client2):
+        reader.add(client.fileno(), 1, b'10\r\ndata: {"usage":')
+        reader.add(client2.fileno(), 2, b"")
+        assert len(reader) == 2
+        srv.close()
+        srv2.sendall(chunked(b'data: {"completion_tokens":3}\n\n', [])[:-5])
+        deadline = time.monotonic() + 10
+        results: dict[int, Any] = {}
+        while 1 not in results and time.monotonic() < deadline:
+            select.select([client], [], [], 0.05)
+            results.update({r[0]: r for r in reader.poll()})
+        assert results[1][5] == -2 and results[1][7] == "connection closed by the server"
+        assert results[2][1:3] == (3, 1)  # the other stream read alike: 3 tokens, one event
+        assert reader.remove(client2.fileno()) is True and reader.remove(client2.fileno()) is False
+        assert len(reader) == 0
+
+
+def test_a_read_that_waits_for_the_poll_keeps_the_kernels_stamp() -> None:
+    reader = native._reader.Reader()  # type: ignore[union-attr]
+    with tcp_pair() as (srv, client):
+        reader.add(client.fileno(), 1, b"")
+        before = time.monotonic()
+        srv.sendall(chunked(b'data: {"completion_tokens":2}\n\n', [])[:-5])
+        after = time.monotonic()
+        time.sleep(0.05)
+        polled = time.monotonic()
+        [(_, tokens, events, first, last, end, _, _)] = reader.poll()
+    assert (tokens, events, end) == (2, 1, 0)
+    assert first == last
+    # Received (stamped by the kernel) while the bytes were written: before the write returned, 50 ms or
+    # more before the poll that read them.
+    assert before - 0.001 <= first <= after + 0.001
+    assert polled - first >= 0.04
+
+
+def test_a_call_while_polling_or_on_a_bad_fd_is_refused() -> None:
+    reader = native._reader.Reader()  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="bad or busy fd"):
+        reader.add(-1, 1, b"")
+    with tcp_pair() as (_, client):
+        reader.add(client.fileno(), 1, b"")
+        with pytest.raises(ValueError, match="busy"):
+            reader.add(client.fileno(), 2, b"")
+        reader.remove(client.fileno())
+    with pytest.raises(RuntimeError, match="already initialised"):
+        reader.__init__()
+
+
+# ---------------------------------------------------------------- the sender process, end to end
+
+
+def _answer(events: list[bytes]) -> bytes:
+    return HEAD + chunked(b"".join(events), [64])
+
+
+async def _send(sender: SenderProcess, rid: str, spec: bool = False) -> tuple[int, GenerationRequest, Any]:
+    request = GenerationRequest(
+        rid, [1, 2, 3], max_tokens=3, stamps=Stamps(), spec=SpecSteps() if spec else None
+    )
+    n, error = 0, None
+    async for header in stream_via(sender, request, b"{}"):
+        n += int(header.get("n", 0))
+        if header.get("final"):
+            take_final(header, request)
+            error = header.get("error")
+    return n, request, error
+
+
+@pytest.mark.parametrize("reader", ["native", "python"])
+async def test_the_sender_reads_alike_through_either_reader(
+    server: tuple[Script, str],  # noqa: F811
+    reader: str,
+) -> None:
+    script, url = server
+    counts = [_event("count", t, "x", False) for t in (1, 3, 4)]
+    final = _event("spec", 5, "", False)
+    answers = {
+        1: _answer([*counts, final, _event("done", 0, "", False)]),
+        2: _answer([counts[0], _event("error", 0, "", False), counts[1]]),
+    }
+    script.answer = lambda c, r: [answers[1] if r != 3 else answers[2]]
+    sender = SenderProcess(url, {}, 0, reader=reader)
+    await sender.start()
+    try:
+        assert sender.reader == reader and sender.reader_note == ""
+        ok = await _send(sender, "a", spec=True)
+        failed = await _send(sender, "b")
+        again = await _send(sender, "c")
+    finally:
+        await sender.stop()
+    n, request, error = ok
+    assert (n, error) == (5, None)
+    assert request.spec is not None and request.spec.accepted == [1, 2] and request.spec.drafted == [3, 3]
+    assert request.stamps is not None and request.stamps.deltas == 3  # four deltas: the first and three gaps
+    assert isinstance(failed[2], dict) and failed[2]["kind"] == "request" and "boom" in failed[2]["message"]
+    # The error's connection was dropped, not reused: the next request opened one.
+    assert again[0] == 5 and again[1].stamps is not None and again[1].stamps.new_connection
+    assert script.connections == 2
+
+
+async def test_asked_for_where_it_cannot_read_the_native_reader_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(native, "UNAVAILABLE", "not built (no C compiler)")
+    with pytest.raises(ValueError, match="sender_reader"):
+        EngineConfig.model_validate({"kind": "openai", "url": "http://x", "sender_reader": "native"})
+    assert EngineConfig.model_validate({"kind": "openai", "url": "http://x"}).sender_reader == "auto"
+
+
+async def test_through_tls_auto_reads_in_python() -> None:
+    from soakd.engine.h1 import Target
+    from soakd.engine.sender_child import _reader_choice
+
+    assert _reader_choice("auto", Target("https://h:1")) == ("python", "TLS: read through the TLS layer")
+    assert _reader_choice("auto", Target("http://h:1")) == ("native", "")
+    assert _reader_choice("python", Target("http://h:1")) == ("python", "")
