@@ -1,7 +1,8 @@
-"""What a native stream reader would save the sender process: its CPU per output token, read as now
-against read by the prototype in benchmarks/native_reader/reader.c, on the same streams.
+"""What the native stream reader saves the sender's read path: its CPU per output token, read in Python
+against read by soakd's native reader (daemon/soakd/engine/_reader.c), on the same streams, with nothing
+else of the sender around them (the capacity benchmark measures the whole sender with either reader).
 
-Run by hand (a C compiler and Python's headers needed; the prototype is built into a temporary folder):
+Run by hand (soakd installed with its native reader built):
     .venv/bin/python benchmarks/bench_native_reader.py [--streams 240] [--seconds 20] [--reps 3]
                                                         [--poll-ms 5] [--max-tokens 200]
 
@@ -11,19 +12,17 @@ connection of soakd's HTTP/1.1 pool (engine/h1.py), alternating two readers, `--
 - `python`: the sender process's path today: each delta read in the transport's callback and counted
   by the sender's own `_Stream` (engine/sender_child.py), progress reported as the sender reports it;
 - `native`: the request sent and its response head read the same way, then the socket handed to the
-  prototype, which is polled every `--poll-ms` (epoll and recvmsg in C, the GIL released, each read
-  stamped by the kernel) and hands back per stream its new tokens, events and first/last stamps; the
-  connection goes back to the pool at the stream's end.
+  native reader (engine/native.py), which is polled every `--poll-ms` (epoll and recvmsg in C, the GIL
+  released, each read stamped by the kernel) and hands back per stream its new tokens, events and
+  first/last stamps; the connection goes back to the pool at the stream's end.
 Counts the process's CPU (getrusage) over each run's window after a warm-up, per output token and per
-delta of the requests that finished in it, and how far the kernel's stamps of the native path sit
-before the poll that read them (what a timer-driven read would move a stamp by without them).
+delta of the requests that finished in it, and checks every request's tokens as counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import resource
@@ -31,64 +30,44 @@ import socket
 import statistics
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
+from collections import Counter
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import uvloop
 
-from soakd.engine import h1, sender_child
+from soakd.engine import h1, native, sender_child
 from soakd.engine.base import SpecSteps, Stamps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fidelity import free_port
-from bench_sender_event import _Child
 
 HERE = Path(__file__).parent
-_NATIVE = 99  # a Connection state of the prototype's: the body is the native reader's
 
 
-def build(out: Path) -> ModuleType:
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
-    target = out / f"native_reader{suffix}"
-    include = sysconfig.get_paths()["include"]
-    subprocess.run(
-        [
-            "cc",
-            "-O2",
-            "-Wall",
-            "-shared",
-            "-fPIC",
-            f"-I{include}",
-            str(HERE / "native_reader" / "reader.c"),
-            "-o",
-            str(target),
-        ],
-        check=True,
-    )
-    spec = importlib.util.spec_from_file_location("native_reader", target)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+class _Child:
+    """What a stream reports to: the tokens of its progress frames added up, nothing written."""
+
+    def __init__(self) -> None:
+        self.tokens: Counter[int] = Counter()
+
+    def write(self, header: dict[str, Any]) -> None:
+        self.tokens[int(header["key"])] += int(header.get("n", 0))
+
+    def flush(self) -> None:
+        pass
 
 
 class Run:
-    def __init__(self, mode: str, args: argparse.Namespace, url: str, native: ModuleType) -> None:
+    def __init__(self, mode: str, args: argparse.Namespace, url: str) -> None:
         self.mode, self.args = mode, args
         self.target = h1.Target(url)
         self.child = _Child()
-        self.reader = native.Reader() if mode == "native" else None
-        self.by_key: dict[int, tuple[h1.Connection, sender_child._Stream, list[int]]] = {}
         self.window: tuple[float, float] = (0.0, 0.0)
         self.tokens = self.deltas = 0
         self.miscounted = 0
-        """Requests whose tokens as read (the native path: as the prototype counted them) were not
-        `max_tokens`: the prototype's check."""
-        self.stamp_lead_ms: list[float] = []
+        """Requests whose tokens as counted were not `max_tokens` (vLLM and the stand-in honour it)."""
         self._key = 0
 
     def body(self) -> bytes:
@@ -108,20 +87,14 @@ class Run:
         stream = sender_child._Stream(self.child, key, Stamps(sent=time.monotonic()), None, SpecSteps())  # type: ignore[arg-type]
         conn, _ = await pool.acquire()
         stream.conn = conn
-        events = [0, 0]  # the native path's: events with tokens, tokens
-        self.by_key[key] = (conn, stream, events)
-        conn.native_key = key  # type: ignore[attr-defined]
-        conn.send(head, body, stream)
-        try:
-            await stream.done
-        finally:
-            self.by_key.pop(key, None)
-        read = stream._seen if self.mode == "python" else events[1]
+        conn.send(head, body, stream, native=self.mode == "native")
+        await stream.done
+        read = self.child.tokens.pop(key, 0) + stream.pending
         self.miscounted += read != self.args.max_tokens
         now = time.monotonic()
         if self.window[0] <= now < self.window[1]:
             self.tokens += self.args.max_tokens
-            self.deltas += stream.stamps.deltas + 1 if self.mode == "python" else events[0]
+            self.deltas += stream.stamps.deltas + 1
 
     async def worker(self, pool: h1.Pool, stop: float) -> None:
         body = self.body()
@@ -131,87 +104,31 @@ class Run:
         while time.monotonic() < stop:
             await self.one(pool, head, body)
 
-    async def poller(self, stop: float) -> None:
-        assert self.reader is not None
-        interval = self.args.poll_ms / 1000
-        while time.monotonic() < stop + 30:
-            await asyncio.sleep(interval)
-            polled = time.time_ns()
-            for key, tokens, events, first_ns, last_ns, done, error in self.reader.poll():
-                entry = self.by_key.get(key)
-                if entry is None:
-                    continue
-                conn, stream, counted = entry
-                if tokens:
-                    counted[0] += events
-                    counted[1] += tokens
-                    self.stamp_lead_ms.append((polled - last_ns) / 1e6)
-                    # As _Stream._tokens does per delta, once per poll: stamps, progress.
-                    stamps = stream.stamps
-                    first = stamps.first is None
-                    if first:
-                        stamps.first = first_ns / 1e9
-                    stamps.last = last_ns / 1e9
-                    stream.pending += tokens
-                    now = time.monotonic()
-                    if first or now - stream._reported_at >= sender_child.PROGRESS_S:
-                        self.child.write({"key": key, "n": stream.pending})
-                        stream.pending = 0
-                        stream._reported_at = now
-                if error:
-                    # abort() lets go of the sink first: the stream is told here, or it would wait forever.
-                    stream.on_error(h1.ProtocolError("the native reader's stream failed"))
-                    conn.abort()
-                elif done:
-                    transport = conn.transport
-                    assert transport is not None
-                    transport.resume_reading()
-                    conn._done()
-
     async def main(self) -> dict[str, Any]:
-        reader = self.reader
-
-        class NativeConnection(h1.Connection):
-            native_key = 0
-
-            def _head(self, head: str) -> None:
-                super()._head(head)
-                if self._state == h1._SIZE:
-                    self._state = _NATIVE
-
-            def data_received(self, data: bytes) -> None:
-                super().data_received(data)
-                if self._state == _NATIVE and self.transport is not None and reader is not None:
-                    self._state = h1._IDLE  # the reader's now; _done() makes it the pool's again
-                    sock = self.transport.get_extra_info("socket")
-                    self.transport.pause_reading()
-                    reader.add(sock.fileno(), self.native_key, self._buf)
-                    self._buf = b""
-
-        original = h1.Connection
-        if self.mode == "native":
-            h1.Connection = NativeConnection  # type: ignore[misc]
-        try:
-            pool = h1.Pool(self.target)
-            warm, seconds = 3.0, float(self.args.seconds)
-            start = time.monotonic()
-            self.window = (start + warm, start + warm + seconds)
-            stop = self.window[1]
-            tasks = [asyncio.create_task(self.worker(pool, stop)) for _ in range(self.args.streams)]
-            if self.mode == "native":
-                poll_task = asyncio.create_task(self.poller(stop))
-            await asyncio.sleep(self.window[0] - time.monotonic())
-            r0 = resource.getrusage(resource.RUSAGE_SELF)
-            await asyncio.sleep(self.window[1] - time.monotonic())
-            r1 = resource.getrusage(resource.RUSAGE_SELF)
-            await asyncio.gather(*tasks)
-            if self.mode == "native":
-                poll_task.cancel()
-            await pool.close()
-        finally:
-            h1.Connection = original  # type: ignore[misc]
+        native.POLL_S = self.args.poll_ms / 1000
+        streams = (
+            native.NativeStreams(after=self.child.flush, report_s=sender_child.PROGRESS_S)
+            if self.mode == "native"
+            else None
+        )
+        pool = h1.Pool(self.target, native=streams)
+        warm, seconds = 3.0, float(self.args.seconds)
+        start = time.monotonic()
+        self.window = (start + warm, start + warm + seconds)
+        stop = self.window[1]
+        tasks = [asyncio.create_task(self.worker(pool, stop)) for _ in range(self.args.streams)]
+        await asyncio.sleep(self.window[0] - time.monotonic())
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        await asyncio.sleep(self.window[1] - time.monotonic())
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        await asyncio.gather(*tasks)
+        await pool.close()
+        merged = {}
+        if streams is not None:
+            # Events read together with a later one: stamped with its arrival (the native path's error).
+            merged = {"merged_events_pct": round(100 * streams.merged / max(1, streams.counted), 2)}
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-        out: dict[str, Any] = {
+        return {
             "mode": self.mode,
             "tokens": self.tokens,
             "deltas": self.deltas,
@@ -221,14 +138,8 @@ class Run:
             "us_per_delta": round(cpu / max(1, self.deltas) * 1e6, 2),
             "voluntary_switches": r1.ru_nvcsw - r0.ru_nvcsw,
             "miscounted_requests": self.miscounted,
+            **merged,
         }
-        if self.stamp_lead_ms:
-            lead = sorted(self.stamp_lead_ms)
-            out["stamp_before_poll_ms_p50_p99"] = (
-                round(lead[len(lead) // 2], 2),
-                round(lead[int(len(lead) * 0.99)], 2),
-            )
-        return out
 
 
 def main() -> None:
@@ -236,48 +147,40 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=240)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--poll-ms", type=float, default=5.0)
+    p.add_argument("--poll-ms", type=float, default=native.POLL_S * 1000)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--server-procs", type=int, default=1)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        native = build(Path(tmp))
-        port = free_port()
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "standin_server.py"),
-                "--port",
-                str(port),
-                "--procs",
-                str(args.server_procs),
-            ],
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or server.poll() is not None:
-                        raise SystemExit("the stand-in server did not start") from None
-                    time.sleep(0.1)
-            results: dict[str, list[dict[str, Any]]] = {"python": [], "native": []}
-            for _ in range(args.reps):
-                for mode in ("python", "native"):
-                    out = uvloop.run(Run(mode, args, url, native).main())
-                    results[mode].append(out)
-                    print(json.dumps(out), flush=True)
-            for mode, runs in results.items():
-                per_token = [r["us_per_token"] for r in runs]
-                print(f"{mode}: CPU us per output token median {statistics.median(per_token)} ({per_token})")
-        finally:
-            os.killpg(server.pid, 15)
-            server.wait(timeout=30)
+    if not native.available():
+        raise SystemExit(f"the native reader is {native.UNAVAILABLE}")
+    port = free_port()
+    argv = [sys.executable, str(HERE / "standin_server.py"), "--port", str(port)]
+    server = subprocess.Popen(
+        [*argv, "--procs", str(args.server_procs)], stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise SystemExit("the stand-in server did not start") from None
+                time.sleep(0.1)
+        results: dict[str, list[dict[str, Any]]] = {"python": [], "native": []}
+        for _ in range(args.reps):
+            for mode in ("python", "native"):
+                out = uvloop.run(Run(mode, args, url).main())
+                results[mode].append(out)
+                print(json.dumps(out), flush=True)
+        for mode, runs in results.items():
+            per_token = [r["us_per_token"] for r in runs]
+            print(f"{mode}: CPU us per output token median {statistics.median(per_token)} ({per_token})")
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

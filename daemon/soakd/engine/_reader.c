@@ -7,20 +7,24 @@
  * drains every ready socket (epoll, non-blocking recvmsg until a short read), de-chunks the body, splits
  * the server-sent events, and reads each event's running `"completion_tokens":N` without a JSON parse,
  * as completions.usage_tokens does in Python. An event that needs Python (an error, vLLM's speculative
- * metrics, no count to read) is handed back whole with the count after it, so the parse in Python gives
- * exactly what the Python path gives; with it go the tokens counted before it, so the deltas reach
- * Python in their order. A stream ends at its zero-size chunk and the empty line after it;
+ * metrics, no count to read, any shape but one data line) is handed back whole and uncounted, so the
+ * parse in Python gives exactly what the Python path gives; with it go the tokens counted before it
+ * and the running count after them, so the deltas reach Python in their order and Python counts from
+ * the running count as it keeps it (a count only Python's parse could read is never counted twice). A stream ends at its zero-size chunk and the empty line after it;
  * it is then out of the reader and its connection is Python's again.
  *
  * Stamps: the kernel's receive time of the read that carried an event (SO_TIMESTAMPNS, CLOCK_REALTIME),
  * moved onto CLOCK_MONOTONIC (Python's time.monotonic) by the two clocks' offset at the read, so a read
  * that waits for the next poll keeps its arrival time. A read that merged several segments carries the
- * last one's stamp. Stamps of a stream never go backwards and never pass the read.
+ * last one's stamp: an event read together with a later one is stamped with the later one's arrival
+ * (`merged` counts them; the Python path stamps every event when its read is handled, later still).
+ * Stamps of a stream never go backwards and never pass the read.
  *
  * Streams are keyed by their socket's fd (unique among those held). One thread: a call while `poll` runs
  * without the GIL is refused. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <errno.h>
 #include <stdint.h>
@@ -53,8 +57,9 @@ typedef struct {
     int fd;
     int state;
     long long left;      /* bytes of the current chunk still to come */
-    char line[MAX_LINE]; /* a chunk-size line split over reads */
+    char line[MAX_LINE]; /* a chunk-size line split over reads (its extensions not kept) */
     int line_len;
+    int in_ext;          /* past the size line's ';': what follows is skipped */
     int trailer_len;     /* bytes of the current trailer line (only whether it is empty matters) */
     char *ev;            /* the de-chunked body not yet split into events */
     size_t ev_len, ev_cap;
@@ -67,19 +72,27 @@ typedef struct {
     size_t hb_len, hb_cap;
     Handed *hand;
     size_t n_hand, cap_hand;
+    double reported_at;  /* when its tokens were last reported (< 0: never) */
+    size_t slot;         /* its index in the reader's `all` */
     int end;
     const char *why;     /* the end's reason when it is an error */
     int err_no;
     int moved;
+    int in_read;         /* events with new tokens in the read being fed */
 } Stream;
 
 typedef struct {
     PyObject_HEAD int epfd;
+    double report_s; /* a stream's tokens are reported at most this often (its first at once) */
     Stream **by_fd;
     size_t n_fd;
+    Stream **all;    /* the streams held, densely: each poll looks for tokens due for a report */
+    size_t cap_all;
     Stream **moved;
     size_t n_moved, cap_moved;
     Py_ssize_t held;
+    long long counted; /* events with new tokens, all streams */
+    long long merged;  /* of them, those read together with a later one (stamped with its arrival) */
     int busy; /* poll() is reading without the GIL: calls from another thread are refused */
     int ready; /* initialised: epfd is the reader's */
 } Reader;
@@ -141,9 +154,22 @@ static int has_data(const char *p, size_t n) {
     return memmem(p, n, "\ndata:", 6) != NULL || memmem(p, n, "\rdata:", 6) != NULL;
 }
 
+/* Whether the event is one `data:` line and nothing else (its blank line aside): what vLLM sends, and
+ * the only shape read here; any other goes to Python's parse. */
+static int one_data_line(const char *p, size_t n) {
+    if (n < 5 || memcmp(p, "data:", 5) != 0) return 0;
+    const char *nl = memchr(p, '\n', n);
+    const char *cr = memchr(p, '\r', n);
+    const char *end = nl && (!cr || cr > nl) ? nl : cr;
+    /* The line ends where the blank line starts: only \r and \n from there on. */
+    for (const char *q = end; q && q < p + n; q++)
+        if (*q != '\r' && *q != '\n') return 0;
+    return end != NULL;
+}
+
 /* Whether the event is exactly one data line whose payload, stripped, is [DONE]. */
 static int is_done_marker(const char *p, size_t n) {
-    if (n < 5 || memcmp(p, "data:", 5) != 0) return 0;
+    if (!one_data_line(p, n)) return 0;
     const char *a = p + 5, *b = p + n;
     while (a < b && is_space(*a)) a++;
     while (b > a && is_space(b[-1])) b--;
@@ -162,37 +188,48 @@ static int hand_back(Stream *s, const char *p, size_t n, double stamp) {
     return 0;
 }
 
-/* One event (its bytes, the blank line after it included). */
-static int on_event(Stream *s, const char *p, size_t n, double stamp) {
-    if (!has_data(p, n)) return 0;
-    int counted = 0;
+/* The running count of a one-line data event, read as completions.usage_tokens reads it: the last
+ * `"completion_tokens":` and the digits after it (1 and *total set), else 0. */
+static int read_count(const char *p, size_t n, long long *total) {
     const char *hit = last_of(p, n, KEY, sizeof(KEY) - 1);
-    if (hit) {
-        const char *d = hit + sizeof(KEY) - 1, *stop = p + n;
-        while (d < stop && is_space(*d)) d++;
-        long long total = 0;
-        int digits = 0;
-        while (d < stop && *d >= '0' && *d <= '9' && digits < 18) {
-            total = total * 10 + (*d - '0');
-            d++;
-            digits++;
-        }
-        if (digits && (d == stop || *d < '0' || *d > '9')) {
-            counted = 1;
-            if (total > s->seen) {
-                s->tokens += total - s->seen;
-                s->seen = total;
-                s->events += 1;
-                if (s->first < 0) s->first = stamp;
-                s->last = stamp;
-            }
-        }
+    if (!hit) return 0;
+    const char *d = hit + sizeof(KEY) - 1, *stop = p + n;
+    while (d < stop && is_space(*d)) d++;
+    long long t = 0;
+    int digits = 0;
+    while (d < stop && *d >= '0' && *d <= '9' && digits < 18) {
+        t = t * 10 + (*d - '0');
+        d++;
+        digits++;
     }
-    if (counted && !memmem(p, n, ERROR_KEY, sizeof(ERROR_KEY) - 1) &&
-        !memmem(p, n, SPEC_KEY, sizeof(SPEC_KEY) - 1))
+    if (!digits || (d < stop && *d >= '0' && *d <= '9')) return 0;
+    *total = t;
+    return 1;
+}
+
+/* One event (its bytes, the blank line after it included). Counted here when it is one data line with a
+ * count to read and neither an error nor speculative metrics. Every other event with data goes to Python,
+ * whose parse counts it (an error's count never: the request fails first); the running count here still
+ * follows one it can read, so the next events are counted from where Python's parse left it. */
+static int on_event(Stream *s, const char *p, size_t n, double stamp) {
+    if (!has_data(p, n) || is_done_marker(p, n)) return 0;
+    long long total = 0;
+    int readable = one_data_line(p, n) && read_count(p, n, &total);
+    int special = memmem(p, n, ERROR_KEY, sizeof(ERROR_KEY) - 1) || memmem(p, n, SPEC_KEY, sizeof(SPEC_KEY) - 1);
+    if (readable && !special) {
+        if (total > s->seen) {
+            s->in_read++;
+            s->tokens += total - s->seen;
+            s->seen = total;
+            s->events += 1;
+            if (s->first < 0) s->first = stamp;
+            s->last = stamp;
+        }
         return 0;
-    if (!counted && is_done_marker(p, n)) return 0;
-    return hand_back(s, p, n, stamp);
+    }
+    if (hand_back(s, p, n, stamp) < 0) return -1;
+    if (readable && total > s->seen) s->seen = total;
+    return 0;
 }
 
 /* Split the buffered body into events at blank lines (\r?\n\r?\n, as sse.py does). */
@@ -251,6 +288,7 @@ static long long chunk_size(const char *line, int len) {
 /* De-chunk `n` bytes of the body and split what is whole into events. */
 static void feed(Stream *s, const char *p, size_t n, double stamp) {
     size_t i = 0;
+    s->in_read = 0;
     while (i < n && s->state != S_DONE && s->end == E_RUNNING) {
         char c = p[i];
         switch (s->state) {
@@ -262,6 +300,7 @@ static void feed(Stream *s, const char *p, size_t n, double stamp) {
                 }
                 long long size = chunk_size(s->line, s->line_len - 1);
                 s->line_len = 0;
+                s->in_ext = 0;
                 if (size < 0) {
                     fail(s, E_MALFORMED, "malformed chunk size");
                 } else if (size == 0) {
@@ -271,10 +310,13 @@ static void feed(Stream *s, const char *p, size_t n, double stamp) {
                     s->left = size;
                     s->state = S_DATA;
                 }
+            } else if (s->in_ext && c != '\r') {
+                /* an extension's byte: skipped */
             } else if (s->line_len >= MAX_LINE) {
                 fail(s, E_MALFORMED, "chunk size line too long");
             } else {
                 s->line[s->line_len++] = c;
+                s->in_ext = c == ';';
             }
             i++;
             break;
@@ -313,13 +355,14 @@ static void feed(Stream *s, const char *p, size_t n, double stamp) {
             break;
         }
     }
-    if (s->end == E_RUNNING && split_events(s, stamp) < 0) fail(s, E_READ, "out of memory");
+    /* What is whole is read also when the framing broke after it (the request fails either way, as on
+     * the Python path, with what came before it counted). */
+    if ((s->end == E_RUNNING || s->end == E_MALFORMED) && split_events(s, stamp) < 0)
+        fail(s, E_READ, "out of memory");
     if (s->end == E_RUNNING && s->state == S_DONE) {
-        if (s->ev_len) {
-            fail(s, E_MALFORMED, "the answer ended inside an event");
-        } else {
-            s->end = i < n ? E_DONE_EXTRA : E_DONE;
-        }
+        /* An unended last event is dropped, as the Python path's splitter drops it. */
+        s->ev_len = 0;
+        s->end = i < n ? E_DONE_EXTRA : E_DONE;
     }
 }
 
@@ -334,7 +377,13 @@ static int mark(Reader *r, Stream *s) {
     return 0;
 }
 
-static int changed(Stream *s) { return s->tokens || s->n_hand || s->end != E_RUNNING; }
+/* Whether the stream has news for Python now: an end, an event to parse, or tokens whose report is due
+ * (the first at once, then at most every report_s: the deltas between add up here, their first and last
+ * stamps and their number kept, so what Python learns is the same, in fewer calls). */
+static int changed(Reader *r, Stream *s, double now) {
+    if (s->n_hand || s->end != E_RUNNING) return 1;
+    return s->tokens && (s->reported_at < 0 || now - s->reported_at >= r->report_s);
+}
 
 /* Read one ready socket until a short read (GIL released). */
 static void drain(Reader *r, Stream *s, char *buf) {
@@ -370,8 +419,10 @@ static void drain(Reader *r, Stream *s, char *buf) {
             if (stamp < s->floor) stamp = s->floor;
             s->floor = stamp;
             feed(s, buf, (size_t)got, stamp);
+            r->counted += s->in_read;
+            r->merged += s->in_read > 1 ? s->in_read - 1 : 0;
         }
-        if (changed(s) && mark(r, s) < 0) {
+        if (changed(r, s, clock_s(CLOCK_MONOTONIC)) && mark(r, s) < 0) {
             fail(s, E_READ, "out of memory");
             return;
         }
@@ -383,6 +434,8 @@ static void forget(Reader *r, Stream *s) {
     epoll_ctl(r->epfd, EPOLL_CTL_DEL, s->fd, NULL);
     r->by_fd[s->fd] = NULL;
     r->held--;
+    r->all[s->slot] = r->all[r->held];
+    r->all[s->slot]->slot = s->slot;
     free(s->ev);
     free(s->hb);
     free(s->hand);
@@ -426,6 +479,7 @@ static PyObject *Reader_poll(Reader *r, PyObject *Py_UNUSED(ignored)) {
     char *buf = PyMem_RawMalloc(READ_BUF);
     if (!buf) return PyErr_NoMemory();
     /* Streams already marked (an `add` whose first bytes moved them) stay in the list. */
+    double now = 0.0;
     r->busy = 1;
     Py_BEGIN_ALLOW_THREADS;
     for (;;) {
@@ -436,6 +490,12 @@ static PyObject *Reader_poll(Reader *r, PyObject *Py_UNUSED(ignored)) {
             if (s->end == E_RUNNING) drain(r, s, buf);
         }
         if (n < MAX_EVENTS) break;
+    }
+    /* Tokens read in earlier polls whose report has come due with no read since. */
+    now = clock_s(CLOCK_MONOTONIC);
+    for (Py_ssize_t k = 0; k < r->held; k++) {
+        Stream *s = r->all[k];
+        if (!s->moved && changed(r, s, now) && mark(r, s) < 0) fail(s, E_READ, "out of memory");
     }
     Py_END_ALLOW_THREADS;
     r->busy = 0;
@@ -453,8 +513,8 @@ static PyObject *Reader_poll(Reader *r, PyObject *Py_UNUSED(ignored)) {
             return NULL;
         }
         /* "N" hands both references over, on failure too. */
-        PyObject *t = Py_BuildValue("(LLLddiNN)", s->key, s->tokens, s->events, s->first, s->last, s->end,
-                                    handed, why);
+        PyObject *t = Py_BuildValue("(LLLddiNNL)", s->key, s->tokens, s->events, s->first, s->last, s->end,
+                                    handed, why, s->seen);
         if (!t) {
             Py_DECREF(out);
             return NULL;
@@ -463,6 +523,7 @@ static PyObject *Reader_poll(Reader *r, PyObject *Py_UNUSED(ignored)) {
     }
     for (size_t k = 0; k < r->n_moved; k++) {
         Stream *s = r->moved[k];
+        if (s->tokens) s->reported_at = now;
         s->tokens = s->events = 0;
         s->first = s->last = -1.0;
         s->n_hand = s->hb_len = 0;
@@ -497,7 +558,8 @@ static PyObject *Reader_add(Reader *r, PyObject *args) {
         r->n_fd = n;
     }
     Stream *s = calloc(1, sizeof(Stream));
-    if (!s) {
+    if (!s || grow((void **)&r->all, &r->cap_all, (size_t)r->held + 1, sizeof(Stream *)) < 0) {
+        free(s);
         PyBuffer_Release(&initial);
         return PyErr_NoMemory();
     }
@@ -505,6 +567,7 @@ static PyObject *Reader_add(Reader *r, PyObject *args) {
     s->key = key;
     s->state = S_SIZE;
     s->first = s->last = -1.0;
+    s->reported_at = -1.0;
     int on = 1;
     if (setsockopt(fd, SOL_SOCKET, SO_TIMESTAMPNS, &on, sizeof(on)) < 0 && errno == EBADF) {
         PyBuffer_Release(&initial);
@@ -519,11 +582,12 @@ static PyObject *Reader_add(Reader *r, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     r->by_fd[fd] = s;
-    r->held++;
+    s->slot = (size_t)r->held;
+    r->all[r->held++] = s;
     s->floor = clock_s(CLOCK_MONOTONIC);
     if (initial.len) feed(s, initial.buf, (size_t)initial.len, s->floor);
     PyBuffer_Release(&initial);
-    if (changed(s) && mark(r, s) < 0) return PyErr_NoMemory();
+    if (changed(r, s, s->floor) && mark(r, s) < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -549,8 +613,13 @@ static PyObject *Reader_remove(Reader *r, PyObject *args) {
 static Py_ssize_t Reader_len(Reader *r) { return r->held; }
 
 static int Reader_init(Reader *r, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "", kwlist)) return -1;
+    static char *kwlist[] = {"report_s", NULL};
+    double report_s = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|d", kwlist, &report_s)) return -1;
+    if (report_s < 0) {
+        PyErr_SetString(PyExc_ValueError, "report_s must be >= 0");
+        return -1;
+    }
     if (r->ready) {
         PyErr_SetString(PyExc_RuntimeError, "already initialised");
         return -1;
@@ -560,6 +629,7 @@ static int Reader_init(Reader *r, PyObject *args, PyObject *kw) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    r->report_s = report_s;
     r->ready = 1;
     return 0;
 }
@@ -568,10 +638,18 @@ static void Reader_dealloc(Reader *r) {
     for (size_t fd = 0; fd < r->n_fd; fd++)
         if (r->by_fd[fd]) forget(r, r->by_fd[fd]);
     free(r->by_fd);
+    free(r->all);
     free(r->moved);
     if (r->ready) close(r->epfd);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
+
+static PyMemberDef Reader_members[] = {
+    {"counted", T_LONGLONG, offsetof(Reader, counted), READONLY, "events with new tokens read so far"},
+    {"merged", T_LONGLONG, offsetof(Reader, merged), READONLY,
+     "of them, those read in one read with a later one: stamped with the later one's arrival"},
+    {NULL, 0, 0, 0, NULL},
+};
 
 static PySequenceMethods Reader_as_sequence = {.sq_length = (lenfunc)Reader_len};
 
@@ -581,9 +659,10 @@ static PyMethodDef Reader_methods[] = {
     {"remove", (PyCFunction)Reader_remove, METH_VARARGS,
      "remove(fd) -> bool: forget a stream (an aborted request) before its socket closes"},
     {"poll", (PyCFunction)Reader_poll, METH_NOARGS,
-     "poll() -> [(key, tokens, events, first, last, end, handed, why)] for each stream that moved; "
+     "poll() -> [(key, tokens, events, first, last, end, handed, why, seen)] for each stream that moved; "
      "handed: None or [(stamp, seen, event_bytes, tokens, events, first, last)], the tokens counted "
-     "before each handed event; the tuple's own tokens: those counted after the last"},
+     "before each handed event and the running count after them; the tuple's own tokens: those counted "
+     "after the last, seen: the running count after them"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -596,6 +675,7 @@ static PyTypeObject ReaderType = {
     .tp_init = (initproc)Reader_init,
     .tp_dealloc = (destructor)Reader_dealloc,
     .tp_methods = Reader_methods,
+    .tp_members = Reader_members,
     .tp_as_sequence = &Reader_as_sequence,
 };
 

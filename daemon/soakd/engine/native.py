@@ -35,13 +35,16 @@ except ImportError as err:  # not built (no C compiler at install, or not Linux)
 class NativeSink(Protocol):
     """A stream's receiver on the native path; every call comes from the poll, on the event loop."""
 
-    def on_native_tokens(self, tokens: int, events: int, first: float, last: float) -> None:
-        """`tokens` new tokens in `events` deltas, the first and last stamped `first` and `last`
-        (time.monotonic's clock)."""
+    def on_native_tokens(self, seen: int, events: int, first: float, last: float) -> None:
+        """`events` deltas whose running count ends at `seen`, the first and last stamped `first` and
+        `last` (time.monotonic's clock)."""
 
-    def on_native_event(self, raw: bytes, seen: int, stamp: float) -> None:
-        """An event the reader could not read alone (bytes as sent, its blank line included), with the
-        running count after it as the reader read it; may end the request (an error event)."""
+    def on_native_event(self, raw: bytes, stamp: float) -> None:
+        """An event the reader could not read alone (bytes as sent, its blank line included); may end
+        the request (an error event)."""
+
+    def on_native_failure(self, err: Exception) -> None:
+        """Reading the answer failed in soakd itself (an event its parse could not take)."""
 
 
 class NativeConnection(Protocol):
@@ -57,10 +60,11 @@ class NativeConnection(Protocol):
 
 
 _Handed = tuple[float, int, bytes, int, int, float, float]
-"""An event for Python: (stamp, count after it, its bytes, and the tokens, deltas, first and last stamps
-of what the reader counted since the previous one)."""
-_News = tuple[int, int, int, float, float, int, list[_Handed] | None, str | None]
-"""One stream's news from a poll: (fd, tokens, deltas, first stamp, last stamp, end, handed, why)."""
+"""An event for Python: (stamp, the running count before it, its bytes, and the tokens, deltas, first
+and last stamps of what the reader counted since the previous one)."""
+_News = tuple[int, int, int, float, float, int, list[_Handed] | None, str | None, int]
+"""One stream's news from a poll: (fd, tokens, deltas, first stamp, last stamp, end, handed, why, the
+running count)."""
 
 
 def available() -> bool:
@@ -71,11 +75,13 @@ class NativeStreams:
     """The reader and the streams it holds, keyed by socket fd; the poll is scheduled only while one
     is held, so an idle sender is not woken."""
 
-    def __init__(self, after: Callable[[], None] | None = None) -> None:
-        """`after`: called at the end of every poll (the sender flushes the frames the poll wrote)."""
+    def __init__(self, after: Callable[[], None] | None = None, report_s: float = 0.0) -> None:
+        """`after`: called at the end of every poll (the sender flushes the frames the poll wrote);
+        `report_s`: a stream's tokens are handed out at most this often (its first at once, its last
+        at its end), the deltas between summed in C, so Python runs per report, not per delta."""
         if _reader is None:
             raise RuntimeError(f"the native stream reader is {UNAVAILABLE}")
-        self._reader = _reader.Reader()
+        self._reader = _reader.Reader(report_s=report_s)
         self._held: dict[int, tuple[NativeConnection, NativeSink]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._after = after
@@ -86,6 +92,16 @@ class NativeStreams:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    @property
+    def counted(self) -> int:
+        """Events with new tokens read so far."""
+        return int(self._reader.counted)
+
+    @property
+    def merged(self) -> int:
+        """Of them, those read in one read with a later one, so stamped with that one's arrival."""
+        return int(self._reader.merged)
 
     def add(self, conn: NativeConnection, sink: NativeSink, fd: int, rest: bytes) -> None:
         """Read `fd`'s chunked event stream from here on; `rest`: the body's bytes already read."""
@@ -105,36 +121,43 @@ class NativeStreams:
         self.polls += 1
         self.polling = True
         try:
-            self._hand_out(self._reader.poll())
+            for news in self._reader.poll():
+                self._hand_out(news)
         finally:
             self.polling = False
+            if self._held:
+                self._timer = asyncio.get_running_loop().call_later(POLL_S, self.poll)
             if self._after is not None:
                 self._after()
-        if self._held:
-            self._timer = asyncio.get_running_loop().call_later(POLL_S, self.poll)
 
-    def _hand_out(self, news: list[_News]) -> None:
-        for fd, tokens, events, first, last, end, handed, why in news:
-            held = self._held.get(fd)
-            if held is None:
-                continue
-            conn, sink = held
-            if end:
-                del self._held[fd]  # the reader let go of it
-            for stamp, seen, raw, before, before_events, before_first, before_last in handed or ():
-                if before:
-                    sink.on_native_tokens(before, before_events, before_first, before_last)
-                sink.on_native_event(raw, seen, stamp)
+    def _hand_out(self, news: _News) -> None:
+        fd, _, events, first, last, end, handed, why, seen = news
+        held = self._held.get(fd)
+        if held is None:
+            return
+        conn, sink = held
+        if end:
+            del self._held[fd]  # the reader let go of it
+        try:
+            for stamp, before_seen, raw, _, before_events, before_first, before_last in handed or ():
+                if before_events:
+                    sink.on_native_tokens(before_seen, before_events, before_first, before_last)
+                sink.on_native_event(raw, stamp)
                 if not conn.native_held:
-                    break  # an error event: the request failed, its connection aborted
-            if not conn.native_held:
-                continue
-            if tokens:
-                sink.on_native_tokens(tokens, events, first, last)
-            if end > 0:
-                conn.native_end(end == 1)  # 2: bytes after the answer's end, not reused
-            elif end < 0:
-                conn.native_error(why or "the stream failed")
+                    return  # an error event: the request failed, its connection aborted
+            if events:
+                sink.on_native_tokens(seen, events, first, last)
+        # One stream's trouble stays its own (as a failed read callback closes only its transport on
+        # the Python path): it fails, the others' news is handed out.
+        except Exception as err:  # noqa: BLE001
+            sink.on_native_failure(err)
+            if conn.native_held:
+                conn.native_error(f"{type(err).__name__}: {err}"[:200])
+            return
+        if end > 0:
+            conn.native_end(end == 1)  # 2: bytes after the answer's end, not reused
+        elif end < 0:
+            conn.native_error(why or "the stream failed")
 
     def close(self) -> None:
         if self._timer is not None:

@@ -95,16 +95,23 @@ class _Stream:
                 now = time.monotonic()
                 self._tokens(n, 1, now, now)
 
-    def on_native_tokens(self, tokens: int, events: int, first: float, last: float) -> None:
-        if not self.done.done():
-            self._tokens(tokens, events, first, last)
+    def on_native_tokens(self, seen: int, events: int, first: float, last: float) -> None:
+        # From the running count as kept here: one only the parse of a handed event could read has
+        # moved it already, and is not counted twice.
+        n = seen - self._seen
+        if n > 0 and not self.done.done():
+            self._seen = seen
+            self._tokens(n, events, first, last, report=True)
 
-    def on_native_event(self, raw: bytes, seen: int, stamp: float) -> None:
+    def on_native_failure(self, err: Exception) -> None:
+        self._fail(RequestError(f"unreadable stream event: {type(err).__name__}"))
+
+    def on_native_event(self, raw: bytes, stamp: float) -> None:
         data = event_data(raw)
         if not data or data == b"[DONE]" or self.done.done():
             return
         try:
-            n, _ = new_tokens(data, seen, self._ids, self._spec)
+            n, self._seen = new_tokens(data, self._seen, self._ids, self._spec)
         except RequestError as err:
             self._fail(err)
             if self.conn is not None:
@@ -113,9 +120,10 @@ class _Stream:
         if n:
             self._tokens(n, 1, stamp, stamp)
 
-    def _tokens(self, n: int, events: int, first_at: float, last_at: float) -> None:
+    def _tokens(self, n: int, events: int, first_at: float, last_at: float, *, report: bool = False) -> None:
         """`n` new tokens in `events` deltas, the first and last of them stamped `first_at`, `last_at`
-        (those between, on the native path, are not known: only the sum of the gaps is kept)."""
+        (those between, on the native path, are not known: only the sum of the gaps is kept); with
+        `report`, progress goes to the parent now (the native reader paces its reports itself)."""
         stamps = self.stamps
         first = stamps.first is None
         if first:
@@ -129,7 +137,7 @@ class _Stream:
         self.pending += n
         now = time.monotonic()
         # The first token at once (the consumer learns the stream began), then at most every PROGRESS_S.
-        if first or now - self._reported_at >= PROGRESS_S:
+        if report or first or now - self._reported_at >= PROGRESS_S:
             self._child.write({"key": self._key, "n": self.pending})
             self.pending = 0
             self._reported_at = now
@@ -162,7 +170,10 @@ class _Child:
         self._outbox: list[bytes] = []
         self._headers = {str(k): str(v) for k, v in dict(init.get("headers", {})).items()}
         self.reader, self.reader_note = _reader_choice(str(init.get("reader", "auto")), self._target)
-        self.native = NativeStreams(after=self.flush) if self.reader == "native" else None
+        # Tokens handed out as often as the parent hears of them: the reader sums the deltas between.
+        self.native = (
+            NativeStreams(after=self.flush, report_s=PROGRESS_S) if self.reader == "native" else None
+        )
         self.pool = Pool(self._target, max(0, int(init.get("max_connections", 0))), native=self.native)
         self._health_head = request_head(self._target, "GET", "/health", self._headers, 0)
 

@@ -90,59 +90,59 @@ def python_path(payload: bytes, pieces: list[bytes], spec: bool) -> tuple[_Strea
     return asyncio.run(run())
 
 
-def poll_until_end(reader: Any, fd: int, sink: _Stream, limit_s: float = 10.0) -> tuple[int, str | None]:
-    """Poll as NativeStreams.poll does until the stream ends: (end, why)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        for key, tokens, events, first, last, end, handed, why in reader.poll():
-            assert key == fd
-            for stamp, seen, raw, b_tokens, b_events, b_first, b_last in handed or ():
-                if b_tokens:
-                    sink.on_native_tokens(b_tokens, b_events, b_first, b_last)
-                sink.on_native_event(raw, seen, stamp)
-                if sink.done.done():
-                    break
-            if not sink.done.done() and tokens:
-                sink.on_native_tokens(tokens, events, first, last)
-            if end:
-                return end, why
-            if sink.done.done():
-                reader.remove(fd)
-                return 0, "failed by an event"
-        select.select([fd], [], [], 0.05)
-    raise AssertionError("the stream did not end")
+class _Conn:
+    """The connection's side of the native path (engine/h1.py's Connection), kept: how the answer
+    ended. The sink is a real `_Stream`, the reader and its driver the real ones."""
+
+    def __init__(self, sink: _Stream) -> None:
+        self.sink = sink
+        self.native_held = True
+        self.end: tuple[int, str | None] | None = None
+
+    def native_end(self, reusable: bool) -> None:
+        self.native_held, self.end = False, (1 if reusable else 2, None)
+        self.sink.on_end()
+
+    def native_error(self, why: str) -> None:
+        self.native_held, self.end = False, (-1, why)
+        self.sink.on_error(RuntimeError(why))
+
+    def abort(self, sink: object = None) -> None:  # what an error event does to the connection
+        self.native_held, self.end = False, (0, "aborted")
 
 
-def native_path(answer: bytes, pieces: list[bytes], spec: bool) -> tuple[_Stream, _Parent, int, str | None]:
-    """The same answer's bytes (chunked) written piece by piece to a socket the reader reads."""
+def native_path(
+    answer: bytes, pieces: list[bytes], spec: bool, report_s: float = 0.0
+) -> tuple[_Stream, _Parent, int, str | None]:
+    """The same answer's bytes (chunked) written piece by piece to a socket the reader reads, driven by
+    NativeStreams' poll (tokens handed out every poll, or with `report_s` summed between reports)."""
 
     async def run() -> tuple[_Stream, _Parent, int, str | None]:
         parent = _Parent()
         stream = _Stream(parent, 1, Stamps(sent=time.monotonic()), None, SpecSteps() if spec else None)  # type: ignore[arg-type]
         stream.on_head(200, {})
-        reader = native._reader.Reader()  # type: ignore[union-attr]
-        with tcp_pair() as (srv, client):
-            first, rest = pieces[0], pieces[1:]
-            reader.add(client.fileno(), client.fileno(), first)  # bytes the head's read brought along
-            for piece in rest:
-                srv.sendall(piece)
-                for _key, tokens, events, f, last, end, handed, _why in reader.poll():
-                    for stamp, seen, raw, b_tokens, b_events, b_first, b_last in handed or ():
-                        if b_tokens and not stream.done.done():
-                            stream.on_native_tokens(b_tokens, b_events, b_first, b_last)
-                        stream.on_native_event(raw, seen, stamp)
-                    if tokens and not stream.done.done():
-                        stream.on_native_tokens(tokens, events, f, last)
-                    if end:
-                        assert end > 0 or stream.done.done()
-                        stream.on_end()
-                        return stream, parent, end, None
-                if stream.done.done():
-                    return stream, parent, 0, None
-            end, why = poll_until_end(reader, client.fileno(), stream)
-            if end > 0:
-                stream.on_end()
-            return stream, parent, end, why
+        conn = _Conn(stream)
+        stream.conn = conn  # type: ignore[assignment]
+        streams = native.NativeStreams(report_s=report_s)
+        try:
+            with tcp_pair() as (srv, client):
+                first, rest = pieces[0], pieces[1:]
+                streams.add(conn, stream, client.fileno(), first)  # bytes the head's read brought along
+                for piece in rest:
+                    if conn.end is not None:
+                        break
+                    srv.sendall(piece)
+                    streams.poll()
+                deadline = time.monotonic() + 10
+                while conn.end is None:
+                    assert time.monotonic() < deadline, "the stream did not end"
+                    select.select([client], [], [], 0.05)
+                    streams.poll()
+                if conn.end[0] == 0:
+                    streams.remove(client.fileno())
+        finally:
+            streams.close()
+        return stream, parent, conn.end[0], conn.end[1]
 
     return asyncio.run(run())
 
@@ -181,9 +181,10 @@ _events = st.lists(
     st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=4),
     st.lists(st.integers(min_value=0, max_value=10**6), max_size=8),
     st.booleans(),
+    st.sampled_from([0.0, 60.0]),
 )
 def test_the_native_reader_reads_what_the_python_path_reads(
-    events: list[tuple[str, int, str, bool]], sizes: list[int], points: list[int], spec: bool
+    events: list[tuple[str, int, str, bool]], sizes: list[int], points: list[int], spec: bool, report_s: float
 ) -> None:
     total, parts = 0, []
     for kind, step, text, crlf in events:
@@ -193,14 +194,14 @@ def test_the_native_reader_reads_what_the_python_path_reads(
     payload = b"".join(parts)
     answer = chunked(payload, sizes)
     pieces = cut(answer, points)
-    got, got_frames, end, why = native_path(answer, pieces, spec)
+    got, got_frames, end, why = native_path(answer, pieces, spec, report_s)
     want, want_frames = python_path(payload, cut(payload, points), spec)
     failed = want.done.exception() if want.done.done() else None
     if isinstance(failed, RequestError):
         # The error event fails the request either way; what was counted before it does not matter.
         assert isinstance(got.done.exception(), RequestError)
         return
-    assert end == 1 and why is None
+    assert (end, why) == (1, None)
     assert got.done.done() and got.done.exception() is None
     assert sum(f.get("n", 0) for f in got_frames.frames) + got.pending == (
         sum(f.get("n", 0) for f in want_frames.frames) + want.pending
@@ -221,7 +222,8 @@ def test_the_native_reader_reads_what_the_python_path_reads(
         (b"3\r\nabcXY0\r\n\r\n", -1, "malformed chunk"),
         (b"4\r\nab\n\n\r\n0\r\n\r\nHTTP/1.1 200", 2, None),  # bytes after the end: done, not reused
         (b"4;ext=1\r\nab\n\n\r\n0\r\ntrailer: x\r\n\r\n", 1, None),  # an extension and a trailer
-        (b"5\r\ndata:\r\n0\r\n\r\n", -1, "the answer ended inside an event"),
+        (b"5\r\ndata:\r\n0\r\n\r\n", 1, None),  # an unended last event dropped, as the Python path does
+        (b"3;" + b"x" * 300 + b"\r\nab\n\r\n0\r\n\r\n", 1, None),  # a long extension skipped, not kept
     ],
 )
 def test_the_framing_errors_and_endings_are_reported(answer: bytes, end: int, why: str | None) -> None:
@@ -266,13 +268,121 @@ def test_a_read_that_waits_for_the_poll_keeps_the_kernels_stamp() -> None:
         after = time.monotonic()
         time.sleep(0.05)
         polled = time.monotonic()
-        [(_, tokens, events, first, last, end, _, _)] = reader.poll()
-    assert (tokens, events, end) == (2, 1, 0)
+        [(_, tokens, events, first, last, end, _, _, seen)] = reader.poll()
+    assert (tokens, events, end, seen) == (2, 1, 0, 2)
     assert first == last
     # Received (stamped by the kernel) while the bytes were written: before the write returned, 50 ms or
     # more before the poll that read them.
     assert before - 0.001 <= first <= after + 0.001
     assert polled - first >= 0.04
+
+
+@pytest.mark.parametrize(
+    ("events", "tokens", "deltas"),
+    [
+        # A count only the parse reads (a space before the colon), then ones the reader reads: the
+        # running count is Python's, so nothing is counted twice.
+        ([b'data: {"usage": {"completion_tokens" : 2}}', b'data: {"usage":{"completion_tokens":4}}'], 4, 2),
+        # One event's data split over two lines, a count in a comment line: read by the parse alone.
+        (
+            [b'data: {"usage":\ndata: {"completion_tokens":3}}', b': "completion_tokens":99\ndata: {"x":1}'],
+            3,
+            1,
+        ),
+        # Whole events before a framing error are read, as on the Python path.
+        ([b'data: {"usage":{"completion_tokens":2}}', b"BROKEN"], 2, 1),
+    ],
+)
+def test_what_the_reader_cannot_read_alone_is_counted_by_the_parse_once(
+    events: list[bytes], tokens: int, deltas: int
+) -> None:
+    payload = b"".join(e + b"\n\n" for e in events if e != b"BROKEN")
+    answer = chunked(payload, [])
+    if events[-1] == b"BROKEN":
+        answer = answer[:-5] + b"zz\r\n"  # a chunk size that is not one
+    got, frames, end, _ = native_path(answer, [answer], spec=False)
+    want, want_frames = python_path(payload, [payload], spec=False)
+    count = sum(f.get("n", 0) for f in frames.frames) + got.pending
+    assert count == tokens == sum(f.get("n", 0) for f in want_frames.frames) + want.pending
+    assert got.stamps.deltas + 1 == deltas
+    assert end == (-1 if events[-1] == b"BROKEN" else 1)
+
+
+def test_an_error_event_with_a_count_fails_the_request_and_counts_nothing() -> None:
+    payload = (
+        b'data: {"usage":{"completion_tokens":1}}\n\n'
+        b'data: {"error":{"message":"boom"},"usage":{"completion_tokens":9}}\n\n'
+    )
+    got, frames, end, why = native_path(chunked(payload, []), [chunked(payload, [])], spec=False)
+    assert isinstance(got.done.exception(), RequestError) and (end, why) == (0, "aborted")
+    assert sum(f.get("n", 0) for f in frames.frames) + got.pending == 1
+
+
+def test_an_event_the_parse_cannot_take_fails_its_stream_alone() -> None:
+    """An exception from one stream's news (here the parse's RecursionError) fails that stream; the poll
+    goes on for the others and is scheduled again."""
+
+    async def run() -> tuple[_Stream, _Stream, _Conn, _Conn, bool]:
+        streams = native.NativeStreams()
+        sinks, conns = [], []
+        with tcp_pair() as (srv1, c1), tcp_pair() as (srv2, c2):
+            for client in (c1, c2):
+                stream = _Stream(_Parent(), 1, Stamps(sent=time.monotonic()), None, None)  # type: ignore[arg-type]
+                stream.on_head(200, {})
+                conn = _Conn(stream)
+                stream.conn = conn  # type: ignore[assignment]
+                streams.add(conn, stream, client.fileno(), b"")
+                sinks.append(stream)
+                conns.append(conn)
+            srv1.sendall(chunked(b"data: " + b"[" * 100_000 + b"\n\n", []))
+            srv2.sendall(chunked(b'data: {"usage":{"completion_tokens":2}}\n\n', []))
+            deadline = time.monotonic() + 10
+            while not all(c.end for c in conns) and time.monotonic() < deadline:
+                select.select([c1, c2], [], [], 0.05)
+                streams.poll()
+            again = streams._timer is not None or not streams._held
+            streams.close()
+        return sinks[0], sinks[1], conns[0], conns[1], again
+
+    bad, good, bad_conn, good_conn, again = asyncio.run(run())
+    assert (
+        isinstance(bad.done.exception(), RequestError) and bad_conn.end is not None and bad_conn.end[0] == -1
+    )
+    assert good.done.exception() is None and good_conn.end == (1, None)
+    assert good.stamps.first is not None and good._seen == 2
+    assert again
+
+
+def test_tokens_are_summed_between_reports_and_handed_out_when_due() -> None:
+    """With `report_s`, a stream's first tokens are handed out at once, later ones summed in the reader
+    (their number and first and last stamps kept) until a report is due, also with no read since, and
+    whatever is left at the end."""
+    reader = native._reader.Reader(report_s=0.2)  # type: ignore[union-attr]
+
+    def event(total: int) -> bytes:
+        return chunked(b'data: {"completion_tokens":%d}\n\n' % total, [])[:-5]
+
+    def news(wait: float = 0.0) -> list[Any]:
+        select.select([], [], [], wait)
+        return reader.poll()
+
+    with tcp_pair() as (srv, client):
+        reader.add(client.fileno(), 1, b"")
+        srv.sendall(event(1))
+        [first] = news(0.02)
+        assert first[1:3] == (1, 1)
+        reported = time.monotonic()
+        srv.sendall(event(3))
+        srv.sendall(event(6))
+        quiet = news(0.02) if time.monotonic() - reported < 0.15 else None
+        time.sleep(max(0.0, reported + 0.25 - time.monotonic()))
+        [due] = news()
+        srv.sendall(b"0\r\n\r\n")
+        [end] = news(0.05)
+    if quiet is not None:  # polled within the report interval: held back
+        assert quiet == []
+    assert due[1:3] == (5, 2) and due[3] <= due[4] and due[5] == 0  # two deltas summed, no read since
+    assert end[1:3] == (0, 0) and end[5] == 1
 
 
 def test_a_call_while_polling_or_on_a_bad_fd_is_refused() -> None:
