@@ -2,7 +2,8 @@
 
 Run by hand:  .venv/bin/python benchmarks/bench_arrival.py [--rates 10 100] [--requests 300] [--reps 3]
                   [--model models/tiny] [--json] [--keep DIR] [--gpu]
-                  [--soakd-senders process loop process-cold] [--scale-from RATE [--scale-window-s S]]
+                  [--soakd-senders process loop process-cold process-python]
+                  [--scale-from RATE [--scale-window-s S]]
                   [--soakd-engines vllm-local vllm-server [--engine-reps N]] [--budget-s SECONDS]
 
 One vLLM api_server on the tiny model is started once: the CPU build here, or with `--gpu` a CUDA build
@@ -18,7 +19,8 @@ none always goes first (reps are the outer loop, so a `--budget-s` cut loses who
 - `soakd run` in attach mode (`engine.kind = "openai"`, no warm-up, no loop), the whole daemon: spool,
   collectors, scheduler, verdict. With `--soakd-senders process loop` soakd runs once per listed
   `engine.sender` ("soakd (process)", "soakd (loop)"; "soakd (process-cold)": the sender process with
-  `engine.warm_connections = 0`, no connections opened before the replay); without it one client
+  `engine.warm_connections = 0`, no connections opened before the replay; "soakd (process-python)":
+  the sender process reading its streams in Python, `engine.sender_reader = "python"`); without it one client
   "soakd" with soakd's default. soakd's own lateness figures (its verdict's p50/p99/max(lateness_ms))
   and its engine summary's connection figures are kept beside.
   With `--gpu` soakd (and the warm-up) is given the model's vocabulary (`engine.vocab_size`, from its
@@ -81,8 +83,9 @@ Json = dict[str, Any]
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_BENCH = "vllm bench"
 # "process-cold": the sender process with no connections opened before the replay (warm_connections 0);
-# "process-nice": the sender process at nice -10 (engine.sender_nice).
-SENDERS = ("process", "loop", "process-cold", "process-nice")
+# "process-nice": the sender process at nice -10 (engine.sender_nice); "process-python": the sender
+# process reading its streams in Python (engine.sender_reader), not with the native reader.
+SENDERS = ("process", "loop", "process-cold", "process-nice", "process-python")
 ENGINES = ("vllm-local", "vllm-server")
 # A client run's cost beyond the trace's span before one was measured (imports, probing, the end).
 FIRST_OVERHEAD_S = 20.0
@@ -268,6 +271,8 @@ def engine_section(
             lines.append("warm_connections = 0")
         if sender and sender.endswith("-nice"):
             lines.append("sender_nice = -10")
+        if sender and sender.endswith("-python"):
+            lines.append('sender_reader = "python"')
         if vocab_size:
             lines.append(f"vocab_size = {vocab_size}")
         return "\n".join(lines) + "\n"

@@ -126,7 +126,10 @@ class Run:
         merged = {}
         if streams is not None:
             # Events read together with a later one: stamped with its arrival (the native path's error).
-            merged = {"merged_events_pct": round(100 * streams.merged / max(1, streams.counted), 2)}
+            merged = {
+                "merged_events_pct": round(100 * streams.merged / max(1, streams.counted), 2),
+                "unstamped_reads": streams.unstamped,
+            }
         cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
         return {
             "mode": self.mode,

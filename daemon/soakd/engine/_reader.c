@@ -93,6 +93,7 @@ typedef struct {
     Py_ssize_t held;
     long long counted; /* events with new tokens, all streams */
     long long merged;  /* of them, those read together with a later one (stamped with its arrival) */
+    long long unstamped; /* reads the kernel gave no receive stamp (stamped when read) */
     int busy; /* poll() is reading without the GIL: calls from another thread are refused */
     int ready; /* initialised: epfd is the reader's */
 } Reader;
@@ -406,7 +407,7 @@ static void drain(Reader *r, Stream *s, char *buf) {
             fail(s, E_CLOSED, "connection closed by the server");
         } else {
             double mono = clock_s(CLOCK_MONOTONIC);
-            double stamp = mono;
+            double stamp = -1.0;
             for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
                 if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_TIMESTAMPNS) {
                     struct timespec ts;
@@ -414,6 +415,12 @@ static void drain(Reader *r, Stream *s, char *buf) {
                     double real = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
                     stamp = real - (clock_s(CLOCK_REALTIME) - mono);
                 }
+            }
+            if (stamp < 0) {
+                /* The kernel turns receive stamps on a moment after the first socket asks (a deferred
+                 * switch): a read before that is stamped now, as the Python path stamps every read. */
+                r->unstamped++;
+                stamp = mono;
             }
             if (stamp > mono) stamp = mono;
             if (stamp < s->floor) stamp = s->floor;
@@ -585,7 +592,11 @@ static PyObject *Reader_add(Reader *r, PyObject *args) {
     s->slot = (size_t)r->held;
     r->all[r->held++] = s;
     s->floor = clock_s(CLOCK_MONOTONIC);
-    if (initial.len) feed(s, initial.buf, (size_t)initial.len, s->floor);
+    if (initial.len) {
+        feed(s, initial.buf, (size_t)initial.len, s->floor);
+        r->counted += s->in_read;
+        r->merged += s->in_read > 1 ? s->in_read - 1 : 0;
+    }
     PyBuffer_Release(&initial);
     if (changed(r, s, s->floor) && mark(r, s) < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -648,6 +659,8 @@ static PyMemberDef Reader_members[] = {
     {"counted", T_LONGLONG, offsetof(Reader, counted), READONLY, "events with new tokens read so far"},
     {"merged", T_LONGLONG, offsetof(Reader, merged), READONLY,
      "of them, those read in one read with a later one: stamped with the later one's arrival"},
+    {"unstamped", T_LONGLONG, offsetof(Reader, unstamped), READONLY,
+     "reads without the kernel's receive stamp (stamped when read)"},
     {NULL, 0, 0, 0, NULL},
 };
 

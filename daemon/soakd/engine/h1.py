@@ -202,10 +202,11 @@ class Connection(asyncio.Protocol):
         self._done()
 
     def native_error(self, why: str) -> None:
-        """The native reader found the answer broken (cut short, malformed): the request failed."""
+        """The answer broke on the native path (cut short, malformed, or its news failed in soakd): the
+        request failed. A stream the reader still holds is taken back from it first."""
         if self._native_fd < 0:
             return
-        self._native_fd = -1
+        self._release_native()
         sink, self._sink = self._sink, None
         self._state = _IDLE
         if sink is not None:

@@ -18,6 +18,10 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
+import structlog
+
+log = structlog.get_logger(__name__)
+
 POLL_S = 0.005
 """How often held streams are read. The stamps are the kernel's, so this bounds only when soakd learns
 of a token (its progress frames and live counters), never a measured latency; at 10 ms the CPU per token
@@ -99,6 +103,12 @@ class NativeStreams:
         return int(self._reader.counted)
 
     @property
+    def unstamped(self) -> int:
+        """Reads the kernel gave no receive stamp (its stamps switched on a moment after the first
+        socket asks): stamped when read."""
+        return int(self._reader.unstamped)
+
+    @property
     def merged(self) -> int:
         """Of them, those read in one read with a later one, so stamped with that one's arrival."""
         return int(self._reader.merged)
@@ -122,7 +132,11 @@ class NativeStreams:
         self.polling = True
         try:
             for news in self._reader.poll():
-                self._hand_out(news)
+                try:
+                    self._hand_out(news)
+                # A bug in one stream's ending must not lose the others' news (the reader let go of it).
+                except Exception as err:  # noqa: BLE001
+                    log.error("native_news_failed", error=f"{type(err).__name__}: {err}"[:200])
         finally:
             self.polling = False
             if self._held:
@@ -147,17 +161,17 @@ class NativeStreams:
                     return  # an error event: the request failed, its connection aborted
             if events:
                 sink.on_native_tokens(seen, events, first, last)
+            if end > 0:
+                conn.native_end(end == 1)  # 2: bytes after the answer's end, not reused
+            elif end < 0:
+                conn.native_error(why or "the stream failed")
         # One stream's trouble stays its own (as a failed read callback closes only its transport on
-        # the Python path): it fails, the others' news is handed out.
+        # the Python path): it fails and is taken out of the reader, the others' news is handed out.
         except Exception as err:  # noqa: BLE001
             sink.on_native_failure(err)
             if conn.native_held:
                 conn.native_error(f"{type(err).__name__}: {err}"[:200])
-            return
-        if end > 0:
-            conn.native_end(end == 1)  # 2: bytes after the answer's end, not reused
-        elif end < 0:
-            conn.native_error(why or "the stream failed")
+            self.remove(fd)
 
     def close(self) -> None:
         if self._timer is not None:
