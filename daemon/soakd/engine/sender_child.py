@@ -83,17 +83,23 @@ class _Stream:
         for event in self._splitter.feed(data):
             if event == b"[DONE]" or self.done.done():
                 continue
-            try:
-                n, self._seen = new_tokens(event, self._seen, self._ids, self._spec)
-            except RequestError as err:
-                # A stream's error event: the request failed; dropping the connection aborts it.
-                self._fail(err)
-                if self.conn is not None:
-                    self.conn.abort(self)
+            if not self._event(event, None):
                 return
-            if n:
-                now = time.monotonic()
-                self._tokens(n, 1, now, now)
+
+    def _event(self, data: bytes, stamp: float | None) -> bool:
+        """One event's data parsed and its tokens counted, stamped `stamp` (None: now); False when it
+        ended the request (an error event: the request failed, dropping the connection aborts it)."""
+        try:
+            n, self._seen = new_tokens(data, self._seen, self._ids, self._spec)
+        except RequestError as err:
+            self._fail(err)
+            if self.conn is not None:
+                self.conn.abort(self)
+            return False
+        if n:
+            at = time.monotonic() if stamp is None else stamp
+            self._tokens(n, 1, at, at)
+        return True
 
     def on_native_tokens(self, seen: int, events: int, first: float, last: float) -> None:
         # From the running count as kept here: one only the parse of a handed event could read has
@@ -108,17 +114,8 @@ class _Stream:
 
     def on_native_event(self, raw: bytes, stamp: float) -> None:
         data = event_data(raw)
-        if not data or data == b"[DONE]" or self.done.done():
-            return
-        try:
-            n, self._seen = new_tokens(data, self._seen, self._ids, self._spec)
-        except RequestError as err:
-            self._fail(err)
-            if self.conn is not None:
-                self.conn.abort(self)
-            return
-        if n:
-            self._tokens(n, 1, stamp, stamp)
+        if data and data != b"[DONE]" and not self.done.done():
+            self._event(data, stamp)
 
     def _tokens(self, n: int, events: int, first_at: float, last_at: float, *, report: bool = False) -> None:
         """`n` new tokens in `events` deltas, the first and last of them stamped `first_at`, `last_at`

@@ -12,13 +12,14 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from soakd.config import EngineConfig
-from soakd.engine.base import GenerationRequest, Stamps
+from soakd.engine.base import GenerationRequest, SpecSteps, Stamps
 from soakd.engine.completions import RequestError, new_tokens, usage_tokens
 from soakd.engine.h1 import Collect, ConnectError, Pool, ProtocolError, Target, request_head
 from soakd.engine.openai_http import OpenAIEngine
@@ -358,22 +359,11 @@ async def test_the_sender_sends_again_when_a_reused_connection_closes_before_any
     sender = SenderProcess(url, {}, 0)
     await sender.start()
     try:
-
-        async def send(rid: str) -> tuple[int, GenerationRequest, object]:
-            request = GenerationRequest(rid, [1, 2, 3], max_tokens=3, stamps=Stamps())
-            n, error = 0, None
-            async for header in stream_via(sender, request, b"{}"):
-                n += int(header.get("n", 0))
-                if header.get("final"):
-                    take_final(header, request)
-                    error = header.get("error")
-            return n, request, error
-
-        first = await send("a")
-        second = await send("b")
+        first = await send_via(sender, "a")
+        second = await send_via(sender, "b")
         script.answer = lambda c, r: [HEAD + b"40\r\ndata: cut"]
         script.close_after = {(c, r) for c in range(1, 9) for r in range(1, 9)}
-        third = await send("c")
+        third = await send_via(sender, "c")
     finally:
         await sender.stop()
     assert first[0] == second[0] == 3 and first[2] is None and second[2] is None
@@ -382,6 +372,21 @@ async def test_the_sender_sends_again_when_a_reused_connection_closes_before_any
     sent = [line for _, line in script.requests if line.startswith(b"POST")]
     assert len(sent) == 4  # a, b (dropped), b again, c once
     assert third[0] == 0 and isinstance(third[2], dict) and third[2]["kind"] == "request"
+
+
+async def send_via(sender: SenderProcess, rid: str, spec: bool = False) -> tuple[int, GenerationRequest, Any]:
+    """One three-token request through the sender: (tokens reported, the request as finished, the
+    final frame's error)."""
+    request = GenerationRequest(
+        rid, [1, 2, 3], max_tokens=3, stamps=Stamps(), spec=SpecSteps() if spec else None
+    )
+    n, error = 0, None
+    async for header in stream_via(sender, request, b"{}"):
+        n += int(header.get("n", 0))
+        if header.get("final"):
+            take_final(header, request)
+            error = header.get("error")
+    return n, request, error
 
 
 def vllm_like(script: Script) -> Answer:

@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_h1 import HEAD, Script, server  # noqa: F401  (the scripted server fixture)
+from test_h1 import HEAD, Script, send_via, server  # noqa: F401  (the scripted server fixture)
 
 from soakd.config import EngineConfig
 from soakd.engine import native
-from soakd.engine.base import GenerationRequest, SpecSteps, Stamps
+from soakd.engine.base import SpecSteps, Stamps
 from soakd.engine.completions import RequestError
-from soakd.engine.sender import SenderProcess, stream_via, take_final
+from soakd.engine.sender import SenderProcess
 from soakd.engine.sender_child import _Stream
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native reader {native.UNAVAILABLE}")
@@ -423,19 +423,6 @@ def _answer(events: list[bytes]) -> bytes:
     return HEAD + chunked(b"".join(events), [64])
 
 
-async def _send(sender: SenderProcess, rid: str, spec: bool = False) -> tuple[int, GenerationRequest, Any]:
-    request = GenerationRequest(
-        rid, [1, 2, 3], max_tokens=3, stamps=Stamps(), spec=SpecSteps() if spec else None
-    )
-    n, error = 0, None
-    async for header in stream_via(sender, request, b"{}"):
-        n += int(header.get("n", 0))
-        if header.get("final"):
-            take_final(header, request)
-            error = header.get("error")
-    return n, request, error
-
-
 @pytest.mark.parametrize("reader", ["native", "python"])
 async def test_the_sender_reads_alike_through_either_reader(
     server: tuple[Script, str],  # noqa: F811
@@ -453,9 +440,9 @@ async def test_the_sender_reads_alike_through_either_reader(
     await sender.start()
     try:
         assert sender.reader == reader and sender.reader_note == ""
-        ok = await _send(sender, "a", spec=True)
-        failed = await _send(sender, "b")
-        again = await _send(sender, "c")
+        ok = await send_via(sender, "a", spec=True)
+        failed = await send_via(sender, "b")
+        again = await send_via(sender, "c")
     finally:
         await sender.stop()
     n, request, error = ok
