@@ -24,7 +24,6 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -216,17 +215,7 @@ class EngineConfig(_Section):
     each read stamped by the kernel: about half the sender's CPU per token, benchmarks/RESULTS.md, "A
     native reader"), or the Python path (a read per delta in the event loop). "auto": the native one
     where it is built and the server is not behind TLS; requests that want token ids are read in Python
-    either way. "native" refuses a run where it cannot read."""
-
-    @field_validator("sender_reader")
-    @classmethod
-    def _reader_built(cls, value: str) -> str:
-        if value == "native":
-            from soakd.engine.native import UNAVAILABLE
-
-            if UNAVAILABLE:
-                raise ValueError(f'the native stream reader is {UNAVAILABLE}: use "auto" or "python"')
-        return value
+    either way. "native" refuses a run where it did not build (exit 2, before the run)."""
 
     warm_connections: int = Field(default=32, ge=0, le=1024)
     """An HTTP engine's connections opened just before the replay (at most replay.max_concurrency) and

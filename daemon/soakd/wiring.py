@@ -65,6 +65,7 @@ def resolve_model(cfg: Config) -> str:
     For `engine.kind = "openai"` the server has its model already: the URL is what must be given, and
     its authentication one way only (check_engine_auth, against the process environment).
     """
+    check_sender_reader(cfg)
     if cfg.engine.kind == "openai":
         if not cfg.engine.url:
             raise ConfigError(
@@ -88,6 +89,19 @@ def resolve_model(cfg: Config) -> str:
             key="engine.model",
         )
     return str(path)
+
+
+def check_sender_reader(cfg: Config) -> None:
+    """The native stream reader asked for (`engine.sender_reader = "native"`) where it did not build:
+    bad input, refused before the run starts ("auto" would read in Python)."""
+    from soakd.engine.native import UNAVAILABLE
+
+    if cfg.engine.sender_reader == "native" and UNAVAILABLE:
+        raise ConfigError(
+            f'the native stream reader is {UNAVAILABLE}: set "auto" or "python"',
+            file=cfg.source,
+            key="engine.sender_reader",
+        )
 
 
 def check_engine_auth(cfg: Config, env: Mapping[str, str]) -> None:

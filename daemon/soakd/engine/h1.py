@@ -110,6 +110,15 @@ def request_head(target: Target, method: str, path: str, headers: dict[str, str]
 _HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _IDLE, _NATIVE = range(9)
 
 
+def _trailer_end(buf: bytes, pos: int) -> int:
+    """Where the answer ends after its last chunk: past the empty line, or past the trailer fields and
+    the empty line after them; -1 while that has not all come."""
+    if buf.startswith(b"\r\n", pos):
+        return pos + 2
+    end = buf.find(b"\r\n\r\n", pos)
+    return end + 4 if end >= 0 else -1
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection; one request at a time."""
 
@@ -175,7 +184,10 @@ class Connection(asyncio.Protocol):
 
     def _hand_over(self, rest: bytes) -> bool:
         """Give the body's reading to the native reader, with the bytes already read; False when it
-        would not take the socket (then reading goes on here)."""
+        would not take the socket (then reading goes on here, the body chunked)."""
+        if self._native_fd >= 0:
+            raise ProtocolError("bytes read beside the native reader")  # never: its reading is paused
+        self._state = _SIZE
         pool, transport, sink = self._pool, self.transport, self._sink
         assert pool is not None and pool.native is not None and transport is not None and sink is not None
         sock = transport.get_extra_info("socket")
@@ -189,6 +201,7 @@ class Connection(asyncio.Protocol):
             transport.resume_reading()
             return False
         self._native_fd = fd
+        self._state = _NATIVE
         return True
 
     def native_end(self, reusable: bool) -> None:
@@ -310,15 +323,10 @@ class Connection(asyncio.Protocol):
                 pos = end + 4
                 self._head(head)
             elif state == _TRAILER:
-                if buf.startswith(b"\r\n", pos):
-                    pos += 2
+                stop = _trailer_end(buf, pos)
+                if stop >= 0:
+                    pos = stop
                     self._done()
-                    break
-                end = buf.find(b"\r\n\r\n", pos)
-                if end < 0:
-                    break
-                pos = end + 4
-                self._done()
                 break
             elif state == _LENGTH:
                 take = min(self._left, len(buf) - pos)
@@ -336,12 +344,9 @@ class Connection(asyncio.Protocol):
                 pos = len(buf)
                 break
             elif state == _NATIVE:
-                if self._native_fd >= 0:
-                    raise ProtocolError("bytes read beside the native reader")  # never: reading paused
                 if self._hand_over(buf[pos:]):
                     pos = len(buf)
                     break
-                self._state = _SIZE
             else:
                 break
         self._buf = buf[pos:] if pos < len(buf) else b""

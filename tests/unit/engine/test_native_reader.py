@@ -21,7 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_h1 import HEAD, Script, send_via, server  # noqa: F401  (the scripted server fixture)
 
-from soakd.config import EngineConfig
 from soakd.engine import native
 from soakd.engine.base import SpecSteps, Stamps
 from soakd.engine.completions import RequestError
@@ -458,10 +457,19 @@ async def test_the_sender_reads_alike_through_either_reader(
 async def test_asked_for_where_it_cannot_read_the_native_reader_is_a_config_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from soakd.config import load
+    from soakd.errors import ConfigError
+    from soakd.wiring import resolve_model
+
     monkeypatch.setattr(native, "UNAVAILABLE", "not built (no C compiler)")
-    with pytest.raises(ValueError, match="sender_reader"):
-        EngineConfig.model_validate({"kind": "openai", "url": "http://x", "sender_reader": "native"})
-    assert EngineConfig.model_validate({"kind": "openai", "url": "http://x"}).sender_reader == "auto"
+    asked = {"engine.kind": "openai", "engine.url": "http://127.0.0.1:9", "engine.served_model": "m"}
+    with pytest.raises(ConfigError) as info:
+        resolve_model(load(None, {**asked, "engine.sender_reader": "native"}))
+    assert str(info.value) == (
+        '<defaults>: engine.sender_reader: the native stream reader is not built (no C compiler): set "auto" '
+        'or "python"'
+    )
+    assert resolve_model(load(None, asked)) == "m"  # "auto": read in Python there
 
 
 async def test_through_tls_auto_reads_in_python() -> None:
