@@ -91,8 +91,6 @@ class NativeStreams:
         self._after = after
         self.polling = False
         """True while a poll hands out its news (what is written then can wait for its end)."""
-        self.polls = 0
-        self.streams = 0
 
     def __len__(self) -> int:
         return len(self._held)
@@ -117,7 +115,6 @@ class NativeStreams:
         """Read `fd`'s chunked event stream from here on; `rest`: the body's bytes already read."""
         self._reader.add(fd, fd, rest)
         self._held[fd] = (conn, sink)
-        self.streams += 1
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(POLL_S, self.poll)
 
@@ -128,7 +125,6 @@ class NativeStreams:
 
     def poll(self) -> None:
         self._timer = None
-        self.polls += 1
         self.polling = True
         try:
             for news in self._reader.poll():
