@@ -14,9 +14,10 @@ Parent to child: `init` (URL, headers, pool size; on the pipe: an API key is in 
 variable holding it is removed from the child's environment), `send` (key, due time, request id, whether
 to return token ids and speculative metrics; the body is the request's JSON), `cancel` (key), `warm`
 (key, connections to open now). Child to parent: `ready`; a `warm`'s final frame (connections opened);
-per request progress frames (the first token at once, then tokens so far at most every
-PROGRESS_S, so live counters move during long generations) and one final frame (stamps, tokens, ids,
-speculative counts, or an error and its kind). End of input stops the child: it never outlives soakd.
+per request progress (the first token at once, then tokens so far at most every PROGRESS_S, so live
+counters move during long generations; the reports of one flush as one `p` frame of key, tokens pairs)
+and one final frame (stamps, tokens, ids, speculative counts, or an error and its kind), after its
+progress. End of input stops the child: it never outlives soakd.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ PROGRESS_S = 0.5
 """Longest a request's new tokens wait before the child reports them."""
 FLUSH_S = 0.002
 """Longest a frame for the parent waits for others to leave with it."""
+_READ_BYTES = 1 << 20
 _START_TIMEOUT_S = 60.0
 _WARM_TIMEOUT_S = 15.0
 _STOP_TIMEOUT_S = 5.0
@@ -79,6 +80,77 @@ def frame(header: dict[str, Any], body: bytes = b"") -> bytes:
     return _HEAD.pack(len(head), len(body)) + head + body
 
 
+def progress_frame(counts: dict[int, int]) -> bytes:
+    """One frame with the new tokens of many requests (key, tokens, key, tokens, ...): the reports of a
+    flush leave as one frame, not one each (one parse and one read in the parent, however many)."""
+    flat: list[int] = []
+    for key, n in counts.items():
+        flat += (key, n)
+    return frame({"p": flat})
+
+
+class FrameSplitter:
+    """Frames from a byte stream in chunks, as many as each chunk completes: one read of the pipe for
+    everything the child flushed, not three awaited reads per frame."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[dict[str, Any], bytes]]:
+        buf = self._buf
+        buf += data
+        out: list[tuple[dict[str, Any], bytes]] = []
+        at, size = 0, len(buf)
+        while size - at >= _HEAD.size:
+            head_len, body_len = _HEAD.unpack_from(buf, at)
+            if head_len > MAX_HEADER or body_len > MAX_BODY:
+                raise FrameError(f"frame announces {head_len} + {body_len} bytes, above the bounds")
+            end = at + _HEAD.size + head_len + body_len
+            if end > size:
+                break
+            start = at + _HEAD.size
+            header = json.loads(buf[start : start + head_len])
+            if not isinstance(header, dict):
+                raise FrameError("frame header is not a JSON object")
+            out.append((header, bytes(buf[start + head_len : end])))
+            at = end
+        del buf[:at]
+        return out
+
+    def end(self) -> None:
+        """The input ended: an error when it ended inside a frame."""
+        if self._buf:
+            raise FrameError(f"input ended inside a frame ({len(self._buf)} bytes of it)")
+
+
+class Mailbox:
+    """One key's frames from the child, in order, for its one consumer: a deque and at most one waiter
+    (asyncio.Queue's bookkeeping is for many producers and consumers; this is on every report)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[dict[str, Any]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: dict[str, Any]) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> dict[str, Any]:
+        while not self._items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
 async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes] | None:
     """The next frame, or None at a clean end of input (nothing half read)."""
     try:
@@ -101,11 +173,6 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], byte
 # ------------------------------------------------------------------------------------ the parent's side
 
 
-@dataclass(slots=True)
-class _Pending:
-    queue: asyncio.Queue[dict[str, Any]]
-
-
 class SenderProcess:
     """The parent's handle on one sender child: start it, hand it requests, read its answers."""
 
@@ -122,7 +189,7 @@ class SenderProcess:
         }
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, Mailbox] = {}
         self._next = 0
         self._exited = False
         self.loop_kind = ""
@@ -201,7 +268,7 @@ class SenderProcess:
         self.reader_note = str(got[0].get("reader_note", ""))
         self._reader = asyncio.create_task(self._read(proc.stdout), name="soakd-sender-reader")
 
-    def submit(self, request: GenerationRequest, body: bytes) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
+    def submit(self, request: GenerationRequest, body: bytes) -> tuple[int, Mailbox]:
         """Hand a request over; its progress and final frames arrive on the returned queue."""
         if self._proc is None or self._proc.stdin is None or self._exited:
             raise EngineError("the sender process is not running")
@@ -215,13 +282,12 @@ class SenderProcess:
         self.submitted += 1
         return self._post(header, body)
 
-    def _post(self, header: dict[str, Any], body: bytes = b"") -> tuple[int, asyncio.Queue[dict[str, Any]]]:
+    def _post(self, header: dict[str, Any], body: bytes = b"") -> tuple[int, Mailbox]:
         """Write a frame under a fresh key; the child's answers to it arrive on the returned queue."""
         assert self._proc is not None and self._proc.stdin is not None
         self._next += 1
         key = self._next
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._pending[key] = _Pending(queue)
+        queue = self._pending[key] = Mailbox()
         self._proc.stdin.write(frame({**header, "key": key}, body))
         return key, queue
 
@@ -249,11 +315,11 @@ class SenderProcess:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         why = "end of output"
         try:
-            while (got := await read_frame(reader)) is not None:
-                header = got[0]
-                pending = self._pending.get(header.get("key", -1))
-                if pending is not None:
-                    pending.queue.put_nowait(header)
+            splitter = FrameSplitter()
+            while data := await reader.read(_READ_BYTES):
+                for header, _ in splitter.feed(data):
+                    self._take(header)
+            splitter.end()
         except (FrameError, asyncio.IncompleteReadError, ValueError, ConnectionError) as err:
             why = f"{type(err).__name__}: {err}"[:200]
         finally:
@@ -268,8 +334,19 @@ class SenderProcess:
             if self._pending:
                 log.error("sender_exited", code=code, reason=why, requests_lost=len(self._pending))
             for pending in self._pending.values():
-                pending.queue.put_nowait({"final": True, "error": {"kind": KIND_SENDER, "message": message}})
+                pending.put_nowait({"final": True, "error": {"kind": KIND_SENDER, "message": message}})
             self._pending.clear()
+
+    def _take(self, header: dict[str, Any]) -> None:
+        """One frame from the child to its key's mailbox (a key forgotten since is dropped)."""
+        flat = header.get("p")
+        if flat is not None:
+            pending = self._pending
+            for i in range(0, len(flat) - 1, 2):
+                if (box := pending.get(flat[i])) is not None:
+                    box.put_nowait({"n": flat[i + 1]})
+        elif (box := self._pending.get(header.get("key", -1))) is not None:
+            box.put_nowait(header)
 
     async def stop(self) -> None:
         proc, self._proc = self._proc, None

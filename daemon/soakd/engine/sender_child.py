@@ -33,7 +33,7 @@ from soakd.engine.completions import (
 )
 from soakd.engine.h1 import Collect, ConnectError, Connection, Pool, ProtocolError, Target, request_head
 from soakd.engine.native import UNAVAILABLE, NativeStreams, available
-from soakd.engine.sender import FLUSH_S, PROGRESS_S, frame, read_frame
+from soakd.engine.sender import FLUSH_S, PROGRESS_S, frame, progress_frame, read_frame
 from soakd.errors import EngineError
 from soakd.sse import DataSplitter, event_data
 
@@ -135,7 +135,7 @@ class _Stream:
         now = time.monotonic()
         # The first token at once (the consumer learns the stream began), then at most every PROGRESS_S.
         if report or first or now - self._reported_at >= PROGRESS_S:
-            self._child.write({"key": self._key, "n": self.pending})
+            self._child.progress(self._key, self.pending)
             self.pending = 0
             self._reported_at = now
 
@@ -165,6 +165,8 @@ class _Child:
         self._clock = SystemClock()
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._outbox: list[bytes] = []
+        self._progress: dict[int, int] = {}  # key -> tokens not yet reported, for the next `p` frame
+        self._flush_due = False
         self._headers = {str(k): str(v) for k, v in dict(init.get("headers", {})).items()}
         self.reader, self.reader_note = _reader_choice(str(init.get("reader", "auto")), self._target)
         # Tokens handed out as often as the parent hears of them: the reader sums the deltas between.
@@ -232,12 +234,28 @@ class _Child:
         """Queue a frame for the parent; the frames of FLUSH_S leave in one write (a pipe write per
         frame, each waking the parent, was the largest single cost of the sender at 10,000 tokens/s).
         What the frames carry was stamped when it happened: the wait delays only its bookkeeping."""
+        if self._progress:  # a request's progress before its final frame
+            self._outbox.append(progress_frame(self._progress))
+            self._progress = {}
         self._outbox.append(frame(header))
+        self._soon()
+
+    def progress(self, key: int, n: int) -> None:
+        """Report `n` new tokens of `key`: gathered with the others' into one frame at the flush."""
+        self._progress[key] = self._progress.get(key, 0) + n
+        self._soon()
+
+    def _soon(self) -> None:
         # Written in a native poll: they leave at its end, not on a timer of their own (a wake-up more).
-        if len(self._outbox) == 1 and not (self.native is not None and self.native.polling):
+        if not self._flush_due and not (self.native is not None and self.native.polling):
+            self._flush_due = True
             asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
 
     def flush(self) -> None:
+        self._flush_due = False
+        if self._progress:
+            self._outbox.append(progress_frame(self._progress))
+            self._progress = {}
         if self._outbox:
             data, self._outbox = b"".join(self._outbox), []
             self._out.write(data)

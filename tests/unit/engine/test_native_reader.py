@@ -39,6 +39,9 @@ class _Parent:
     def write(self, header: dict[str, Any]) -> None:
         self.frames.append(header)
 
+    def progress(self, key: int, n: int) -> None:
+        self.frames.append({"key": key, "n": n})
+
 
 @contextlib.contextmanager
 def tcp_pair() -> Iterator[tuple[socket.socket, socket.socket]]:

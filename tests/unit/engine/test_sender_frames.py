@@ -8,7 +8,15 @@ import struct
 
 import pytest
 
-from soakd.engine.sender import MAX_BODY, FrameError, frame, read_frame
+from soakd.engine.sender import (
+    MAX_BODY,
+    FrameError,
+    FrameSplitter,
+    Mailbox,
+    frame,
+    progress_frame,
+    read_frame,
+)
 
 
 def reader_of(data: bytes) -> asyncio.StreamReader:
@@ -43,3 +51,78 @@ async def test_an_oversized_announcement_is_refused_before_reading() -> None:
 async def test_a_header_that_is_not_an_object_is_an_error() -> None:
     with pytest.raises(FrameError, match="not a JSON object"):
         await read_frame(reader_of(struct.pack(">II", 2, 0) + b"[]"))
+
+
+def test_the_splitter_reads_the_same_frames_however_the_bytes_are_cut() -> None:
+    frames = [
+        ({"op": "send", "key": 1, "at": 12.5}, b'{"prompt":[1,2,3]}'),
+        ({"p": [1, 3, 7, 2]}, b""),
+        ({"key": 1, "final": True}, b""),
+    ]
+    whole = b"".join(frame(h, b) for h, b in frames)
+    for size in (1, 2, 7, 8, 9, len(whole)):
+        splitter = FrameSplitter()
+        got = []
+        for at in range(0, len(whole), size):
+            got += splitter.feed(whole[at : at + size])
+        splitter.end()
+        assert got == frames, size
+
+
+def test_the_splitter_refuses_what_read_frame_refuses() -> None:
+    with pytest.raises(FrameError, match="above the bounds"):
+        FrameSplitter().feed(struct.pack(">II", 2, MAX_BODY + 1))
+    with pytest.raises(FrameError, match="not a JSON object"):
+        FrameSplitter().feed(struct.pack(">II", 2, 0) + b"[]")
+    splitter = FrameSplitter()
+    assert splitter.feed(frame({"key": 1}, b"xyz")[:-1]) == []
+    with pytest.raises(FrameError, match="inside a frame"):
+        splitter.end()
+
+
+def test_progress_frames_carry_key_and_tokens_pairs() -> None:
+    ((header, body),) = FrameSplitter().feed(progress_frame({4: 2, 9: 1}))
+    assert header == {"p": [4, 2, 9, 1]} and body == b""
+
+
+async def test_the_mailbox_hands_items_in_order_to_a_waiting_consumer() -> None:
+    box = Mailbox()
+    box.put_nowait({"n": 1})
+    waiting = asyncio.ensure_future(box.get())
+    assert await waiting == {"n": 1}
+    waiting = asyncio.ensure_future(box.get())
+    await asyncio.sleep(0)
+    assert not waiting.done()  # nothing yet: it waits
+    box.put_nowait({"n": 2})
+    box.put_nowait({"final": True})
+    assert await waiting == {"n": 2}
+    assert await box.get() == {"final": True}
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(box.get(), 0.01)  # a consumer that gave up leaves no waiter behind
+    box.put_nowait({"n": 3})
+    assert await box.get() == {"n": 3}
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+async def test_the_child_sends_a_requests_progress_before_its_final_frame_and_sums_a_flushs_reports() -> None:
+    from soakd.engine.sender_child import _Child
+
+    out = _Out()
+    child = _Child({"url": "http://127.0.0.1:9", "reader": "python"}, out)  # type: ignore[arg-type]
+    child.progress(1, 3)
+    child.progress(2, 1)
+    child.progress(1, 2)
+    child.write({"key": 1, "final": True})
+    child.progress(2, 4)
+    assert out.data == b""  # nothing leaves before the flush
+    await asyncio.sleep(0.05)  # the flush timer
+    got = [h for h, _ in FrameSplitter().feed(out.data)]
+    assert got == [{"p": [1, 5, 2, 1]}, {"key": 1, "final": True}, {"p": [2, 4]}]
+    await child.close()
