@@ -6,12 +6,14 @@ if [[ ! -d /tmp/site/vllm ]]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_wheels/*.whl || return 1
 fi
 export PYTHONPATH=/tmp/site:$PWD/daemon VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-# The sender's native stream reader (daemon/soakd/engine/_reader.c), built in place where a C compiler and
-# Python's headers are; else one built for this Python elsewhere may be carried in; else soakd reads the
-# streams in Python (engine.sender_reader = "auto").
-if ! compgen -G "daemon/soakd/engine/_reader.cpython-*.so" > /dev/null && command -v cc > /dev/null; then
-  cc -O2 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-    daemon/soakd/engine/_reader.c \
-    -o "daemon/soakd/engine/_reader$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
-    2> /dev/null || true
-fi
+# soakd's optional C extensions (the sender's stream reader, daemon/soakd/engine/_reader.c; the prompt
+# blocks, daemon/soakd/replay/_prompts.c), built in place where a C compiler and Python's headers are;
+# else ones built for this Python elsewhere may be carried in; else soakd does their work in Python
+# (engine.sender_reader = "auto"; numpy draws the prompt blocks, the same ids).
+SUFFIX=$(python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+for src in daemon/soakd/engine/_reader.c daemon/soakd/replay/_prompts.c; do
+  if [[ ! -e "${src%.c}$SUFFIX" ]] && command -v cc > /dev/null; then
+    cc -O2 -shared -fPIC -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
+      "$src" -o "${src%.c}$SUFFIX" 2> /dev/null || true
+  fi
+done

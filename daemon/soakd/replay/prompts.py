@@ -21,6 +21,11 @@ random "phrases" of 4-8 tokens, repeated in a random order until the block is fu
 Token ids are drawn from [0, vocab_size) minus `reserved_ids` (EOS and other special tokens). Shared
 blocks are kept in a bounded LRU cache (`cache_blocks` entries), because prefixes repeat. Not
 thread-safe: give each thread its own PromptSynth.
+
+The blocks are drawn in C where the optional extension `soakd.replay._prompts` was built at install
+(the same three algorithms as plain loops, ~15x cheaper: numpy's per-block objects and small-array
+calls were the main process's largest cost per request with unique prompts), else with numpy; the two
+give the same ids, bit for bit (tests/unit/replay/test_prompt_blocks.py).
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ import numpy as np
 import numpy.typing as npt
 
 from soakd.traces.model import RequestSpec, blocks_needed
+
+try:
+    from soakd.replay import _prompts  # type: ignore[attr-defined]
+except ImportError:  # not built (no compiler at install): numpy draws the same blocks
+    _prompts = None
 
 _PHRASES = 8  # distinct phrases per block
 _PHRASE_MIN = 4  # tokens per phrase, inclusive bounds
@@ -49,7 +59,13 @@ class PromptSynth:
     """Deterministic prompt token ids for RequestSpecs (see the module docstring for the scheme)."""
 
     def __init__(
-        self, vocab_size: int, seed: int, reserved_ids: Collection[int] = (), cache_blocks: int = 4096
+        self,
+        vocab_size: int,
+        seed: int,
+        reserved_ids: Collection[int] = (),
+        cache_blocks: int = 4096,
+        *,
+        native: bool = True,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -64,6 +80,8 @@ class PromptSynth:
         self._cache_blocks = cache_blocks
         self._cache: OrderedDict[tuple[int, int, int], _Tokens] = OrderedDict()
         self._cached_tokens = 0
+        self.native = native and _prompts is not None
+        """Whether blocks are drawn in C (`native` asks for it where the extension was built)."""
 
     def prompt_ids(self, spec: RequestSpec, salt: int = 0, limit: int | None = None) -> list[int]:
         """Exactly `spec.input_tokens` token ids (the first `limit` of them when given); the same for the
@@ -124,8 +142,16 @@ class PromptSynth:
 
     def _blocks(self, entropies: list[list[int]], size: int) -> _Tokens:
         """One row of `size` tokens per entropy: _PHRASES random phrases, repeated in a random order, from
-        one PCG64 stream each. All rows are gathered in one pass: numpy's per-call overhead, not the
-        arithmetic, is what a block costs, and a request has several."""
+        one PCG64 stream each (in C where built, else numpy; the same ids)."""
+        if self.native:
+            words, counts = _entropy_words(entropies)
+            data = _prompts.blocks(words, counts, size, self._allowed)
+            return np.frombuffer(data, dtype=np.int32).reshape(len(entropies), size)
+        return self._blocks_numpy(entropies, size)
+
+    def _blocks_numpy(self, entropies: list[list[int]], size: int) -> _Tokens:
+        """_blocks with numpy: all rows gathered in one pass (numpy's per-call overhead, not the
+        arithmetic, is what a block costs, and a request has several)."""
         picks_needed = -(-size // _PHRASE_MIN)
         words_at = _PHRASES  # fixed offsets into each row's raw words, so one block's layout never
         picks_at = _PHRASES + _PHRASES * _PHRASE_MAX  # depends on another's (or its own) lengths
@@ -149,6 +175,25 @@ class PromptSynth:
         keep = position - np.repeat(np.cumsum(totals) - totals, totals) < size
         block: _Tokens = words[index[keep]].reshape(rows, size)
         return block
+
+
+def _entropy_words(entropies: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Each entropy as numpy's SeedSequence reads it (every non-negative int as its little-endian 32-bit
+    words, 0 as one word), end to end, and how many words each has."""
+    words: list[int] = []
+    counts: list[int] = []
+    for entropy in entropies:
+        start = len(words)
+        for value in entropy:
+            if value < 1 << 32:
+                words.append(value)
+            else:
+                rest = value
+                while rest:
+                    words.append(rest & 0xFFFFFFFF)
+                    rest >>= 32
+        counts.append(len(words) - start)
+    return words, counts
 
 
 def _below(raw: npt.NDArray[np.uint64], n: int) -> npt.NDArray[np.intp]:

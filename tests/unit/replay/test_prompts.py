@@ -209,10 +209,11 @@ GOLDEN_SPECS = [
 GOLDEN_SHA256 = "90123f5be73512ffa2f7b7cef7004019478d9b9cb4493470303bfdb7ef51e0f9"
 
 
-def test_prompts_are_the_bytes_every_earlier_version_sent() -> None:
-    p = PromptSynth(VOCAB, 1234, reserved_ids={0, 2})
+@pytest.mark.parametrize("native", [True, False], ids=["native-where-built", "numpy"])
+def test_prompts_are_the_bytes_every_earlier_version_sent(native: bool) -> None:
+    p = PromptSynth(VOCAB, 1234, reserved_ids={0, 2}, native=native)
     prompts = [p.prompt_ids(s, salt=3) for s in GOLDEN_SPECS]
-    uncached = PromptSynth(VOCAB, 1234, reserved_ids={0, 2}, cache_blocks=0)
+    uncached = PromptSynth(VOCAB, 1234, reserved_ids={0, 2}, cache_blocks=0, native=native)
     again = [uncached.prompt_ids(s, salt=3) for s in GOLDEN_SPECS]
     assert prompts == again
     assert [len(ids) for ids in prompts] == [s.input_tokens for s in GOLDEN_SPECS]
