@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 import structlog
 
 from soakd.clock import SystemClock
@@ -39,6 +40,8 @@ from soakd.engine.stats import StepStats
 from soakd.engine.vllm_local import config_id
 from soakd.errors import EngineError
 from soakd.redact import redact_url
+
+_ENCODE = msgspec.json.Encoder().encode
 
 log = structlog.get_logger(__name__)
 
@@ -338,7 +341,7 @@ class OpenAIEngine:
             body["top_p"] = request.top_p
         if request.output_ids is not None:
             body["return_token_ids"] = True  # vLLM: each chunk carries its new token ids
-        return json.dumps(body, separators=(",", ":")).encode()
+        return _ENCODE(body)  # msgspec: ~10x faster than json.dumps on a prompt's ids
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[int]:
         if request.stamps is not None:

@@ -145,27 +145,56 @@ static void one_block(const uint32_t *entropy, Py_ssize_t n, Py_ssize_t size, co
     }
 }
 
+/* The token ids as int32: a C-contiguous buffer of 4-byte signed ints (numpy's int32), nothing else. */
+static int int32_ids(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *f = view->format ? view->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') {
+        f++;
+    }
+    if (view->itemsize != 4 || !(strcmp(f, "i") == 0 || strcmp(f, "l") == 0) || view->len < 4 ||
+        ((uintptr_t)view->buf & 3u)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "allowed must be a non-empty, aligned int32 buffer");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *blocks(PyObject *self, PyObject *args) {
-    PyObject *words_obj, *counts_obj;
+    PyObject *words_obj, *counts_obj, *allowed_obj;
     Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "OOnO", &words_obj, &counts_obj, &size, &allowed_obj)) {
+        return NULL;
+    }
+    /* Bounded before anything is allocated: a block of at most 2**24 tokens (soakd allows far fewer). */
+    if (size < 1 || size > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "size must be >= 1 and at most 2**24");
+        return NULL;
+    }
     Py_buffer allowed;
-    if (!PyArg_ParseTuple(args, "OOny*", &words_obj, &counts_obj, &size, &allowed)) {
+    if (int32_ids(allowed_obj, &allowed) < 0) {
         return NULL;
     }
     PyObject *result = NULL, *words_seq = NULL, *counts_seq = NULL;
     uint32_t *entropy = NULL;
     uint64_t *raw = NULL;
-    if (size < 1 || allowed.len < (Py_ssize_t)sizeof(int32_t) || allowed.len % sizeof(int32_t)) {
-        PyErr_SetString(PyExc_ValueError, "size must be >= 1 and allowed a non-empty int32 buffer");
+    words_seq = PySequence_Fast(words_obj, "words must be a sequence");
+    if (words_seq == NULL) {
         goto done;
     }
-    words_seq = PySequence_Fast(words_obj, "words must be a sequence");
     counts_seq = PySequence_Fast(counts_obj, "counts must be a sequence");
-    if (words_seq == NULL || counts_seq == NULL) {
+    if (counts_seq == NULL) {
         goto done;
     }
     Py_ssize_t n_words = PySequence_Fast_GET_SIZE(words_seq);
     Py_ssize_t rows = PySequence_Fast_GET_SIZE(counts_seq);
+    if (rows > PY_SSIZE_T_MAX / size / (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_OverflowError, "too many tokens");
+        goto done;
+    }
     entropy = PyMem_Malloc(sizeof(uint32_t) * (size_t)(n_words ? n_words : 1));
     raw = PyMem_Malloc(sizeof(uint64_t) * (size_t)(PICKS_AT + (size + PHRASE_MIN - 1) / PHRASE_MIN));
     if (entropy == NULL || raw == NULL) {
@@ -182,10 +211,6 @@ static PyObject *blocks(PyObject *self, PyObject *args) {
             goto done;
         }
         entropy[i] = (uint32_t)v;
-    }
-    if (rows > PY_SSIZE_T_MAX / size / (Py_ssize_t)sizeof(int32_t)) {
-        PyErr_SetString(PyExc_OverflowError, "too many tokens");
-        goto done;
     }
     result = PyBytes_FromStringAndSize(NULL, rows * size * (Py_ssize_t)sizeof(int32_t));
     if (result == NULL) {

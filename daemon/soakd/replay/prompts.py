@@ -30,6 +30,7 @@ give the same ids, bit for bit (tests/unit/replay/test_prompt_blocks.py).
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import cast
@@ -184,7 +185,8 @@ def _entropy_words(entropies: list[list[int]]) -> tuple[list[int], list[int]]:
     counts: list[int] = []
     for entropy in entropies:
         start = len(words)
-        for value in entropy:
+        for item in entropy:
+            value = operator.index(item)  # a numpy integer too, as SeedSequence takes it
             if value < 1 << 32:
                 words.append(value)
             else:

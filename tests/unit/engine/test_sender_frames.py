@@ -80,6 +80,19 @@ def test_the_splitter_refuses_what_read_frame_refuses() -> None:
         splitter.end()
 
 
+def test_frames_before_a_bad_one_are_handed_out_and_the_error_told_after() -> None:
+    good = frame({"key": 1, "final": True}) + frame({"key": 2, "final": True})
+    splitter = FrameSplitter()
+    got = splitter.feed(good + struct.pack(">II", 2, 0) + b"[]")
+    assert [h["key"] for h, _ in got] == [1, 2]  # their requests keep their answers
+    with pytest.raises(FrameError, match="not a JSON object"):
+        splitter.end()
+    splitter = FrameSplitter()
+    assert len(splitter.feed(good + struct.pack(">II", 3, 0) + b"{x}")) == 2
+    with pytest.raises(ValueError):
+        splitter.feed(b"")  # a bad header's JSON: told on the next feed
+
+
 def test_progress_frames_carry_key_and_tokens_pairs() -> None:
     ((header, body),) = FrameSplitter().feed(progress_frame({4: 2, 9: 1}))
     assert header == {"p": [4, 2, 9, 1]} and body == b""

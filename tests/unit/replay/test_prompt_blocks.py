@@ -50,7 +50,7 @@ def test_c_blocks_equal_numpys(
 
 
 def test_entropy_words_are_seedsequences() -> None:
-    entropies = [[0, 1, (1 << 32) - 1], [1 << 32, (1 << 64) + 5], [7]]
+    entropies = [[0, 1, (1 << 32) - 1], [1 << 32, (1 << 64) + 5], [np.int64(7)]]
     words, counts = _entropy_words(entropies)
     assert counts == [3, 5, 1]
     assert words == [0, 1, (1 << 32) - 1, 0, 1, 5, 0, 1, 7]
@@ -71,7 +71,13 @@ def test_bad_arguments_are_refused_not_read() -> None:
     with pytest.raises(ValueError, match="size must be"):
         ext.blocks([1], [1], 0, allowed)
     with pytest.raises(ValueError, match="size must be"):
+        ext.blocks([1], [1], 1 << 40, allowed)  # refused before anything is allocated
+    with pytest.raises(ValueError, match="int32 buffer"):
         ext.blocks([1], [1], 4, np.zeros(0, dtype=np.int32))
+    with pytest.raises(ValueError, match="int32 buffer"):
+        ext.blocks([1], [1], 4, np.arange(10, dtype=np.int64))  # not read as twice as many int32
+    with pytest.raises(ValueError, match="int32 buffer"):
+        ext.blocks([1], [1], 4, memoryview(np.arange(10, dtype=np.int32).tobytes())[1:])  # misaligned bytes
     with pytest.raises(OverflowError):
         ext.blocks([-1], [1], 4, allowed)
     got = np.frombuffer(ext.blocks([1, 2], [1, 1], 5, allowed), dtype=np.int32)
