@@ -10,7 +10,8 @@ shift
 LEVELS=${*:-10000 25000 50000}
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh || exit 1
-python3 -c 'from soakd.engine import native; print("native reader:", native.available() or native.UNAVAILABLE)' \
+python3 -c 'from soakd.engine import native; from soakd.replay import prompts
+print("native reader:", native.available() or native.UNAVAILABLE, "; prompt blocks in C:", prompts._prompts is not None)' \
   > "$OUT/reader.txt" 2>&1
 B="python3 benchmarks/bench_capacity.py --seconds 20 --server-procs 8 --json"
 # Each level with the Python reader, then the native one (each against its own baseline run).
