@@ -149,8 +149,11 @@ async def test_streams_exact_token_counts(vllm_server: Server, sender: str) -> N
     else:
         # The sender reads the stream and stamps each delta; it reports tokens at most twice a second.
         assert stamps.sent is not None and stamps.first is not None and stamps.last is not None
-        assert stamps.deltas > 10 and stamps.sent < stamps.first < stamps.last
-        assert 0 < stamps.gaps <= stamps.last - stamps.first + 1e-9
+        assert stamps.deltas > 10 and stamps.sent < stamps.first <= stamps.last
+        # A reader held off the CPU (a busy machine) can find the whole answer waiting and read it in one
+        # read: one kernel stamp for all of it (first == last, no gaps); otherwise the gaps are its span.
+        assert 0 <= stamps.gaps <= stamps.last - stamps.first + 1e-9
+        assert (stamps.gaps > 0) == (stamps.last > stamps.first)
 
 
 async def test_the_sender_sends_at_the_given_time(vllm_server: Server) -> None:
