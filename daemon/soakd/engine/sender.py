@@ -18,6 +18,10 @@ per request progress (the first token at once, then tokens so far at most every 
 counters move during long generations; the reports of one flush as one `p` frame of key, tokens pairs)
 and one final frame (stamps, tokens, ids, speculative counts, or an error and its kind), after its
 progress. End of input stops the child: it never outlives soakd.
+
+Over 500 lines because the frames' two ends (the writer, the chunked splitter, the per-request mailbox)
+and the parent's handles on one child and on several belong together: each side is read against the
+other.
 """
 
 from __future__ import annotations
