@@ -85,8 +85,23 @@ _DECODE = msgspec.json.Decoder().decode
 
 
 def frame(header: dict[str, Any], body: bytes = b"") -> bytes:
-    head = _ENCODE(header)
+    try:
+        head = _ENCODE(header)
+    except UnicodeEncodeError:
+        # A lone surrogate (a server's error text cut inside an emoji pair) has no UTF-8: replaced, so
+        # the frame, often a request's final one, still leaves.
+        head = _ENCODE(_replace_surrogates(header))
     return _HEAD.pack(len(head), len(body)) + head + body
+
+
+def _replace_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_replace_surrogates(k): _replace_surrogates(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_replace_surrogates(v) for v in value]
+    return value
 
 
 def progress_frame(counts: dict[int, int]) -> bytes:
@@ -137,10 +152,15 @@ class FrameSplitter:
         del buf[:at]
         return out
 
-    def end(self) -> None:
-        """The input ended: an error when it ended inside a frame (or a bad frame is still to be told)."""
+    def check(self) -> None:
+        """Raise the error of a bad frame found by the last feed, once its good frames were handled (a
+        child whose output went bad is not trusted with more requests until it writes again)."""
         if self._error is not None:
             raise self._error
+
+    def end(self) -> None:
+        """The input ended: an error when it ended inside a frame (or a bad frame is still to be told)."""
+        self.check()
         if self._buf:
             raise FrameError(f"input ended inside a frame ({len(self._buf)} bytes of it)")
 
@@ -340,6 +360,7 @@ class SenderProcess:
             while data := await reader.read(_READ_BYTES):
                 for header, _ in splitter.feed(data):
                     self._take(header)
+                splitter.check()
             splitter.end()
         # TypeError: a frame of the wrong shape (a `p` that is not pairs of ints).
         except (FrameError, asyncio.IncompleteReadError, ValueError, TypeError, ConnectionError) as err:

@@ -86,11 +86,20 @@ def test_frames_before_a_bad_one_are_handed_out_and_the_error_told_after() -> No
     got = splitter.feed(good + struct.pack(">II", 2, 0) + b"[]")
     assert [h["key"] for h, _ in got] == [1, 2]  # their requests keep their answers
     with pytest.raises(FrameError, match="not a JSON object"):
+        splitter.check()  # at once, not at the next read
+    with pytest.raises(FrameError, match="not a JSON object"):
         splitter.end()
     splitter = FrameSplitter()
     assert len(splitter.feed(good + struct.pack(">II", 3, 0) + b"{x}")) == 2
     with pytest.raises(ValueError):
         splitter.feed(b"")  # a bad header's JSON: told on the next feed
+
+
+def test_a_lone_surrogate_in_a_message_does_not_stop_the_frame() -> None:
+    # A server's error text cut inside an emoji pair, as json.loads reads it: no UTF-8 for it.
+    final = {"key": 3, "final": True, "error": {"kind": "request", "message": "bad \ud83d end"}}
+    ((header, _),) = FrameSplitter().feed(frame(final))
+    assert header["key"] == 3 and header["error"]["message"] == "bad ? end"
 
 
 def test_progress_frames_carry_key_and_tokens_pairs() -> None:

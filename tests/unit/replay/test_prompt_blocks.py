@@ -77,7 +77,11 @@ def test_bad_arguments_are_refused_not_read() -> None:
     with pytest.raises(ValueError, match="int32 buffer"):
         ext.blocks([1], [1], 4, np.arange(10, dtype=np.int64))  # not read as twice as many int32
     with pytest.raises(ValueError, match="int32 buffer"):
-        ext.blocks([1], [1], 4, memoryview(np.arange(10, dtype=np.int32).tobytes())[1:])  # misaligned bytes
+        ext.blocks([1], [1], 4, memoryview(np.arange(10, dtype=np.int32).tobytes())[1:])  # bytes, not int32
+    misaligned = np.frombuffer(bytearray(44), dtype=np.int32, offset=1, count=10)
+    assert not misaligned.flags.aligned
+    with pytest.raises(ValueError, match="aligned int32"):
+        ext.blocks([1], [1], 4, misaligned)
     with pytest.raises(OverflowError):
         ext.blocks([-1], [1], 4, allowed)
     got = np.frombuffer(ext.blocks([1, 2], [1, 1], 5, allowed), dtype=np.int32)
