@@ -125,25 +125,19 @@ class FrameSplitter:
         self._error: Exception | None = None
 
     def feed(self, data: bytes) -> list[tuple[dict[str, Any], bytes]]:
-        if self._error is not None:
-            raise self._error
+        self.check()
         buf = self._buf
         buf += data
         out: list[tuple[dict[str, Any], bytes]] = []
         at, size = 0, len(buf)
         try:
             while size - at >= _HEAD.size:
-                head_len, body_len = _HEAD.unpack_from(buf, at)
-                if head_len > MAX_HEADER or body_len > MAX_BODY:
-                    raise FrameError(f"frame announces {head_len} + {body_len} bytes, above the bounds")
+                head_len, body_len = _sizes(_HEAD.unpack_from(buf, at))
                 end = at + _HEAD.size + head_len + body_len
                 if end > size:
                     break
                 start = at + _HEAD.size
-                header = _DECODE(buf[start : start + head_len])
-                if not isinstance(header, dict):
-                    raise FrameError("frame header is not a JSON object")
-                out.append((header, bytes(buf[start + head_len : end])))
+                out.append((_header(buf[start : start + head_len]), bytes(buf[start + head_len : end])))
                 at = end
         except (FrameError, ValueError) as err:
             if not out:
@@ -200,15 +194,25 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], byte
         if err.partial:
             raise FrameError("input ended inside a frame's length prefix") from err
         return None
-    head_len, body_len = _HEAD.unpack(prefix)
-    if head_len > MAX_HEADER or body_len > MAX_BODY:
-        raise FrameError(f"frame announces {head_len} + {body_len} bytes, above the bounds")
+    head_len, body_len = _sizes(_HEAD.unpack(prefix))
     head = await reader.readexactly(head_len)
     body = await reader.readexactly(body_len) if body_len else b""
-    header = _DECODE(head)
+    return _header(head), body
+
+
+def _sizes(prefix: tuple[int, int]) -> tuple[int, int]:
+    """A frame's (header, body) lengths from its prefix, refused above the bounds before any is read."""
+    head_len, body_len = prefix
+    if head_len > MAX_HEADER or body_len > MAX_BODY:
+        raise FrameError(f"frame announces {head_len} + {body_len} bytes, above the bounds")
+    return head_len, body_len
+
+
+def _header(raw: bytes | bytearray) -> dict[str, Any]:
+    header = _DECODE(raw)
     if not isinstance(header, dict):
         raise FrameError("frame header is not a JSON object")
-    return header, body
+    return header
 
 
 # ------------------------------------------------------------------------------------ the parent's side

@@ -234,9 +234,7 @@ class _Child:
         """Queue a frame for the parent; the frames of FLUSH_S leave in one write (a pipe write per
         frame, each waking the parent, was the largest single cost of the sender at 10,000 tokens/s).
         What the frames carry was stamped when it happened: the wait delays only its bookkeeping."""
-        if self._progress:  # a request's progress before its final frame
-            self._outbox.append(progress_frame(self._progress))
-            self._progress = {}
+        self._outbox_progress()  # a request's progress before its final frame
         self._outbox.append(frame(header))
         self._soon()
 
@@ -251,11 +249,15 @@ class _Child:
             self._flush_due = True
             asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
 
-    def flush(self) -> None:
-        self._flush_due = False
+    def _outbox_progress(self) -> None:
+        """The progress gathered so far into the outbox, as one `p` frame."""
         if self._progress:
             self._outbox.append(progress_frame(self._progress))
             self._progress = {}
+
+    def flush(self) -> None:
+        self._flush_due = False
+        self._outbox_progress()
         if self._outbox:
             data, self._outbox = b"".join(self._outbox), []
             self._out.write(data)
