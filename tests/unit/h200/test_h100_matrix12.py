@@ -90,8 +90,7 @@ def test_the_recorded_cost_after_the_load_is_the_wait_at_the_cut_short_trials_le
     (140-162 s) 23 % below (the advice-only arms 7 % apart over so short a span); from 162 s on +0.4 %
     (2.1 % apart)."""
     rs = m2.summary(CONTROL, DATA)["control"]["results"]
-    steps = [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in rs]
-    assert steps == [
+    assert m2.steps(rs) == [
         ("downscale", 64, 48, "aba_bracket", True),
         ("downscale", 48, 36, "harm_ended", True),
         ("upscale", 36, 64, "measured", True),
@@ -99,7 +98,7 @@ def test_the_recorded_cost_after_the_load_is_the_wait_at_the_cut_short_trials_le
     first, ended, _ = rs
     assert first["after"] - max(first["before"], first["again"]) > 2 * first["noise"]
     _, end = m2.load_times(CONTROL, DATA)
-    harm_over = max(t_out for _, t_out in m2.one_episode_per_judge(CONTROL, DATA).values())
+    harm_over = m2.harm_over(CONTROL, DATA)
     assert ended["action_t_s"] < end < harm_over <= ended["t_s"] + 1
     (t_up,) = [t for t, k, _ in m2.events(CONTROL, DATA) if k == "upscale"]
     assert 10.0 <= t_up - harm_over < 12.0

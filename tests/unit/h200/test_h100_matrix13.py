@@ -67,8 +67,7 @@ def test_the_way_back_comes_in_the_tick_the_harm_ends_live() -> None:
     ±501); 48 -> 36 tried 7 s before the load ended, cut short by the harm's end 10.6 s after the load;
     the upscale to 64 in the next tick, 0.4 s later (round 12, recorded: 11 s later, after a settle)."""
     rs = m2.summary(CONTROL, DATA)["control"]["results"]
-    steps = [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in rs]
-    assert steps == [
+    assert m2.steps(rs) == [
         ("downscale", 64, 48, "aba_bracket", True),
         ("downscale", 48, 36, "harm_ended", False),
         ("upscale", 36, 64, "measured", True),
@@ -77,13 +76,13 @@ def test_the_way_back_comes_in_the_tick_the_harm_ends_live() -> None:
     assert first["after"] - max(first["before"], first["again"]) > 2 * first["noise"]
     assert ended["verdict"] == "inconclusive" and ended["blocked_s"] == 0
     _, end = m2.load_times(CONTROL, DATA)
-    harm_over = max(t_out for _, t_out in m2.one_episode_per_judge(CONTROL, DATA).values())
+    harm_over = m2.harm_over(CONTROL, DATA)
     assert ended["action_t_s"] < end < harm_over <= ended["t_s"] <= harm_over + 1.0
     (t_up,) = [t for t, k, _ in m2.events(CONTROL, DATA) if k == "upscale"]
     assert 0 <= t_up - harm_over <= 1.0
     assert up["after"] > 0 and m2.summary(CONTROL, DATA)["control"]["ceiling"] == 64
     # Round 12's control arm, recorded with the policy before: the same trials, the upscale ~11 s late.
-    harm_over12 = max(t for _, t in m2.one_episode_per_judge(CONTROL, ROUND12).values())
+    harm_over12 = m2.harm_over(CONTROL, ROUND12)
     (t_up12,) = [t for t, k, _ in m2.events(CONTROL, ROUND12) if k == "upscale"]
     assert t_up12 - harm_over12 > 10.0
 

@@ -71,6 +71,16 @@ def one_episode_per_judge(arm: str, data: Path = DATA) -> dict[str, tuple[float,
     return out
 
 
+def harm_over(arm: str, data: Path = DATA) -> float:
+    """When the later of the two judges' one episode each ended."""
+    return max(t_out for _, t_out in one_episode_per_judge(arm, data).values())
+
+
+def steps(results: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Each recorded trial as (kind, from, to, decided_by, kept)."""
+    return [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in results]
+
+
 def judges_follow_the_load(arm: str, data: Path = DATA) -> None:
     """Asserted: one episode of each judge; throughput harm within 5 s of the load's start, clock harm
     after it; both over within 30 s of its end."""

@@ -100,8 +100,7 @@ def test_each_control_arm_keeps_48_then_finds_its_road_back_to_64(arm: str) -> N
     A-B-A (B 1,959 and 1,975 good tok/s against 376 / 0 and 405 / 0 at 64, noise ±376 and ±340); 48 -> 36
     tried 4-9 s before the load's end, the harm ending during it (inconclusive, 36 kept); then 36 -> 48
     and 48 -> 64, each measured and up, 64 back 41-42 s after the harm ended."""
-    steps = [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in results(arm)]
-    assert steps == [
+    assert m2.steps(results(arm)) == [
         ("downscale", 64, 48, "aba_bracket", True),
         ("downscale", 48, 36, "harm_ended", True),
         ("upscale", 36, 48, "measured", True),

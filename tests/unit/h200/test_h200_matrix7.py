@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import test_h200_matrix2 as m2
 import test_h200_matrix6 as m6
 
 DATA = Path(__file__).parents[2] / "data" / "h200"
@@ -39,8 +40,7 @@ def test_the_same_trials_as_round_6_then_64_in_one_step_30_s_sooner() -> None:
     48 -> 36 cut short by the harm's end (36 kept); then 36 -> 64 in one step 11 s after the harm ended,
     measured (goodput 3,882 -> 4,788), where round 6's arms climbed 36 -> 48 -> 64 and had 64 back
     41-42 s after it: 30 s sooner at the full batch, with a backlog waiting."""
-    steps = [(r["kind"], r["from"], r["to"], r["decided_by"], r["kept"]) for r in results()]
-    assert steps == [
+    assert m2.steps(results()) == [
         ("downscale", 64, 48, "aba_bracket", True),
         ("downscale", 48, 36, "harm_ended", True),
         ("upscale", 36, 64, "measured", True),

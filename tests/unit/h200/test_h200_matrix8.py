@@ -87,7 +87,7 @@ def test_each_control_arm_goes_back_to_64_in_one_measured_step(
     assert up["after"] > 1.1 * up["before"]
     ended = [r for r in rs if r["decided_by"] == "harm_ended"]
     assert [r["to"] for r in ended] == ([36] if kept_down == 36 else [])
-    harm_over = max(t_out for _, t_out in m2.one_episode_per_judge(arm, DATA).values())
+    harm_over = m2.harm_over(arm, DATA)
     assert harm_over - m2.load_times(arm, DATA)[1] < 15.0
     (t_up,) = [t for t, k, _ in m2.events(arm, DATA) if k == "upscale"]
     assert wait_s[0] < t_up - harm_over < wait_s[1], (arm, t_up - harm_over)
